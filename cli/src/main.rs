@@ -1,0 +1,47 @@
+//! `kvmesh`: the one binary. Each subcommand lives in its own module.
+
+mod bench_engine;
+mod generate;
+mod model_args;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kvmesh", version, about = "Disaggregated prefill/decode LLM serving mesh")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download and verify the default model (SmolLM2-135M-Instruct Q4_1) into the cache.
+    FetchModel(model_args::FetchArgs),
+    /// Generate text for one prompt on this machine.
+    Generate(generate::GenerateArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Prefill and decode throughput of the engine on the real model.
+    Engine(bench_engine::BenchEngineArgs),
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::FetchModel(args) => model_args::fetch(&args),
+        Command::Generate(args) => generate::run(&args),
+        Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
+    }
+}

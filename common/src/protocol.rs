@@ -1,0 +1,65 @@
+//! Messages between the router and the workers. The in-process mesh passes them over
+//! channels; the multi-process mesh carries the same messages over gRPC.
+
+use crate::ids::{RequestId, TokenId};
+use crate::sampling::{FinishReason, SamplingParams};
+use serde::{Deserialize, Serialize};
+
+/// Router -> decode worker: generate a continuation of `prompt`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub request_id: RequestId,
+    pub prompt: Vec<TokenId>,
+    pub params: SamplingParams,
+}
+
+/// One generated token with the text it completes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TokenEvent {
+    pub token: TokenId,
+    /// Text that is final with this token (may be empty while a character or a possible stop
+    /// string is held back).
+    pub text: String,
+    /// Log-probability of `token` (when `params.logprobs` is set).
+    pub logprob: Option<f32>,
+    /// The most likely alternatives at this position, best first.
+    pub top_logprobs: Vec<(TokenId, f32)>,
+}
+
+/// Token counts of a finished request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    /// Prompt tokens served from a prefix cache instead of being computed.
+    pub cached_tokens: u32,
+}
+
+/// Decode worker -> router: the stream of one request. Ends with `Finished` or `Error`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum GenerateEvent {
+    Token(TokenEvent),
+    /// The last event: why it stopped, trailing text held back until now, and usage.
+    Finished {
+        reason: FinishReason,
+        text: String,
+        usage: Usage,
+    },
+    Error(WorkerError),
+}
+
+/// Why a worker could not serve a request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum WorkerError {
+    /// The request itself is unservable (bad parameters, prompt too long): a client error.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The worker's queue is full: retry later.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
+    /// The worker is draining or stopped.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error: {0}")]
+    Internal(String),
+}

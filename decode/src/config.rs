@@ -1,0 +1,33 @@
+//! A decode worker's own settings (its engine is configured where it is built).
+
+use kvmesh_common::NodeId;
+use std::time::Duration;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DecodeConfig {
+    pub node_id: NodeId,
+    /// A prompt whose uncached part (after this node's prefix-cache hits) is shorter than this
+    /// is prefilled here even when a prefill worker is offered. Default 256: up to that size a
+    /// prompt fits in one step next to the running decodes, costing them about one slower
+    /// step, while a remote prefill costs a round trip, a queue at the prefill worker and a
+    /// transfer of every layer; above it, local prefill chunks start to stretch inter-token
+    /// latency for everyone, which is what disaggregation exists to avoid.
+    pub local_prefill_max_tokens: usize,
+    /// Requests accepted but not yet holding KV blocks; more are refused with `Overloaded`
+    /// (the router answers 429).
+    pub max_queued_requests: usize,
+    /// How long a remote prefill may take, from the moment its blocks are reserved, before
+    /// they are released and the prompt is prefilled here.
+    pub remote_prefill_timeout: Duration,
+}
+
+impl DecodeConfig {
+    pub fn new(node_id: NodeId) -> Self {
+        DecodeConfig {
+            node_id,
+            local_prefill_max_tokens: 256,
+            max_queued_requests: 256,
+            remote_prefill_timeout: Duration::from_secs(10),
+        }
+    }
+}

@@ -1,0 +1,22 @@
+//! The decode node: owns a request, reserves its KV blocks, has a prefill worker compute the
+//! prompt into them (or prefills locally when the uncached prompt is short or no prefill
+//! worker is usable), then decodes with continuous batching and streams tokens back.
+//!
+//! A [`DecodeWorker`] is a dedicated OS thread owning an engine (generic over
+//! `ModelRunner`, so `MockRunner` nodes work in simulation). [`DecodeHandle`]s (cheap clones,
+//! any thread) submit `GenerateRequest`s and read the worker's load; each request's events
+//! stream back on its own channel. KV arrives through a `kvmesh_transfer::Transport`; every
+//! chunk is verified before it is written, and a transfer that fails, is corrupt, or misses
+//! its deadline is recomputed locally. [`LocalMesh`] wires N prefill and M decode workers of
+//! one process over the in-process transport (`kvmesh serve`).
+
+mod config;
+mod incoming;
+mod mesh;
+mod worker;
+
+pub use config::DecodeConfig;
+pub use incoming::{IncomingError, IncomingTransfer};
+pub use kvmesh_engine::worker_load::WorkerLoad;
+pub use mesh::{LocalMesh, LocalMeshConfig, MeshError};
+pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};

@@ -1,0 +1,767 @@
+//! The decode worker thread and its handle.
+
+use crate::config::DecodeConfig;
+use crate::incoming::IncomingTransfer;
+use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
+use kvmesh_common::{
+    GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
+    WorkerError,
+};
+use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
+use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
+use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
+use kvmesh_engine::worker_metrics::WorkerMetrics;
+use kvmesh_prefill::{
+    CancelToken, KvDestination, PrefillDone, PrefillHandle, PrefillReply, PrefillRequest,
+};
+use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+
+/// The events of one request: tokens, then `Finished` or `Error`. Unbounded so the worker
+/// never waits for a slow client; it holds at most `max_tokens + 1` events. Read with
+/// `recv().await` or, outside async code, `blocking_recv()`. Dropping it cancels the request.
+pub type EventReceiver = tokio::sync::mpsc::UnboundedReceiver<GenerateEvent>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("binding the KV transport: {0}")]
+    Bind(#[from] TransportError),
+    #[error("starting the decode thread: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+enum Inbox {
+    Generate {
+        request: GenerateRequest,
+        prefill: Option<PrefillHandle>,
+        events: UnboundedSender<GenerateEvent>,
+        enqueued_at: Instant,
+    },
+    /// Wakes the thread to notice a drain.
+    Wake,
+    Stop,
+}
+
+/// What `generate` checks before queueing, copied from the engine at spawn.
+struct Limits {
+    max_model_len: usize,
+    num_blocks: usize,
+    block_size: usize,
+}
+
+struct Shared {
+    node_id: NodeId,
+    limits: Limits,
+    queue: QueueSlots,
+    draining: AtomicBool,
+    load: LoadCell,
+}
+
+/// Submits requests to one decode worker and reads its load. Cheap to clone; usable from
+/// any thread, async or not.
+#[derive(Clone)]
+pub struct DecodeHandle {
+    inbox: Sender<Inbox>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for DecodeHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeHandle")
+            .field("node_id", &self.shared.node_id)
+            .finish()
+    }
+}
+
+impl DecodeHandle {
+    pub fn node_id(&self) -> NodeId {
+        self.shared.node_id
+    }
+
+    /// Queues `request` and returns its event stream. With `prefill`, a prompt whose uncached
+    /// part is at least `local_prefill_max_tokens` long is prefilled there (falling back to a
+    /// local prefill if that fails); without, or for shorter prompts, it is prefilled here.
+    ///
+    /// Never blocks. Errors: `InvalidRequest` (bad parameters, empty prompt, prompt longer
+    /// than the context or the KV pool), `Overloaded` (the queue is full: retry later),
+    /// `Unavailable` (draining or stopped).
+    pub fn generate(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillHandle>,
+    ) -> Result<EventReceiver, WorkerError> {
+        if self.shared.draining.load(Ordering::Acquire) {
+            return Err(WorkerError::Unavailable("the decode worker is draining".into()));
+        }
+        self.validate(&request)?;
+        if !self.shared.queue.try_take() {
+            return Err(WorkerError::Overloaded(format!(
+                "{} requests are queued at decode worker {}",
+                self.shared.queue.capacity(),
+                self.shared.node_id
+            )));
+        }
+        let (events, rx) = unbounded_channel();
+        let msg = Inbox::Generate {
+            request,
+            prefill,
+            events,
+            enqueued_at: Instant::now(),
+        };
+        match self.inbox.try_send(msg) {
+            Ok(()) => Ok(rx),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.shared.queue.give_back();
+                Err(WorkerError::Unavailable("the decode worker has stopped".into()))
+            }
+        }
+    }
+
+    fn validate(&self, request: &GenerateRequest) -> Result<(), WorkerError> {
+        let invalid = |m: String| Err(WorkerError::InvalidRequest(m));
+        if let Err(e) = request.params.validate() {
+            return invalid(e.to_string());
+        }
+        let len = request.prompt.len();
+        let l = &self.shared.limits;
+        if len == 0 {
+            return invalid("the prompt is empty".into());
+        }
+        if len > l.max_model_len {
+            return invalid(format!(
+                "the prompt has {len} tokens; the maximum context is {}",
+                l.max_model_len
+            ));
+        }
+        if len.div_ceil(l.block_size) > l.num_blocks {
+            return invalid(format!(
+                "the prompt needs {} KV blocks; this worker has {}",
+                len.div_ceil(l.block_size),
+                l.num_blocks
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn load(&self) -> WorkerLoad {
+        self.shared.load.get()
+    }
+
+    /// Stops accepting requests; those accepted are finished, then the thread exits.
+    pub fn drain(&self) {
+        self.shared.draining.store(true, Ordering::Release);
+        let _ = self.inbox.try_send(Inbox::Wake);
+    }
+}
+
+/// Owns the decode thread. Dropping it stops the thread (every open stream ends with
+/// `Error(Unavailable)`); `drain` + `join` lets open requests finish first.
+pub struct DecodeWorker {
+    handle: DecodeHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl DecodeWorker {
+    /// Binds `config.node_id` on `transport` (where prefill workers send this node's KV) and
+    /// starts the thread.
+    pub fn spawn<R: ModelRunner + 'static>(
+        config: DecodeConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+    ) -> Result<DecodeWorker, DecodeError> {
+        let sc = engine.scheduler().config();
+        let limits = Limits {
+            max_model_len: sc.max_model_len,
+            num_blocks: sc.num_blocks,
+            block_size: sc.block_size,
+        };
+        let kv_rx = transport.bind(config.node_id)?;
+        let (tx, rx) =
+            crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
+        let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+        let shared = Arc::new(Shared {
+            node_id: config.node_id,
+            limits,
+            queue: QueueSlots::new(config.max_queued_requests),
+            draining: AtomicBool::new(false),
+            load: LoadCell::default(),
+        });
+        let node_id = config.node_id;
+        let mut state = Loop {
+            metrics: WorkerMetrics::new(config.node_id, "decode"),
+            kv_shape: engine.runner().kv_shape(),
+            config,
+            engine,
+            transport: transport.clone(),
+            inbox: rx,
+            kv_rx,
+            reply_tx,
+            reply_rx,
+            shared: shared.clone(),
+            active: HashMap::new(),
+            by_request: HashMap::new(),
+            next_seq_id: 0,
+            kicked: false,
+            inbox_closed: false,
+            kv_closed: false,
+            last_preemptions: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("decode-{node_id}"))
+            .spawn(move || state.run());
+        let thread = match thread {
+            Ok(t) => t,
+            Err(e) => {
+                transport.unbind(node_id);
+                return Err(e.into());
+            }
+        };
+        Ok(DecodeWorker {
+            handle: DecodeHandle { inbox: tx, shared },
+            thread: Some(thread),
+        })
+    }
+
+    pub fn handle(&self) -> DecodeHandle {
+        self.handle.clone()
+    }
+
+    /// Waits for the thread to exit (after `drain`, once open requests are finished).
+    pub fn join(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for DecodeWorker {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.handle.inbox.send(Inbox::Stop);
+            let _ = t.join();
+        }
+    }
+}
+
+/// Where a request's prompt KV comes from.
+enum Remote {
+    Local,
+    /// Queued for blocks; will ask this prefill worker once it has them.
+    Queued(PrefillHandle),
+    Transferring(Box<Transfer>),
+}
+
+struct Transfer {
+    cancel: CancelToken,
+    incoming: IncomingTransfer,
+    /// The prefill worker's answer, kept until every chunk is in.
+    done: Option<PrefillDone>,
+    started: Instant,
+}
+
+struct Active {
+    request_id: RequestId,
+    events: UnboundedSender<GenerateEvent>,
+    params: SamplingParams,
+    prompt_tokens: u32,
+    completion_tokens: u32,
+    cached_tokens: u32,
+    enqueued_at: Instant,
+    /// Holds a queue slot (not yet admitted).
+    in_queue: bool,
+    remote: Remote,
+}
+
+struct Loop<R: ModelRunner> {
+    config: DecodeConfig,
+    engine: LlmEngine<R>,
+    kv_shape: KvShape,
+    transport: Arc<dyn Transport>,
+    inbox: Receiver<Inbox>,
+    kv_rx: KvReceiver,
+    reply_tx: Sender<PrefillReply>,
+    reply_rx: Receiver<PrefillReply>,
+    shared: Arc<Shared>,
+    active: HashMap<SeqId, Active>,
+    by_request: HashMap<RequestId, SeqId>,
+    next_seq_id: SeqId,
+    /// Something changed since the last step (so an empty last step says nothing).
+    kicked: bool,
+    inbox_closed: bool,
+    kv_closed: bool,
+    metrics: WorkerMetrics,
+    last_preemptions: u64,
+}
+
+impl<R: ModelRunner> Loop<R> {
+    fn run(&mut self) {
+        let total = self.engine.scheduler().pool().num_blocks();
+        self.metrics.kv_blocks_total.set(total as i64);
+        self.publish_load();
+        loop {
+            let idle = !self.engine.has_work()
+                || (self.engine.last_step_tokens() == 0 && !self.kicked);
+            if idle {
+                let draining = self.shared.draining.load(Ordering::Acquire) || self.inbox_closed;
+                if draining && self.active.is_empty() {
+                    break;
+                }
+                self.wait(self.engine.next_timeout());
+            }
+            if !self.receive() {
+                break;
+            }
+            self.drop_gone_clients();
+            self.handle_timeouts();
+            if self.engine.has_work() {
+                self.kicked = false;
+                self.step();
+                self.start_transfers();
+                self.handle_timeouts();
+            }
+            self.publish_load();
+        }
+        self.transport.unbind(self.config.node_id);
+        let ids: Vec<SeqId> = self.active.keys().copied().collect();
+        for seq_id in ids {
+            let e = WorkerError::Unavailable("the decode worker stopped".into());
+            self.fail(seq_id, e);
+        }
+        self.publish_load();
+    }
+
+    /// Blocks until a message or a chunk arrives, or `deadline` passes.
+    fn wait(&mut self, deadline: Option<Instant>) {
+        let mut sel = Select::new();
+        if !self.inbox_closed {
+            sel.recv(&self.inbox);
+        }
+        if !self.kv_closed {
+            sel.recv(&self.kv_rx);
+        }
+        sel.recv(&self.reply_rx);
+        match deadline {
+            Some(d) => {
+                let _ = sel.ready_deadline(d);
+            }
+            None => {
+                sel.ready();
+            }
+        }
+    }
+
+    /// Takes everything that has arrived: prefill replies first, then KV (so a reply's chunks,
+    /// sent before it, are all here), then new requests. False on `Stop`.
+    fn receive(&mut self) -> bool {
+        for _ in 0..self.reply_rx.len() {
+            let Ok(reply) = self.reply_rx.try_recv() else {
+                break;
+            };
+            self.on_reply(reply);
+        }
+        for _ in 0..self.kv_rx.len().max(1) {
+            match self.kv_rx.try_recv() {
+                Ok(chunk) => self.on_chunk(chunk),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.kv_closed = true;
+                    break;
+                }
+            }
+        }
+        loop {
+            match self.inbox.try_recv() {
+                Ok(Inbox::Generate {
+                    request,
+                    prefill,
+                    events,
+                    enqueued_at,
+                }) => self.accept(request, prefill, events, enqueued_at),
+                Ok(Inbox::Wake) => {}
+                Ok(Inbox::Stop) => return false,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.inbox_closed = true;
+                    break;
+                }
+            }
+        }
+        true
+    }
+
+    fn accept(
+        &mut self,
+        request: GenerateRequest,
+        prefill: Option<PrefillHandle>,
+        events: UnboundedSender<GenerateEvent>,
+        enqueued_at: Instant,
+    ) {
+        let GenerateRequest {
+            request_id,
+            prompt,
+            mut params,
+        } = request;
+        if self.by_request.contains_key(&request_id) {
+            self.shared.queue.give_back();
+            let e = WorkerError::InvalidRequest(format!("request {request_id} is already running"));
+            let _ = events.send(GenerateEvent::Error(e));
+            return;
+        }
+        // The prefill worker samples the first token; with the same seed, this node's later
+        // draws continue the same random stream.
+        params.seed.get_or_insert_with(rand::random);
+        let uncached = prompt.len() - self.engine.scheduler().probe_prefix(&prompt);
+        let prefill = prefill.filter(|p| {
+            uncached >= self.config.local_prefill_max_tokens && self.compatible(p)
+        });
+        let seq_id = self.next_seq_id;
+        self.next_seq_id += 1;
+        let prompt_tokens = prompt.len() as u32;
+        let added = match &prefill {
+            Some(_) => self.engine.add_remote_request(
+                seq_id,
+                prompt,
+                params.clone(),
+                0,
+                self.config.remote_prefill_timeout,
+            ),
+            None => self.engine.add_request(seq_id, prompt, params.clone(), 0),
+        };
+        if let Err(e) = added {
+            self.shared.queue.give_back();
+            let _ = events.send(GenerateEvent::Error(WorkerError::InvalidRequest(e.to_string())));
+            return;
+        }
+        self.by_request.insert(request_id, seq_id);
+        self.active.insert(
+            seq_id,
+            Active {
+                request_id,
+                events,
+                params,
+                prompt_tokens,
+                completion_tokens: 0,
+                cached_tokens: 0,
+                enqueued_at,
+                in_queue: true,
+                remote: prefill.map_or(Remote::Local, Remote::Queued),
+            },
+        );
+        self.kicked = true;
+    }
+
+    /// Whether `p` computes KV this node can use.
+    fn compatible(&self, p: &PrefillHandle) -> bool {
+        let (a, b) = (p.kv_shape(), self.kv_shape);
+        let ok = a.num_layers == b.num_layers
+            && a.num_kv_heads == b.num_kv_heads
+            && a.head_dim == b.head_dim
+            && a.block_size == b.block_size;
+        if !ok {
+            tracing::warn!(
+                node = %self.config.node_id,
+                prefill = %p.node_id(),
+                "prefill worker's KV shape {a:?} differs from ours {b:?}; prefilling locally"
+            );
+        }
+        ok
+    }
+
+    fn on_chunk(&mut self, chunk: KvChunk) {
+        let request_id = chunk.header.request_id;
+        let Some(&seq_id) = self.by_request.get(&request_id) else {
+            return; // finished, cancelled or fell back: a late chunk
+        };
+        let Some(Remote::Transferring(t)) = self.active.get_mut(&seq_id).map(|a| &mut a.remote)
+        else {
+            return;
+        };
+        if let Err(e) = t.incoming.check(&chunk) {
+            tracing::warn!(%request_id, "refusing KV chunk: {e}; prefilling locally");
+            return self.fall_back(seq_id);
+        }
+        let h = &chunk.header;
+        if let Err(e) = self
+            .engine
+            .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
+        {
+            tracing::warn!(%request_id, "writing KV chunk: {e}; prefilling locally");
+            return self.fall_back(seq_id);
+        }
+        self.metrics
+            .transfer_bytes
+            .inc_by(chunk.payload.len() as u64);
+        t.incoming.record(&chunk);
+        self.try_complete(seq_id);
+    }
+
+    fn on_reply(&mut self, reply: PrefillReply) {
+        let Some(&seq_id) = self.by_request.get(&reply.request_id) else {
+            return;
+        };
+        let Some(Remote::Transferring(t)) = self.active.get_mut(&seq_id).map(|a| &mut a.remote)
+        else {
+            return;
+        };
+        match reply.result {
+            Ok(done) => {
+                t.done = Some(done);
+                self.try_complete(seq_id);
+            }
+            Err(e) => {
+                tracing::info!(request_id = %reply.request_id, "remote prefill failed: {e}; prefilling locally");
+                self.fall_back(seq_id);
+            }
+        }
+    }
+
+    /// Completes a transfer once its reply and all of its KV are in.
+    fn try_complete(&mut self, seq_id: SeqId) {
+        let Some(a) = self.active.get_mut(&seq_id) else {
+            return;
+        };
+        let Remote::Transferring(t) = &mut a.remote else {
+            return;
+        };
+        if !t.incoming.is_complete() || t.done.is_none() {
+            return;
+        }
+        let done = t.done.take().expect("checked");
+        let elapsed = t.started.elapsed();
+        a.remote = Remote::Local;
+        match self
+            .engine
+            .complete_remote_prefill(seq_id, done.first, done.cached_tokens)
+        {
+            Ok(out) => {
+                self.metrics.transfer_seconds.observe(elapsed.as_secs_f64());
+                self.kicked = true;
+                self.emit(out);
+            }
+            Err(e) => {
+                tracing::warn!("completing a remote prefill: {e}; prefilling locally");
+                self.engine.fail_remote_prefill(seq_id);
+                self.kicked = true;
+            }
+        }
+    }
+
+    /// Gives up on a remote prefill: tells the prefill worker to stop and prefills locally.
+    fn fall_back(&mut self, seq_id: SeqId) {
+        if let Some(a) = self.active.get_mut(&seq_id) {
+            if let Remote::Transferring(t) = std::mem::replace(&mut a.remote, Remote::Local) {
+                t.cancel.cancel();
+            }
+        }
+        self.engine.fail_remote_prefill(seq_id);
+        self.kicked = true;
+    }
+
+    fn handle_timeouts(&mut self) {
+        for seq_id in self.engine.handle_timeouts(Instant::now()) {
+            if let Some(a) = self.active.get_mut(&seq_id) {
+                tracing::warn!(request_id = %a.request_id, "remote prefill timed out; prefilling locally");
+                if let Remote::Transferring(t) = std::mem::replace(&mut a.remote, Remote::Local) {
+                    t.cancel.cancel();
+                }
+            }
+            self.kicked = true;
+        }
+    }
+
+    /// Cancels the requests whose clients dropped their event receiver.
+    fn drop_gone_clients(&mut self) {
+        let gone: Vec<SeqId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for seq_id in gone {
+            self.remove(seq_id);
+        }
+    }
+
+    fn step(&mut self) {
+        let outputs = self.engine.step();
+        self.record_admissions();
+        match outputs {
+            Ok(outputs) => {
+                for out in outputs {
+                    self.emit(out);
+                }
+            }
+            Err(e) => {
+                tracing::error!(node = %self.config.node_id, "decode step failed: {e}");
+                let ids: Vec<SeqId> = self.active.keys().copied().collect();
+                for seq_id in ids {
+                    self.fail(seq_id, WorkerError::Internal(e.to_string()));
+                }
+            }
+        }
+    }
+
+    /// Asks the prefill worker of every newly admitted remote prefill to start.
+    fn start_transfers(&mut self) {
+        let admitted = self.engine.last_remote_admitted().to_vec();
+        for adm in admitted {
+            let Some(a) = self.active.get_mut(&adm.seq_id) else {
+                continue;
+            };
+            let Remote::Queued(prefill) = std::mem::replace(&mut a.remote, Remote::Local) else {
+                continue;
+            };
+            let prompt = self
+                .engine
+                .scheduler()
+                .sequence_tokens(adm.seq_id)
+                .map(|t| t.prompt.to_vec())
+                .unwrap_or_default();
+            let cancel = CancelToken::new();
+            let request = PrefillRequest {
+                request_id: a.request_id,
+                prompt,
+                params: a.params.clone(),
+                cached_prefix_len: adm.num_cached_tokens,
+                destination: KvDestination {
+                    node: self.config.node_id,
+                    blocks: adm.blocks.clone(),
+                },
+                cancel: cancel.clone(),
+            };
+            match prefill.prefill(request, self.reply_tx.clone()) {
+                Ok(()) => {
+                    a.remote = Remote::Transferring(Box::new(Transfer {
+                        cancel,
+                        incoming: IncomingTransfer::new(a.request_id, &self.kv_shape, &adm.blocks),
+                        done: None,
+                        started: Instant::now(),
+                    }));
+                }
+                Err(e) => {
+                    tracing::info!(request_id = %a.request_id, "prefill worker {} refused: {e}; prefilling locally", prefill.node_id());
+                    self.engine.fail_remote_prefill(adm.seq_id);
+                    self.kicked = true;
+                }
+            }
+        }
+    }
+
+    fn record_admissions(&mut self) {
+        let local = self
+            .engine
+            .last_admitted()
+            .iter()
+            .map(|a| (a.seq_id, a.num_cached_tokens));
+        let remote = self
+            .engine
+            .last_remote_admitted()
+            .iter()
+            .map(|a| (a.seq_id, a.num_cached_tokens));
+        let admitted: Vec<(SeqId, usize)> = local.chain(remote).collect();
+        for (seq_id, cached) in admitted {
+            let Some(a) = self.active.get_mut(&seq_id) else {
+                continue;
+            };
+            if !std::mem::replace(&mut a.in_queue, false) {
+                continue;
+            }
+            self.shared.queue.give_back();
+            self.metrics
+                .queue_seconds
+                .observe(a.enqueued_at.elapsed().as_secs_f64());
+            self.metrics
+                .prefix_queried_tokens
+                .inc_by(u64::from(a.prompt_tokens));
+            self.metrics.prefix_hit_tokens.inc_by(cached as u64);
+        }
+    }
+
+    /// Streams one engine output; ends the request on `finish`.
+    fn emit(&mut self, out: SeqOutput) {
+        let Some(a) = self.active.get_mut(&out.seq_id) else {
+            return;
+        };
+        if let Some(cached) = out.cached_tokens {
+            a.cached_tokens = cached as u32;
+        }
+        let mut delivered = true;
+        if let Some(s) = out.sampled {
+            a.completion_tokens += 1;
+            let logprobs = a.params.logprobs.is_some();
+            let event = TokenEvent {
+                token: s.token,
+                text: out.text,
+                logprob: logprobs.then_some(s.logprob),
+                top_logprobs: if logprobs { s.top_logprobs } else { Vec::new() },
+            };
+            delivered = a.events.send(GenerateEvent::Token(event)).is_ok();
+        }
+        if let Some(reason) = out.finish {
+            let usage = Usage {
+                prompt_tokens: a.prompt_tokens,
+                completion_tokens: a.completion_tokens,
+                cached_tokens: a.cached_tokens,
+            };
+            let _ = a.events.send(GenerateEvent::Finished {
+                reason,
+                text: String::new(),
+                usage,
+            });
+            // The engine has already freed the sequence.
+            self.forget(out.seq_id);
+        } else if !delivered {
+            self.remove(out.seq_id);
+        }
+    }
+
+    /// Ends a request with an error.
+    fn fail(&mut self, seq_id: SeqId, e: WorkerError) {
+        if let Some(a) = self.active.get(&seq_id) {
+            let _ = a.events.send(GenerateEvent::Error(e));
+        }
+        self.remove(seq_id);
+    }
+
+    /// Cancels a request: frees its blocks and stops its transfer.
+    fn remove(&mut self, seq_id: SeqId) {
+        self.engine.abort(seq_id);
+        self.forget(seq_id);
+    }
+
+    fn forget(&mut self, seq_id: SeqId) {
+        if let Some(a) = self.active.remove(&seq_id) {
+            self.by_request.remove(&a.request_id);
+            if a.in_queue {
+                self.shared.queue.give_back();
+            }
+            if let Remote::Transferring(t) = a.remote {
+                t.cancel.cancel();
+            }
+        }
+    }
+
+    fn publish_load(&mut self) {
+        let s = self.engine.scheduler();
+        let load = WorkerLoad {
+            running: s.num_running() + s.num_awaiting_kv(),
+            waiting: s.num_waiting(),
+            kv_blocks_used: s.pool().num_used(),
+            kv_blocks_total: s.pool().num_blocks(),
+        };
+        self.shared.load.publish(load);
+        self.metrics.running.set(load.running as i64);
+        self.metrics.waiting.set(load.waiting as i64);
+        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
+        let preemptions = s.num_preemptions();
+        self.metrics
+            .preemptions
+            .inc_by(preemptions - self.last_preemptions);
+        self.last_preemptions = preemptions;
+    }
+}

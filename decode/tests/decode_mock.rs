@@ -1,0 +1,174 @@
+//! The decode worker on a MockRunner: admission control and request validation, without the
+//! model's compute (the real tokenizer is read for detokenization).
+
+use crossbeam_channel::{Receiver, Sender};
+use kvmesh_common::{
+    BlockHasher, BlockId, GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams,
+    WorkerError,
+};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
+use kvmesh_engine::gguf::GgufFile;
+use kvmesh_engine::llm_engine::LlmEngine;
+use kvmesh_engine::mock_runner::{CostModel, MockRunner};
+use kvmesh_engine::runner::{
+    KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput,
+};
+use kvmesh_engine::scheduler::SchedulerConfig;
+use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_transfer::{InProcessTransport, Transport};
+use std::ops::Range;
+use std::sync::Arc;
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+    assert!(path.exists(), "model missing at {}", path.display());
+    let gguf = GgufFile::open(&path).expect("the model file opens");
+    Arc::new(Tokenizer::from_gguf(&gguf).expect("the tokenizer loads"))
+}
+
+/// A MockRunner whose every step waits for a permit: the test decides when the worker moves.
+/// Dropping the permit sender lets every step through.
+struct GatedRunner {
+    inner: MockRunner,
+    permits: Receiver<()>,
+}
+
+impl KvSource for GatedRunner {
+    fn read_kv_blocks(&self, layer: usize, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<(), RunnerError> {
+        self.inner.read_kv_blocks(layer, blocks, out)
+    }
+}
+
+impl ModelRunner for GatedRunner {
+    fn kv_shape(&self) -> KvShape {
+        self.inner.kv_shape()
+    }
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+    fn max_context(&self) -> usize {
+        self.inner.max_context()
+    }
+    fn execute_observed(
+        &mut self,
+        input: &StepInput,
+        on_layer: &mut dyn FnMut(usize, &dyn KvSource),
+    ) -> Result<StepOutput, RunnerError> {
+        let _ = self.permits.recv();
+        self.inner.execute_observed(input, on_layer)
+    }
+    fn write_kv_blocks(&mut self, layers: Range<usize>, blocks: &[BlockId], payload: &[u8]) -> Result<(), RunnerError> {
+        self.inner.write_kv_blocks(layers, blocks, payload)
+    }
+}
+
+fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
+    let tokenizer = tokenizer();
+    let shape = KvShape {
+        num_layers: 2,
+        num_kv_heads: 1,
+        head_dim: 8,
+        block_size: 16,
+        num_blocks: 64,
+    };
+    let config = SchedulerConfig {
+        block_size: 16,
+        num_blocks: 64,
+        max_num_batched_tokens: 256,
+        max_num_seqs: 16,
+        max_model_len: 512,
+        enable_prefix_caching: true,
+        hasher: BlockHasher::new(kvmesh_common::ModelFingerprint(1), 16),
+    };
+    let (permit_tx, permits) = crossbeam_channel::unbounded();
+    let runner = GatedRunner {
+        inner: MockRunner::new(shape, tokenizer.vocab_size(), 512, CostModel::zero()),
+        permits,
+    };
+    let engine = LlmEngine::new(config, runner, tokenizer);
+    let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::default());
+    let decode = DecodeConfig {
+        max_queued_requests,
+        ..DecodeConfig::new(NodeId(9))
+    };
+    (DecodeWorker::spawn(decode, engine, transport).unwrap(), permit_tx)
+}
+
+fn request(id: u64, prompt_len: usize) -> GenerateRequest {
+    GenerateRequest {
+        request_id: RequestId(id),
+        prompt: (0..prompt_len as u32).map(|t| 100 + t).collect(),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(4)
+        },
+    }
+}
+
+fn finishes(mut rx: kvmesh_decode::EventReceiver) -> bool {
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            GenerateEvent::Token(_) => {}
+            GenerateEvent::Finished { usage, .. } => return usage.completion_tokens == 4,
+            GenerateEvent::Error(_) => return false,
+        }
+    }
+    false
+}
+
+fn generate(d: &DecodeHandle, r: GenerateRequest) -> Result<kvmesh_decode::EventReceiver, WorkerError> {
+    d.generate(r, None)
+}
+
+#[test]
+fn a_full_queue_answers_overloaded() {
+    let (worker, permits) = gated_worker(2);
+    let d = worker.handle();
+    // No step can run, so no request leaves the queue.
+    let a = generate(&d, request(1, 10)).unwrap();
+    let b = generate(&d, request(2, 10)).unwrap();
+    assert!(matches!(
+        generate(&d, request(3, 10)),
+        Err(WorkerError::Overloaded(_))
+    ));
+    drop(permits);
+    assert!(finishes(a) && finishes(b));
+    // With room again, new requests are accepted.
+    assert!(finishes(generate(&d, request(4, 10)).unwrap()));
+}
+
+#[test]
+fn invalid_requests_are_refused_at_once() {
+    let (worker, permits) = gated_worker(8);
+    drop(permits);
+    let d = worker.handle();
+    let invalid = |r| matches!(generate(&d, r), Err(WorkerError::InvalidRequest(_)));
+    assert!(invalid(request(1, 0)), "empty prompt");
+    assert!(invalid(request(2, 513)), "longer than the context");
+    let mut r = request(3, 5);
+    r.params.temperature = -1.0;
+    assert!(invalid(r), "bad sampling parameters");
+    // A duplicate id of a running request ends its own stream with an error.
+    let first = generate(&d, request(4, 5)).unwrap();
+    let mut dup = generate(&d, request(4, 5)).unwrap();
+    let dup_event = dup.blocking_recv();
+    assert!(finishes(first));
+    if let Some(GenerateEvent::Error(e)) = dup_event {
+        assert!(matches!(e, WorkerError::InvalidRequest(_)));
+    }
+}
+
+#[test]
+fn a_draining_worker_finishes_its_requests_and_refuses_new_ones() {
+    let (worker, permits) = gated_worker(8);
+    let d = worker.handle();
+    let a = generate(&d, request(1, 30)).unwrap();
+    d.drain();
+    assert!(matches!(
+        generate(&d, request(2, 10)),
+        Err(WorkerError::Unavailable(_))
+    ));
+    drop(permits);
+    assert!(finishes(a));
+    worker.join();
+}

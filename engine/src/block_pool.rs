@@ -1,0 +1,416 @@
+//! The paged KV block pool: reference counts, free lists and the prefix cache (vLLM v1's
+//! `block_pool`).
+//!
+//! A block is *used* while at least one sequence holds a reference to it and *free* otherwise.
+//! A full block whose content is known gets a [`SequenceHash`] (`cache_full_block`); it stays a
+//! prefix hit after it is freed, until its memory is reallocated. To keep hits alive as long as
+//! possible, allocation takes free blocks that hold no cached prefix first, and only then
+//! evicts cached ones, least recently freed first.
+//!
+//! When recording is on (`set_record_events`), every hash that becomes a hit or stops being
+//! one is announced as a [`KvEvent`], so a cluster-wide prefix index can mirror this pool
+//! without scanning it. It is off by default so that a node without an index does not
+//! accumulate events nobody drains.
+
+mod free_list;
+
+use free_list::{FreeList, Links};
+use kvmesh_common::{BlockId, SequenceHash};
+use std::collections::HashMap;
+
+/// A change in which prefixes this pool can serve from cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvEvent {
+    /// A full block with this hash was cached and can now be a prefix hit.
+    Stored(SequenceHash),
+    /// The block with this hash was reallocated; the prefix is gone from this pool.
+    Removed(SequenceHash),
+}
+
+/// Misuse of the pool's reference counting. The pool's state is unchanged when one is returned.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BlockPoolError {
+    #[error("block {} is outside the pool of {num_blocks} blocks", block.0)]
+    OutOfRange { block: BlockId, num_blocks: usize },
+    /// Freeing (or caching) a block nobody holds: a double free in the caller.
+    #[error("block {} has no references", block.0)]
+    NotReferenced { block: BlockId },
+    /// A full block's content never changes, so it can only ever have one hash.
+    #[error("block {} is already cached under a different hash", block.0)]
+    AlreadyCached { block: BlockId },
+}
+
+#[derive(Clone, Debug, Default)]
+struct BlockMeta {
+    ref_count: u32,
+    /// Set while the block is registered in the prefix cache.
+    hash: Option<SequenceHash>,
+    /// Position in one of the free lists while `ref_count == 0`.
+    links: Links,
+}
+
+/// All KV blocks of one node. See the module docs.
+#[derive(Debug)]
+pub struct BlockPool {
+    block_size: usize,
+    blocks: Vec<BlockMeta>,
+    /// Free blocks without a cached hash: handed out first.
+    free_uncached: FreeList,
+    /// Free blocks that are still prefix hits, least recently freed at the front.
+    free_cached: FreeList,
+    cached: HashMap<SequenceHash, BlockId>,
+    record_events: bool,
+    events: Vec<KvEvent>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks of `block_size` tokens each, all free.
+    ///
+    /// # Panics
+    /// If `block_size` is zero or `num_blocks` does not fit a `u32` block id.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(block_size > 0, "block_size must be positive");
+        assert!(
+            num_blocks < free_list::NIL as usize,
+            "num_blocks must fit a u32 block id"
+        );
+        let mut blocks = vec![BlockMeta::default(); num_blocks];
+        let mut free_uncached = FreeList::default();
+        for id in 0..num_blocks as u32 {
+            free_uncached.push_back(&mut blocks, id);
+        }
+        BlockPool {
+            block_size,
+            blocks,
+            free_uncached,
+            free_cached: FreeList::default(),
+            cached: HashMap::new(),
+            record_events: false,
+            events: Vec::new(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Blocks nobody holds, cached or not: what `allocate` can hand out.
+    pub fn num_free(&self) -> usize {
+        self.free_uncached.len() + self.free_cached.len()
+    }
+
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.num_free()
+    }
+
+    /// Fraction of blocks in use, in `[0, 1]` (cached-but-free blocks count as free).
+    pub fn usage(&self) -> f64 {
+        if self.blocks.is_empty() {
+            return 0.0;
+        }
+        self.num_used() as f64 / self.num_blocks() as f64
+    }
+
+    /// Number of blocks registered in the prefix cache, used or free.
+    pub fn num_cached(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// References held on `block` (0 when free or out of range).
+    pub fn ref_count(&self, block: BlockId) -> u32 {
+        self.blocks.get(block.0 as usize).map_or(0, |b| b.ref_count)
+    }
+
+    /// The hash `block` is cached under, if any.
+    pub fn cached_hash(&self, block: BlockId) -> Option<SequenceHash> {
+        self.blocks.get(block.0 as usize).and_then(|b| b.hash)
+    }
+
+    /// `n` fresh blocks with one reference each, or `None` (and no change) if fewer are free.
+    /// Uncached free blocks go first; then cached ones are evicted, least recently freed first.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.num_free() {
+            return None;
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = match self.free_uncached.pop_front(&mut self.blocks) {
+                Some(id) => id,
+                None => {
+                    let id = self
+                        .free_cached
+                        .pop_front(&mut self.blocks)
+                        .expect("num_free counted this block");
+                    self.evict(id);
+                    id
+                }
+            };
+            self.blocks[id as usize].ref_count = 1;
+            out.push(BlockId(id));
+        }
+        Some(out)
+    }
+
+    /// The blocks caching the longest prefix of `hashes`. Takes no references: call `take` on
+    /// the result before allocating anything, or an allocation may evict them.
+    pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        hashes
+            .iter()
+            .map_while(|h| self.cached.get(h).copied())
+            .collect()
+    }
+
+    /// Adds one reference to each block (a prefix hit or a shared block), reviving free ones.
+    pub fn take(&mut self, blocks: &[BlockId]) -> Result<(), BlockPoolError> {
+        for &b in blocks {
+            self.check_range(b)?;
+        }
+        for &b in blocks {
+            let id = b.0;
+            if self.blocks[id as usize].ref_count == 0 {
+                let list = if self.blocks[id as usize].hash.is_some() {
+                    &mut self.free_cached
+                } else {
+                    &mut self.free_uncached
+                };
+                list.remove(&mut self.blocks, id);
+            }
+            self.blocks[id as usize].ref_count += 1;
+        }
+        Ok(())
+    }
+
+    /// Registers a full, computed block under `hash` so later sequences can reuse it.
+    ///
+    /// Returns `Ok(true)` if the block is now cached, `Ok(false)` if it already was, or if
+    /// another block already caches `hash` (two sequences computed the same prefix at once;
+    /// the first one wins and this block stays uncached).
+    pub fn cache_full_block(
+        &mut self,
+        block: BlockId,
+        hash: SequenceHash,
+    ) -> Result<bool, BlockPoolError> {
+        self.check_range(block)?;
+        let meta = &mut self.blocks[block.0 as usize];
+        if meta.ref_count == 0 {
+            return Err(BlockPoolError::NotReferenced { block });
+        }
+        match meta.hash {
+            Some(h) if h == hash => return Ok(false),
+            Some(_) => return Err(BlockPoolError::AlreadyCached { block }),
+            None => {}
+        }
+        if self.cached.contains_key(&hash) {
+            return Ok(false);
+        }
+        meta.hash = Some(hash);
+        self.cached.insert(hash, block);
+        self.record(KvEvent::Stored(hash));
+        Ok(true)
+    }
+
+    /// Drops one reference from each block. Blocks reaching zero become free; cached ones stay
+    /// prefix hits. Pass a sequence's blocks in order: they are released back to front, so a
+    /// prefix's tail is evicted before its head (a head is shared by more prompts).
+    ///
+    /// A reference that does not exist is an error, never an underflow; then nothing changes.
+    pub fn free(&mut self, blocks: &[BlockId]) -> Result<(), BlockPoolError> {
+        self.check_can_free(blocks)?;
+        for &b in blocks.iter().rev() {
+            let id = b.0;
+            let meta = &mut self.blocks[id as usize];
+            meta.ref_count -= 1;
+            if meta.ref_count == 0 {
+                let list = if meta.hash.is_some() {
+                    &mut self.free_cached
+                } else {
+                    &mut self.free_uncached
+                };
+                list.push_back(&mut self.blocks, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts or stops recording `KvEvent`s. A consumer that starts late takes a snapshot
+    /// with `cached_hashes` first; stopping discards undrained events.
+    pub fn set_record_events(&mut self, on: bool) {
+        self.record_events = on;
+        if !on {
+            self.events.clear();
+        }
+    }
+
+    /// Events since the last call, oldest first (none unless recording is on).
+    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Every hash currently cached, in no particular order: a snapshot for a prefix index.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
+        self.cached.keys().copied()
+    }
+
+    fn record(&mut self, event: KvEvent) {
+        if self.record_events {
+            self.events.push(event);
+        }
+    }
+
+    fn evict(&mut self, id: u32) {
+        let hash = self.blocks[id as usize]
+            .hash
+            .take()
+            .expect("blocks on the cached free list have a hash");
+        self.cached.remove(&hash);
+        self.record(KvEvent::Removed(hash));
+    }
+
+    fn check_range(&self, block: BlockId) -> Result<(), BlockPoolError> {
+        if (block.0 as usize) < self.blocks.len() {
+            Ok(())
+        } else {
+            Err(BlockPoolError::OutOfRange {
+                block,
+                num_blocks: self.blocks.len(),
+            })
+        }
+    }
+
+    /// Every block must hold as many references as it appears in `blocks`.
+    fn check_can_free(&self, blocks: &[BlockId]) -> Result<(), BlockPoolError> {
+        for &b in blocks {
+            self.check_range(b)?;
+        }
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            if (self.blocks[run[0].0 as usize].ref_count as usize) < run.len() {
+                return Err(BlockPoolError::NotReferenced { block: run[0] });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(n: u64) -> SequenceHash {
+        SequenceHash(n)
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing() {
+        let mut pool = BlockPool::new(4, 16);
+        assert!(pool.allocate(5).is_none());
+        assert_eq!(pool.num_free(), 4);
+        let got = pool.allocate(3).unwrap();
+        assert_eq!(got, vec![BlockId(0), BlockId(1), BlockId(2)]);
+        assert_eq!((pool.num_free(), pool.num_used()), (1, 3));
+        assert_eq!(pool.usage(), 0.75);
+    }
+
+    #[test]
+    fn double_free_is_an_error_and_changes_nothing() {
+        let mut pool = BlockPool::new(2, 16);
+        let b = pool.allocate(1).unwrap();
+        pool.free(&b).unwrap();
+        assert_eq!(
+            pool.free(&b),
+            Err(BlockPoolError::NotReferenced { block: b[0] })
+        );
+        let c = pool.allocate(1).unwrap();
+        assert_eq!(
+            pool.free(&[c[0], c[0]]),
+            Err(BlockPoolError::NotReferenced { block: c[0] })
+        );
+        assert_eq!(pool.ref_count(c[0]), 1);
+        assert!(matches!(
+            pool.free(&[BlockId(9)]),
+            Err(BlockPoolError::OutOfRange { .. })
+        ));
+    }
+
+    #[test]
+    fn freed_cached_blocks_stay_hits_until_reallocated() {
+        let mut pool = BlockPool::new(3, 16);
+        pool.set_record_events(true);
+        let b = pool.allocate(2).unwrap();
+        assert_eq!(pool.cache_full_block(b[0], h(1)), Ok(true));
+        assert_eq!(pool.cache_full_block(b[1], h(2)), Ok(true));
+        pool.free(&b).unwrap();
+        assert_eq!(pool.lookup_prefix(&[h(1), h(2), h(3)]), b);
+
+        // The uncached block goes first, so the hits survive one allocation.
+        let c = pool.allocate(1).unwrap();
+        assert_eq!(c, vec![BlockId(2)]);
+        assert_eq!(pool.lookup_prefix(&[h(1), h(2)]).len(), 2);
+
+        // Freed back to front: the tail (hash 2) is evicted before the head.
+        let d = pool.allocate(1).unwrap();
+        assert_eq!(d, vec![b[1]]);
+        assert_eq!(pool.lookup_prefix(&[h(1), h(2)]), vec![b[0]]);
+        assert_eq!(
+            pool.drain_events(),
+            vec![
+                KvEvent::Stored(h(1)),
+                KvEvent::Stored(h(2)),
+                KvEvent::Removed(h(2))
+            ]
+        );
+    }
+
+    #[test]
+    fn events_are_recorded_only_when_asked() {
+        let mut pool = BlockPool::new(2, 16);
+        let b = pool.allocate(2).unwrap();
+        pool.cache_full_block(b[0], h(1)).unwrap();
+        assert!(pool.drain_events().is_empty());
+        pool.set_record_events(true);
+        pool.cache_full_block(b[1], h(2)).unwrap();
+        assert_eq!(pool.drain_events(), vec![KvEvent::Stored(h(2))]);
+        let mut snapshot: Vec<_> = pool.cached_hashes().collect();
+        snapshot.sort();
+        assert_eq!(snapshot, vec![h(1), h(2)]);
+    }
+
+    #[test]
+    fn take_revives_a_free_cached_block() {
+        let mut pool = BlockPool::new(2, 16);
+        let b = pool.allocate(1).unwrap();
+        pool.cache_full_block(b[0], h(7)).unwrap();
+        pool.free(&b).unwrap();
+        assert_eq!(pool.num_free(), 2);
+        pool.take(&b).unwrap();
+        assert_eq!((pool.num_free(), pool.ref_count(b[0])), (1, 1));
+        // The revived block is no longer evictable.
+        assert_eq!(pool.allocate(1).unwrap(), vec![BlockId(1)]);
+        assert!(pool.allocate(1).is_none());
+        assert_eq!(pool.lookup_prefix(&[h(7)]), b);
+    }
+
+    #[test]
+    fn a_hash_is_cached_once_and_a_block_has_one_hash() {
+        let mut pool = BlockPool::new(2, 16);
+        let b = pool.allocate(2).unwrap();
+        assert_eq!(pool.cache_full_block(b[0], h(1)), Ok(true));
+        assert_eq!(pool.cache_full_block(b[0], h(1)), Ok(false));
+        assert_eq!(pool.cache_full_block(b[1], h(1)), Ok(false));
+        assert_eq!(pool.cached_hash(b[1]), None);
+        assert_eq!(
+            pool.cache_full_block(b[0], h(2)),
+            Err(BlockPoolError::AlreadyCached { block: b[0] })
+        );
+        pool.free(&b).unwrap();
+        assert_eq!(
+            pool.cache_full_block(b[0], h(1)),
+            Err(BlockPoolError::NotReferenced { block: b[0] })
+        );
+    }
+}

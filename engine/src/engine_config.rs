@@ -1,0 +1,66 @@
+//! The engine part of a worker's configuration, and building an engine from it.
+
+use crate::llama_runner::LlamaRunner;
+use crate::llm_engine::LlmEngine;
+use crate::scheduler::{SchedulerConfig, SchedulerError};
+use crate::Loaded;
+use kvmesh_common::{BlockHasher, ModelFingerprint};
+use serde::{Deserialize, Serialize};
+
+/// KV pool and batching limits of one engine.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineConfig {
+    /// Tokens per KV block (the prefix-hash granularity; all nodes of a mesh must agree).
+    pub block_size: usize,
+    /// KV blocks in the pool. SmolLM2-135M needs 360 KiB per 16-token block, so the default
+    /// 1024 blocks (16k tokens) take 360 MiB.
+    pub num_blocks: usize,
+    /// Token budget of one step (prefill chunks and decodes together).
+    pub max_num_batched_tokens: usize,
+    /// Most sequences holding KV at once.
+    pub max_num_seqs: usize,
+    /// Longest sequence (prompt plus output); `None` = the model's context length.
+    pub max_model_len: Option<usize>,
+    pub enable_prefix_caching: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_model_len: None,
+            enable_prefix_caching: true,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The scheduler's config for a model with this fingerprint and context length.
+    pub fn scheduler_config(
+        &self,
+        fingerprint: ModelFingerprint,
+        max_context: usize,
+    ) -> SchedulerConfig {
+        SchedulerConfig {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_num_seqs: self.max_num_seqs,
+            max_model_len: self.max_model_len.unwrap_or(max_context).min(max_context),
+            enable_prefix_caching: self.enable_prefix_caching,
+            hasher: BlockHasher::new(fingerprint, self.block_size.max(1)),
+        }
+    }
+
+    /// An engine over the real model with its own KV pool.
+    pub fn llama_engine(&self, loaded: &Loaded) -> Result<LlmEngine<LlamaRunner>, SchedulerError> {
+        let config = self.scheduler_config(loaded.fingerprint, loaded.model.config.max_context);
+        config.validate()?;
+        let runner = LlamaRunner::new(loaded.model.clone(), self.num_blocks, self.block_size);
+        Ok(LlmEngine::new(config, runner, loaded.tokenizer.clone()))
+    }
+}

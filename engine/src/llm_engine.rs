@@ -1,0 +1,405 @@
+//! The engine loop: one step = schedule, execute, sample, absorb. Synchronous and single
+//! threaded; servers drive it from a dedicated thread and talk to it through channels.
+//!
+//! Disaggregated serving adds two roles on top of the plain loop:
+//! - a *prefill worker* adds `add_prefill_request` sequences (they end after their first
+//!   token) and runs `step_observed`, pushing each layer's KV as soon as it is written;
+//! - a *decode worker* adds `add_remote_request` sequences, starts a transfer for each one in
+//!   `last_remote_admitted`, writes arriving KV with `write_kv_blocks`, and ends the wait with
+//!   `complete_remote_prefill` (the first token comes from the prefill worker) or
+//!   `fail_remote_prefill` (prefill locally instead). `handle_timeouts(now)` releases the
+//!   blocks of transfers that never complete. See the scheduler's module docs.
+
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
+use crate::sampler::{Sampled, Sampler};
+use crate::scheduler::{Admission, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError};
+use crate::stop::StopChecker;
+use crate::tokenizer::Tokenizer;
+use kvmesh_common::{BlockId, FinishReason, SamplingParams, SamplingParamsError, TokenId};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    InvalidParams(#[from] SamplingParamsError),
+    #[error(transparent)]
+    Rejected(#[from] SchedulerError),
+    #[error("model execution failed: {0}")]
+    Runner(#[from] RunnerError),
+}
+
+/// What one step produced for one sequence.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqOutput {
+    pub seq_id: SeqId,
+    /// The sampled token (`None` when the sequence ended without one, e.g. context full).
+    pub sampled: Option<Sampled>,
+    /// Raw logits of the `top_logits` best tokens at this position, best first (diagnostics).
+    pub top_logits: Vec<(TokenId, f32)>,
+    /// Text that is final now (held back while it could still become a stop string).
+    pub text: String,
+    pub finish: Option<FinishReason>,
+    /// Prompt tokens served from the prefix cache; set on the sequence's first output.
+    pub cached_tokens: Option<usize>,
+}
+
+struct SeqState {
+    params: SamplingParams,
+    sampler: Sampler,
+    stop: StopChecker,
+    detokenizer: IncrementalDetokenizer,
+    top_logits: usize,
+    cached_tokens: Option<usize>,
+    reported_cached: bool,
+    /// Ends after its first token: the sequence of a prefill worker.
+    prefill_only: bool,
+}
+
+/// How a sequence's prompt is computed.
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Local,
+    Remote { transfer_timeout: Duration },
+    PrefillOnly,
+}
+
+/// A scheduler, a runner and the per-sequence sampling state.
+pub struct LlmEngine<R: ModelRunner> {
+    scheduler: Scheduler,
+    runner: R,
+    tokenizer: Arc<Tokenizer>,
+    seqs: HashMap<SeqId, SeqState>,
+    /// Admissions of the last step, kept until the next one.
+    admitted: Vec<Admission>,
+    remote_admitted: Vec<RemoteAdmission>,
+    last_step_tokens: usize,
+}
+
+impl<R: ModelRunner> LlmEngine<R> {
+    pub fn new(config: SchedulerConfig, runner: R, tokenizer: Arc<Tokenizer>) -> Self {
+        LlmEngine {
+            scheduler: Scheduler::new(config),
+            runner,
+            tokenizer,
+            seqs: HashMap::new(),
+            admitted: Vec::new(),
+            remote_admitted: Vec::new(),
+            last_step_tokens: 0,
+        }
+    }
+
+    /// Queues a sequence. `top_logits` asks for the raw logits of that many best tokens at
+    /// each step (0 for none).
+    pub fn add_request(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        top_logits: usize,
+    ) -> Result<(), EngineError> {
+        self.add(seq_id, prompt, params, top_logits, Mode::Local)
+    }
+
+    /// Queues a sequence whose prompt KV will come from a prefill worker (see the module
+    /// docs). Once it has blocks, the transfer has `transfer_timeout` before the sequence falls
+    /// back to a local prefill.
+    pub fn add_remote_request(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        top_logits: usize,
+        transfer_timeout: Duration,
+    ) -> Result<(), EngineError> {
+        let mode = Mode::Remote { transfer_timeout };
+        self.add(seq_id, prompt, params, top_logits, mode)
+    }
+
+    /// Queues a prefill-only sequence: it computes the prompt, samples the first token with
+    /// `params` (as a local run would) and ends there. The step that computes its last prompt
+    /// chunk returns that token.
+    pub fn add_prefill_request(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+    ) -> Result<(), EngineError> {
+        self.add(seq_id, prompt, params, 0, Mode::PrefillOnly)
+    }
+
+    fn add(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        top_logits: usize,
+        mode: Mode,
+    ) -> Result<(), EngineError> {
+        params.validate()?;
+        let eos = self.tokenizer.eos_token_id();
+        let state = SeqState {
+            sampler: Sampler::new(&params, eos),
+            stop: StopChecker::new(&params, eos),
+            detokenizer: IncrementalDetokenizer::new(&self.tokenizer, &prompt),
+            params,
+            top_logits,
+            cached_tokens: None,
+            reported_cached: false,
+            prefill_only: matches!(mode, Mode::PrefillOnly),
+        };
+        match mode {
+            Mode::Local | Mode::PrefillOnly => self.scheduler.add_sequence(seq_id, prompt)?,
+            Mode::Remote { transfer_timeout } => {
+                self.scheduler
+                    .add_remote_sequence(seq_id, prompt, transfer_timeout)?
+            }
+        }
+        self.seqs.insert(seq_id, state);
+        Ok(())
+    }
+
+    /// Cancels a sequence and frees its blocks. Returns false if it was unknown.
+    pub fn abort(&mut self, seq_id: SeqId) -> bool {
+        self.seqs.remove(&seq_id);
+        self.scheduler.finish(seq_id)
+    }
+
+    pub fn has_work(&self) -> bool {
+        self.scheduler.has_work()
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn runner(&self) -> &R {
+        &self.runner
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    /// Sequences the last step admitted to compute locally (first admissions and resumes).
+    pub fn last_admitted(&self) -> &[Admission] {
+        &self.admitted
+    }
+
+    /// Remote-prefill sequences the last step gave blocks: start a transfer into each.
+    pub fn last_remote_admitted(&self) -> &[RemoteAdmission] {
+        &self.remote_admitted
+    }
+
+    /// Tokens the last step computed; 0 when nothing could run (nothing changes until a
+    /// request arrives, a transfer ends or a timeout passes).
+    pub fn last_step_tokens(&self) -> usize {
+        self.last_step_tokens
+    }
+
+    /// Writes KV received for a remote prefill into `blocks` (transfer layout; see
+    /// [`KvSource`]). Only blocks of a `RemoteAdmission` still awaiting KV may be written.
+    pub fn write_kv_blocks(
+        &mut self,
+        layers: Range<usize>,
+        blocks: &[BlockId],
+        payload: &[u8],
+    ) -> Result<(), EngineError> {
+        Ok(self.runner.write_kv_blocks(layers, blocks, payload)?)
+    }
+
+    /// Ends a remote prefill whose KV arrived intact: appends `first`, the token the prefill
+    /// worker sampled, and returns its output (text, finish) as `step` would have.
+    /// `remote_cached_tokens` is how much of the prompt the prefill worker served from its
+    /// own cache; usage reports the larger of that and the local hits.
+    pub fn complete_remote_prefill(
+        &mut self,
+        seq_id: SeqId,
+        first: Sampled,
+        remote_cached_tokens: usize,
+    ) -> Result<SeqOutput, EngineError> {
+        let vocab = self.runner.vocab_size();
+        if first.token as usize >= vocab {
+            return Err(RunnerError::TokenOutOfRange {
+                token: first.token,
+                vocab,
+            }
+            .into());
+        }
+        let (Some(state), Some(tokens)) = (
+            self.seqs.get_mut(&seq_id),
+            self.scheduler.sequence_tokens(seq_id),
+        ) else {
+            return Err(SchedulerError::NotAwaitingKv(seq_id).into());
+        };
+        if !self.scheduler.is_awaiting_kv(seq_id) {
+            return Err(SchedulerError::NotAwaitingKv(seq_id).into());
+        }
+        if !state.params.is_greedy() {
+            // The prefill worker drew once from this request's random stream (same seed); draw
+            // once here too, so every later token matches a local run.
+            let mut logits = vec![0.0; vocab];
+            state
+                .sampler
+                .sample(&state.params, &mut logits, tokens.prompt, &[]);
+        }
+        let cached = state.cached_tokens.unwrap_or(0).max(remote_cached_tokens);
+        state.cached_tokens = Some(cached);
+        let outcome = self.scheduler.complete_remote_prefill(seq_id, first.token)?;
+        let mut outputs = vec![SeqOutput {
+            seq_id,
+            sampled: Some(first),
+            top_logits: Vec::new(),
+            text: String::new(),
+            finish: None,
+            cached_tokens: None,
+        }];
+        self.finish_outputs(&mut outputs, &outcome.context_full);
+        Ok(outputs.pop().expect("one output"))
+    }
+
+    /// Gives up on a remote prefill (transfer failed, corrupt or the prefill worker is gone):
+    /// the sequence prefills locally instead. False if it is not a remote prefill.
+    pub fn fail_remote_prefill(&mut self, seq_id: SeqId) -> bool {
+        self.scheduler.fail_remote_prefill(seq_id)
+    }
+
+    /// See `Scheduler::handle_timeouts`: returns the remote prefills that timed out and will
+    /// prefill locally.
+    pub fn handle_timeouts(&mut self, now: Instant) -> Vec<SeqId> {
+        self.scheduler.handle_timeouts(now)
+    }
+
+    /// When `handle_timeouts` must run next, if a transfer is pending.
+    pub fn next_timeout(&self) -> Option<Instant> {
+        self.scheduler.next_timeout()
+    }
+
+    /// Runs one step and returns what every sequence that advanced produced.
+    pub fn step(&mut self) -> Result<Vec<SeqOutput>, EngineError> {
+        self.step_observed(&mut |_, _, _| {})
+    }
+
+    /// `step`, calling `on_layer(l, step, kv)` as soon as layer `l`'s KV of `step` is written,
+    /// so a prefill worker can push that layer while the next ones compute.
+    pub fn step_observed(
+        &mut self,
+        on_layer: &mut dyn FnMut(usize, &StepInput, &dyn KvSource),
+    ) -> Result<Vec<SeqOutput>, EngineError> {
+        let plan = self.scheduler.schedule();
+        self.last_step_tokens = plan.step.num_tokens();
+        self.admitted.clone_from(&plan.admitted);
+        self.remote_admitted.clone_from(&plan.remote_admitted);
+        for a in &plan.admitted {
+            if let Some(s) = self.seqs.get_mut(&a.seq_id) {
+                s.cached_tokens.get_or_insert(a.num_cached_tokens);
+            }
+        }
+        for a in &plan.remote_admitted {
+            if let Some(s) = self.seqs.get_mut(&a.seq_id) {
+                s.cached_tokens.get_or_insert(a.num_cached_tokens);
+            }
+        }
+        if plan.is_empty() {
+            self.scheduler.abort_step(plan);
+            return Ok(Vec::new());
+        }
+        let step = &plan.step;
+        let result = self
+            .runner
+            .execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv));
+        let result = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.scheduler.abort_step(plan);
+                return Err(e.into());
+            }
+        };
+
+        let mut sampled = Vec::with_capacity(result.logits.len());
+        let mut outputs = Vec::with_capacity(result.logits.len());
+        for (seq_id, mut logits) in result.logits {
+            let (Some(state), Some(tokens)) = (
+                self.seqs.get_mut(&seq_id),
+                self.scheduler.sequence_tokens(seq_id),
+            ) else {
+                continue;
+            };
+            let top_logits = top_n(&logits, state.top_logits);
+            let s = state
+                .sampler
+                .sample(&state.params, &mut logits, tokens.prompt, tokens.output);
+            sampled.push((seq_id, s.token));
+            outputs.push(SeqOutput {
+                seq_id,
+                sampled: Some(s),
+                top_logits,
+                text: String::new(),
+                finish: None,
+                cached_tokens: None,
+            });
+        }
+        let outcome = self.scheduler.update_from_output(plan, &sampled)?;
+        self.finish_outputs(&mut outputs, &outcome.context_full);
+        Ok(outputs)
+    }
+
+    /// Stop checks, detokenization and cleanup of sequences that just got a token.
+    fn finish_outputs(&mut self, outputs: &mut [SeqOutput], context_full: &[SeqId]) {
+        let mut matched_stop_string = Vec::new();
+        for out in outputs.iter_mut() {
+            let state = self.seqs.get_mut(&out.seq_id).expect("sampled above");
+            let token = out.sampled.as_ref().expect("sampled above").token;
+            let generated = self
+                .scheduler
+                .sequence_tokens(out.seq_id)
+                .map_or(0, |t| t.output.len());
+            out.finish = state.stop.check_token(token, generated);
+            if out.finish != Some(FinishReason::Stop) {
+                let piece = state.detokenizer.push(&self.tokenizer, token);
+                let (text, hit) = state.stop.push_text(&piece);
+                out.text = text;
+                if hit {
+                    out.finish = Some(FinishReason::Stop);
+                    matched_stop_string.push(out.seq_id);
+                }
+            }
+            if context_full.contains(&out.seq_id) || state.prefill_only {
+                out.finish.get_or_insert(FinishReason::Length);
+            }
+        }
+        for out in outputs.iter_mut() {
+            let state = self.seqs.get_mut(&out.seq_id).expect("sampled above");
+            if !state.reported_cached {
+                state.reported_cached = true;
+                out.cached_tokens = state.cached_tokens;
+            }
+            if out.finish.is_some() {
+                let mut state = self.seqs.remove(&out.seq_id).expect("sampled above");
+                // Flush held-back text unless a stop string cut it off.
+                if !matched_stop_string.contains(&out.seq_id) {
+                    let tail = state.detokenizer.finish();
+                    out.text.push_str(&state.stop.push_text(&tail).0);
+                    out.text.push_str(&state.stop.flush());
+                }
+                self.scheduler.finish(out.seq_id);
+            }
+        }
+    }
+}
+
+/// The `n` largest logits, best first.
+fn top_n(logits: &[f32], n: usize) -> Vec<(TokenId, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(ids.len());
+    ids.select_nth_unstable_by(n - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    ids.truncate(n);
+    ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    ids.into_iter().map(|t| (t, logits[t as usize])).collect()
+}

@@ -1,0 +1,769 @@
+//! The sans-IO scheduler: continuous batching with chunked prefill, prefix caching and
+//! preemption by recompute, after vLLM v1's scheduler.
+//!
+//! Every sequence is a list of tokens (prompt, then generated) and a count of how many have
+//! KV in the cache. Each step spends a token budget on running sequences first (a decode is
+//! one token, a prefill a chunk of its prompt), then admits waiting sequences in arrival order
+//! while budget, blocks and `max_num_seqs` allow. The scheduler only plans and absorbs
+//! results; it never runs the model, samples, reads a clock or blocks.
+//!
+//! # Driving it
+//!
+//! ```text
+//! loop {
+//!     let out = scheduler.schedule();                 // plan one step
+//!     let logits = match runner.execute(&out.step) {
+//!         Ok(o) => o,
+//!         Err(e) => { scheduler.abort_step(out); /* fail or retry */ continue; }
+//!     };
+//!     let mut sampled = Vec::new();
+//!     for (seq_id, mut l) in logits.logits {         // only chunks that end a sequence
+//!         let tokens = scheduler.sequence_tokens(seq_id).unwrap();
+//!         sampled.push((seq_id, samplers[seq_id].sample(params, &mut l, tokens.prompt, tokens.output).token));
+//!     }
+//!     let outcome = scheduler.update_from_output(out, &sampled)?;  // marks chunks computed
+//!     for (seq_id, token) in sampled { if stop_checker says stop { scheduler.finish(seq_id); } }
+//!     for seq_id in outcome.context_full { /* already finished: report FinishReason::Length */ }
+//! }
+//! ```
+//!
+//! Cancellation is `finish(seq_id)` at any time, even while a step is in flight: the step's
+//! results for that sequence are then ignored. Exactly one step is in flight at a time; the
+//! `SchedulerOutput` is the ticket that ends it and cannot be used twice.
+//!
+//! # Remote prefill
+//!
+//! A sequence added with `add_remote_sequence` gets its prompt's KV from another node (a
+//! prefill worker). It waits in the same first-come-first-served queue; when admitted, it takes
+//! its local prefix-cache hits and blocks for the rest of the prompt, and is reported in
+//! `SchedulerOutput::remote_admitted` with the blocks the transfer must fill. It then holds those
+//! blocks (and a `max_num_seqs` slot) but stays out of every batch until the driver either
+//!
+//! - `complete_remote_prefill(seq_id, first_token)`: every block arrived intact; the prompt
+//!   counts as computed (its full blocks become prefix hits) and the first token, sampled by the
+//!   prefill worker, is appended, so the sequence decodes from the next step; or
+//! - `fail_remote_prefill(seq_id)`: the transfer failed or was corrupt; the blocks are released
+//!   and the sequence goes back to the head of the queue to prefill locally.
+//!
+//! Time comes in as `now`: `handle_timeouts(now)` starts the clock of every transfer admitted
+//! since the last call and falls back, as `fail_remote_prefill` does, each one older than its
+//! timeout, so blocks reserved for a transfer that never completes are not stranded.
+//! `next_timeout` says when to call it again. Blocks that await KV are never registered in the
+//! prefix cache, so nothing ever reads partial or corrupt KV.
+
+mod sequence;
+
+use crate::block_pool::{BlockPool, KvEvent};
+use crate::runner::{SeqChunk, SeqId, StepInput};
+use kvmesh_common::{BlockHasher, BlockId, TokenId};
+use sequence::{blocks_for, RemotePrefill, Sequence};
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block; must equal `hasher.block_size`.
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Token budget of one step, prefill chunks and decodes together.
+    pub max_num_batched_tokens: usize,
+    /// Most sequences running (holding KV) at once.
+    pub max_num_seqs: usize,
+    /// Most tokens (prompt plus generated) in one sequence.
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    pub hasher: BlockHasher,
+}
+
+impl SchedulerConfig {
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        let bad = |what| Err(SchedulerError::InvalidConfig(what));
+        if self.block_size == 0 || self.hasher.block_size != self.block_size {
+            return bad("block_size must be positive and equal hasher.block_size");
+        }
+        if self.num_blocks == 0 || self.num_blocks >= u32::MAX as usize {
+            return bad("num_blocks must be in 1..u32::MAX");
+        }
+        if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 || self.max_model_len == 0 {
+            return bad("max_num_batched_tokens, max_num_seqs and max_model_len must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("invalid scheduler config: {0}")]
+    InvalidConfig(&'static str),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {len} tokens; the maximum is {max_model_len}")]
+    PromptTooLong { len: usize, max_model_len: usize },
+    #[error("the prompt needs {needed} KV blocks; the whole pool has {num_blocks}")]
+    PromptExceedsPool { needed: usize, num_blocks: usize },
+    #[error("sequence {0} already exists")]
+    DuplicateSeqId(SeqId),
+    #[error("this output is not from the step in flight")]
+    StaleOutput,
+    #[error("no sampled token for sequence {0}, whose chunk returned logits")]
+    MissingToken(SeqId),
+    #[error("a sampled token for sequence {0}, whose chunk returned no logits")]
+    UnexpectedToken(SeqId),
+    #[error("two sampled tokens for sequence {0}")]
+    DuplicateToken(SeqId),
+    #[error("sequence {0} is not awaiting remote KV")]
+    NotAwaitingKv(SeqId),
+}
+
+/// A sequence that got KV blocks this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admission {
+    pub seq_id: SeqId,
+    /// Leading tokens served from the prefix cache (usage's `cached_tokens` on first admission).
+    pub num_cached_tokens: usize,
+    /// Readmitted after a preemption rather than admitted for the first time.
+    pub resumed: bool,
+}
+
+/// A remote-prefill sequence that got KV blocks this step: start its transfer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteAdmission {
+    pub seq_id: SeqId,
+    /// Leading prompt tokens served from the local prefix cache (whole blocks); the sender
+    /// skips them.
+    pub num_cached_tokens: usize,
+    /// The blocks the transfer fills, in order: block `i` holds the prompt's positions from
+    /// `num_cached_tokens + i * block_size` on.
+    pub blocks: Vec<BlockId>,
+}
+
+/// One planned step. Pass it to `update_from_output` (or `abort_step`) before the next
+/// `schedule`.
+#[derive(Debug)]
+#[must_use = "pass the output to update_from_output or abort_step"]
+pub struct SchedulerOutput {
+    /// What the runner executes.
+    pub step: StepInput,
+    /// Sequences that lost their KV this step; they will recompute it when readmitted.
+    pub preempted: Vec<SeqId>,
+    pub admitted: Vec<Admission>,
+    /// Remote-prefill sequences that got their blocks; they are in no chunk of this step.
+    pub remote_admitted: Vec<RemoteAdmission>,
+    step_id: u64,
+    /// Our own record of the chunks, independent of any edits to `step`.
+    scheduled: Vec<Scheduled>,
+}
+
+impl SchedulerOutput {
+    /// True when the step has nothing to execute.
+    pub fn is_empty(&self) -> bool {
+        self.step.chunks.is_empty()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Scheduled {
+    seq_id: SeqId,
+    generation: u64,
+    num_tokens: usize,
+    want_logits: bool,
+}
+
+/// What `update_from_output` decided on its own.
+#[derive(Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub struct StepOutcome {
+    /// Sequences that filled the context (`max_model_len`, or the whole KV pool) with the token
+    /// just appended. They are already finished and freed (`sequence_tokens` no longer knows
+    /// them); report `FinishReason::Length`.
+    pub context_full: Vec<SeqId>,
+}
+
+/// A sequence's tokens, split as the sampler's penalties need them.
+#[derive(Clone, Copy, Debug)]
+pub struct SequenceTokens<'a> {
+    pub prompt: &'a [TokenId],
+    pub output: &'a [TokenId],
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    pool: BlockPool,
+    seqs: HashMap<SeqId, Sequence>,
+    /// In admission order: the last one is preempted first.
+    running: Vec<SeqId>,
+    waiting: VecDeque<SeqId>,
+    /// Admitted remote-prefill sequences whose KV has not arrived, in admission order.
+    awaiting_kv: Vec<SeqId>,
+    in_flight: Option<u64>,
+    next_step_id: u64,
+    next_generation: u64,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    /// # Panics
+    /// If `config.validate()` fails; validate configs where they are loaded.
+    pub fn new(config: SchedulerConfig) -> Self {
+        if let Err(e) = config.validate() {
+            panic!("{e}");
+        }
+        Scheduler {
+            pool: BlockPool::new(config.num_blocks, config.block_size),
+            config,
+            seqs: HashMap::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            awaiting_kv: Vec::new(),
+            in_flight: None,
+            next_step_id: 0,
+            next_generation: 0,
+            num_preemptions: 0,
+        }
+    }
+
+    /// Queues a sequence; it is admitted by a later `schedule`.
+    pub fn add_sequence(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+    ) -> Result<(), SchedulerError> {
+        self.add(seq_id, prompt, None)
+    }
+
+    /// Queues a sequence whose prompt KV will arrive from another node (see the module docs).
+    /// Once admitted, the transfer has `transfer_timeout` to complete before the sequence falls
+    /// back to a local prefill.
+    pub fn add_remote_sequence(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        transfer_timeout: Duration,
+    ) -> Result<(), SchedulerError> {
+        let remote = RemotePrefill {
+            timeout: transfer_timeout,
+            deadline: None,
+        };
+        self.add(seq_id, prompt, Some(remote))
+    }
+
+    fn add(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        remote: Option<RemotePrefill>,
+    ) -> Result<(), SchedulerError> {
+        if prompt.is_empty() {
+            return Err(SchedulerError::EmptyPrompt);
+        }
+        if prompt.len() > self.config.max_model_len {
+            return Err(SchedulerError::PromptTooLong {
+                len: prompt.len(),
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        let needed = blocks_for(prompt.len(), self.config.block_size);
+        if needed > self.config.num_blocks {
+            return Err(SchedulerError::PromptExceedsPool {
+                needed,
+                num_blocks: self.config.num_blocks,
+            });
+        }
+        if self.seqs.contains_key(&seq_id) {
+            return Err(SchedulerError::DuplicateSeqId(seq_id));
+        }
+        let mut seq = Sequence::new(self.next_generation, prompt);
+        seq.remote = remote;
+        self.next_generation += 1;
+        if self.config.enable_prefix_caching {
+            seq.extend_hashes(&self.config.hasher);
+        }
+        self.seqs.insert(seq_id, seq);
+        self.waiting.push_back(seq_id);
+        Ok(())
+    }
+
+    /// Plans the next step.
+    ///
+    /// # Panics
+    /// If the previous step's output was not given back to `update_from_output` or
+    /// `abort_step`: two steps in flight would compute the same tokens twice.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        assert!(
+            self.in_flight.is_none(),
+            "schedule() called while a step is in flight; pass its output to \
+             update_from_output or abort_step first"
+        );
+        self.next_step_id += 1;
+        let mut out = SchedulerOutput {
+            step: StepInput::default(),
+            preempted: Vec::new(),
+            admitted: Vec::new(),
+            remote_admitted: Vec::new(),
+            step_id: self.next_step_id,
+            scheduled: Vec::new(),
+        };
+        let mut budget = self.config.max_num_batched_tokens;
+
+        // Running sequences first, in admission order; only they can preempt.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let n = self.seqs[&id].num_uncomputed().min(budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            if !self.reserve_or_preempt(id, n, &mut out.preempted) {
+                break;
+            }
+            self.push_chunk(id, n, &mut out);
+            budget -= n;
+            i += 1;
+        }
+
+        // Then waiting ones, first come first served; not while memory is short. A remote
+        // prefill takes blocks and a slot but no token budget.
+        if out.preempted.is_empty() {
+            while self.running.len() + self.awaiting_kv.len() < self.config.max_num_seqs {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                if self.seqs[&id].remote.is_some() {
+                    let Some(admission) = self.try_admit_remote(id) else {
+                        break;
+                    };
+                    out.remote_admitted.push(admission);
+                    continue;
+                }
+                if budget == 0 {
+                    break;
+                }
+                let Some((n, admission)) = self.try_admit(id, budget) else {
+                    break;
+                };
+                self.push_chunk(id, n, &mut out);
+                out.admitted.push(admission);
+                budget -= n;
+            }
+        }
+
+        self.in_flight = Some(out.step_id);
+        out
+    }
+
+    /// Ends the step in flight: marks every chunk computed, caches newly full blocks and
+    /// appends each sampled token (one per chunk that returned logits, none for others).
+    /// Sequences finished meanwhile are skipped, and tokens for them ignored.
+    ///
+    /// On error nothing is applied and the step counts as aborted: its chunks are planned
+    /// again by the next `schedule`.
+    pub fn update_from_output(
+        &mut self,
+        output: SchedulerOutput,
+        sampled: &[(SeqId, TokenId)],
+    ) -> Result<StepOutcome, SchedulerError> {
+        if self.in_flight != Some(output.step_id) {
+            return Err(SchedulerError::StaleOutput);
+        }
+        self.in_flight = None;
+        let tokens = self.check_sampled(&output.scheduled, sampled)?;
+
+        let mut outcome = StepOutcome::default();
+        let max_len = self.max_seq_len();
+        for r in &output.scheduled {
+            let Some(seq) = self.seqs.get_mut(&r.seq_id) else {
+                continue;
+            };
+            if seq.generation != r.generation {
+                continue;
+            }
+            seq.num_computed += r.num_tokens;
+            if self.config.enable_prefix_caching {
+                cache_computed_blocks(&mut self.pool, seq, self.config.block_size);
+            }
+            if let Some(&token) = tokens.get(&r.seq_id) {
+                seq.tokens.push(token);
+                if self.config.enable_prefix_caching {
+                    seq.extend_hashes(&self.config.hasher);
+                }
+                if seq.tokens.len() >= max_len {
+                    outcome.context_full.push(r.seq_id);
+                }
+            }
+        }
+        for &id in &outcome.context_full {
+            self.finish(id);
+        }
+        Ok(outcome)
+    }
+
+    /// Ends the step in flight without results (the runner failed). Nothing is marked
+    /// computed; the same work is planned again by the next `schedule`.
+    pub fn abort_step(&mut self, output: SchedulerOutput) {
+        if self.in_flight == Some(output.step_id) {
+            self.in_flight = None;
+        }
+    }
+
+    /// Removes a finished or cancelled sequence and frees its blocks; computed full blocks stay
+    /// in the prefix cache. Returns false if no such sequence exists.
+    pub fn finish(&mut self, seq_id: SeqId) -> bool {
+        let Some(seq) = self.seqs.remove(&seq_id) else {
+            return false;
+        };
+        self.running.retain(|&id| id != seq_id);
+        self.waiting.retain(|&id| id != seq_id);
+        self.awaiting_kv.retain(|&id| id != seq_id);
+        self.pool
+            .free(&seq.blocks)
+            .expect("a sequence holds one reference on each of its blocks");
+        true
+    }
+
+    /// Ends the remote prefill of `seq_id`: its prompt's KV is in its blocks. Marks the prompt
+    /// computed (its full blocks become prefix hits) and appends `first_token`, sampled by the
+    /// prefill worker, so the sequence decodes from the next step. Allowed while a step is in
+    /// flight (the sequence is in none). If the token fills the context, the sequence is
+    /// finished and listed in `context_full`.
+    pub fn complete_remote_prefill(
+        &mut self,
+        seq_id: SeqId,
+        first_token: TokenId,
+    ) -> Result<StepOutcome, SchedulerError> {
+        let Some(pos) = self.awaiting_kv.iter().position(|&id| id == seq_id) else {
+            return Err(SchedulerError::NotAwaitingKv(seq_id));
+        };
+        self.awaiting_kv.remove(pos);
+        let seq = self.seqs.get_mut(&seq_id).expect("awaiting sequences exist");
+        seq.remote = None;
+        seq.num_computed = seq.tokens.len();
+        if self.config.enable_prefix_caching {
+            cache_computed_blocks(&mut self.pool, seq, self.config.block_size);
+        }
+        seq.tokens.push(first_token);
+        if self.config.enable_prefix_caching {
+            seq.extend_hashes(&self.config.hasher);
+        }
+        let full = seq.tokens.len() >= self.max_seq_len();
+        self.running.push(seq_id);
+        let mut outcome = StepOutcome::default();
+        if full {
+            self.finish(seq_id);
+            outcome.context_full.push(seq_id);
+        }
+        Ok(outcome)
+    }
+
+    /// Gives up on the remote prefill of `seq_id`: releases the blocks reserved for the
+    /// transfer and puts the sequence at the head of the queue to prefill locally. Works
+    /// whether it was admitted already or still queued. False if `seq_id` is not a remote
+    /// prefill.
+    pub fn fail_remote_prefill(&mut self, seq_id: SeqId) -> bool {
+        let Some(seq) = self.seqs.get_mut(&seq_id) else {
+            return false;
+        };
+        if seq.remote.take().is_none() {
+            return false;
+        }
+        if let Some(pos) = self.awaiting_kv.iter().position(|&id| id == seq_id) {
+            self.awaiting_kv.remove(pos);
+            self.pool
+                .free(&seq.blocks)
+                .expect("a sequence holds one reference on each of its blocks");
+            seq.blocks.clear();
+            seq.num_computed = 0;
+            seq.num_cached_blocks = 0;
+            self.waiting.push_front(seq_id);
+        }
+        true
+    }
+
+    /// The scheduler's clock: starts the timeout of every transfer admitted since the last
+    /// call, and falls back (see `fail_remote_prefill`) every transfer whose deadline is not
+    /// after `now`. Returns the sequences that fell back, which will now prefill locally.
+    pub fn handle_timeouts(&mut self, now: Instant) -> Vec<SeqId> {
+        let mut expired = Vec::new();
+        for &id in &self.awaiting_kv {
+            let remote = self
+                .seqs
+                .get_mut(&id)
+                .and_then(|s| s.remote.as_mut())
+                .expect("awaiting sequences are remote");
+            match remote.deadline {
+                None => remote.deadline = Some(now + remote.timeout),
+                Some(d) if d <= now => expired.push(id),
+                Some(_) => {}
+            }
+        }
+        for &id in &expired {
+            self.fail_remote_prefill(id);
+        }
+        expired
+    }
+
+    /// The earliest transfer deadline: call `handle_timeouts` then (and after every
+    /// `schedule` that admitted a remote prefill, to start its clock).
+    pub fn next_timeout(&self) -> Option<Instant> {
+        self.awaiting_kv
+            .iter()
+            .filter_map(|id| self.seqs[id].remote.and_then(|r| r.deadline))
+            .min()
+    }
+
+    /// Admitted remote-prefill sequences whose KV has not arrived yet.
+    pub fn num_awaiting_kv(&self) -> usize {
+        self.awaiting_kv.len()
+    }
+
+    /// Whether `seq_id` holds blocks and waits for its prompt's KV.
+    pub fn is_awaiting_kv(&self, seq_id: SeqId) -> bool {
+        self.awaiting_kv.contains(&seq_id)
+    }
+
+    /// How many leading tokens of `prompt` the prefix cache holds now, as admission would count
+    /// them (whole blocks, leaving at least one token to compute). Admission may find fewer
+    /// if blocks are evicted meanwhile.
+    pub fn probe_prefix(&self, prompt: &[TokenId]) -> usize {
+        if !self.config.enable_prefix_caching || prompt.is_empty() {
+            return 0;
+        }
+        let bs = self.config.block_size;
+        let hashes = self.config.hasher.sequence_hashes(prompt);
+        let hits = self.pool.lookup_prefix(&hashes).len();
+        hits.min((prompt.len() - 1) / bs) * bs
+    }
+
+    pub fn sequence_tokens(&self, seq_id: SeqId) -> Option<SequenceTokens<'_>> {
+        self.seqs.get(&seq_id).map(|s| {
+            let (prompt, output) = s.tokens.split_at(s.num_prompt_tokens);
+            SequenceTokens { prompt, output }
+        })
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Whether any sequence is waiting, running or awaiting remote KV.
+    pub fn has_work(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Fraction of KV blocks in use.
+    pub fn block_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Preemptions since start.
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Starts or stops recording prefix-cache changes (off by default; see `BlockPool`).
+    pub fn set_record_kv_events(&mut self, on: bool) {
+        self.pool.set_record_events(on);
+    }
+
+    /// Prefix-cache changes since the last call, for the cluster's prefix index.
+    pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
+        self.pool.drain_events()
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// Longest a sequence may grow: its last token must have a position the model and the
+    /// pool can hold, so nothing ever waits for more blocks than exist.
+    fn max_seq_len(&self) -> usize {
+        self.config
+            .max_model_len
+            .min(self.config.num_blocks * self.config.block_size)
+    }
+
+    /// Gives running sequence `id` blocks for `n` more tokens, preempting the most recently
+    /// admitted sequences while the pool is short. False if `id` itself had to be preempted.
+    fn reserve_or_preempt(&mut self, id: SeqId, n: usize, preempted: &mut Vec<SeqId>) -> bool {
+        loop {
+            let seq = &self.seqs[&id];
+            // An aborted step may have left more blocks than this chunk needs.
+            let missing = blocks_for(seq.num_computed + n, self.config.block_size)
+                .saturating_sub(seq.blocks.len());
+            if let Some(blocks) = self.pool.allocate(missing) {
+                self.seqs.get_mut(&id).unwrap().blocks.extend(blocks);
+                return true;
+            }
+            let victim = self.running.pop().expect("`id` is running");
+            self.preempt(victim);
+            preempted.push(victim);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    /// Frees a running sequence's KV and puts it at the head of the queue to recompute.
+    fn preempt(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("running sequences exist");
+        self.pool
+            .free(&seq.blocks)
+            .expect("a sequence holds one reference on each of its blocks");
+        seq.blocks.clear();
+        seq.num_computed = 0;
+        seq.num_cached_blocks = 0;
+        self.waiting.push_front(id);
+        self.num_preemptions += 1;
+    }
+
+    /// Admits the head of the queue if blocks allow: takes its cached prefix, allocates the
+    /// rest of its first chunk and moves it to running. Returns the chunk length.
+    fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<(usize, Admission)> {
+        let bs = self.config.block_size;
+        let seq = &self.seqs[&id];
+        let mut hits = Vec::new();
+        if self.config.enable_prefix_caching {
+            hits = self.pool.lookup_prefix(&seq.hashes);
+            // Leave at least one token to compute, so the step yields logits.
+            hits.truncate((seq.tokens.len() - 1) / bs);
+        }
+        let num_cached = hits.len() * bs;
+        let n = (seq.tokens.len() - num_cached).min(budget);
+        let new_blocks = blocks_for(num_cached + n, bs) - hits.len();
+        // Hits that sit on the free list cost a free block, like a fresh allocation.
+        let revived = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
+        if new_blocks + revived > self.pool.num_free() {
+            return None;
+        }
+        // Take the hits before allocating, or the allocation could evict them.
+        self.pool.take(&hits).expect("hits are pool blocks");
+        let fresh = self.pool.allocate(new_blocks).expect("checked num_free");
+
+        let seq = self.seqs.get_mut(&id).unwrap();
+        seq.num_cached_blocks = hits.len();
+        seq.blocks = hits;
+        seq.blocks.extend(fresh);
+        seq.num_computed = num_cached;
+        let resumed = std::mem::replace(&mut seq.admitted_before, true);
+        self.waiting.pop_front();
+        self.running.push(id);
+        Some((
+            n,
+            Admission {
+                seq_id: id,
+                num_cached_tokens: num_cached,
+                resumed,
+            },
+        ))
+    }
+
+    /// Admits the head of the queue for a remote prefill if blocks allow: takes its cached
+    /// prefix and allocates blocks for the rest of the prompt, which the transfer will fill.
+    fn try_admit_remote(&mut self, id: SeqId) -> Option<RemoteAdmission> {
+        let bs = self.config.block_size;
+        let seq = &self.seqs[&id];
+        let mut hits = Vec::new();
+        if self.config.enable_prefix_caching {
+            hits = self.pool.lookup_prefix(&seq.hashes);
+            hits.truncate((seq.tokens.len() - 1) / bs);
+        }
+        let new_blocks = blocks_for(seq.tokens.len(), bs) - hits.len();
+        let revived = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
+        if new_blocks + revived > self.pool.num_free() {
+            return None;
+        }
+        self.pool.take(&hits).expect("hits are pool blocks");
+        let fresh = self.pool.allocate(new_blocks).expect("checked num_free");
+
+        let seq = self.seqs.get_mut(&id).unwrap();
+        let num_cached = hits.len() * bs;
+        seq.num_cached_blocks = hits.len();
+        seq.blocks = hits;
+        seq.blocks.extend(&fresh);
+        seq.num_computed = num_cached;
+        seq.admitted_before = true;
+        self.waiting.pop_front();
+        self.awaiting_kv.push(id);
+        Some(RemoteAdmission {
+            seq_id: id,
+            num_cached_tokens: num_cached,
+            blocks: fresh,
+        })
+    }
+
+    fn push_chunk(&self, id: SeqId, n: usize, out: &mut SchedulerOutput) {
+        let seq = &self.seqs[&id];
+        let start = seq.num_computed;
+        let want_logits = start + n == seq.tokens.len();
+        out.step.chunks.push(SeqChunk {
+            seq_id: id,
+            tokens: seq.tokens[start..start + n].to_vec(),
+            start_pos: start,
+            block_table: seq.blocks.clone(),
+            want_logits,
+        });
+        out.scheduled.push(Scheduled {
+            seq_id: id,
+            generation: seq.generation,
+            num_tokens: n,
+            want_logits,
+        });
+    }
+
+    /// One token per live chunk that returned logits, none for other chunks.
+    fn check_sampled(
+        &self,
+        scheduled: &[Scheduled],
+        sampled: &[(SeqId, TokenId)],
+    ) -> Result<HashMap<SeqId, TokenId>, SchedulerError> {
+        let wants: HashMap<SeqId, &Scheduled> = scheduled.iter().map(|r| (r.seq_id, r)).collect();
+        let mut tokens = HashMap::with_capacity(sampled.len());
+        for &(id, token) in sampled {
+            if !wants.get(&id).is_some_and(|r| r.want_logits) {
+                return Err(SchedulerError::UnexpectedToken(id));
+            }
+            if tokens.insert(id, token).is_some() {
+                return Err(SchedulerError::DuplicateToken(id));
+            }
+        }
+        for r in scheduled {
+            let live = self
+                .seqs
+                .get(&r.seq_id)
+                .is_some_and(|s| s.generation == r.generation);
+            if live && r.want_logits && !tokens.contains_key(&r.seq_id) {
+                return Err(SchedulerError::MissingToken(r.seq_id));
+            }
+        }
+        Ok(tokens)
+    }
+}
+
+/// Registers the sequence's computed full blocks in the prefix cache.
+fn cache_computed_blocks(pool: &mut BlockPool, seq: &mut Sequence, block_size: usize) {
+    let full = seq.num_computed / block_size;
+    for i in seq.num_cached_blocks..full {
+        pool.cache_full_block(seq.blocks[i], seq.hashes[i])
+            .expect("a running sequence holds its blocks, each hashed once");
+    }
+    seq.num_cached_blocks = seq.num_cached_blocks.max(full);
+}
+
+#[cfg(test)]
+mod tests;

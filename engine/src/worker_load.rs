@@ -1,0 +1,107 @@
+//! A worker's live load, published by its engine thread and read by routers without locks.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// A snapshot of one worker's load: what a routing policy weighs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerLoad {
+    /// Requests holding KV blocks (computing, decoding or awaiting a transfer).
+    pub running: usize,
+    /// Requests accepted but not yet holding blocks.
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+}
+
+impl WorkerLoad {
+    /// Fraction of KV blocks in use, in `[0, 1]`.
+    pub fn kv_usage(&self) -> f64 {
+        if self.kv_blocks_total == 0 {
+            0.0
+        } else {
+            self.kv_blocks_used as f64 / self.kv_blocks_total as f64
+        }
+    }
+}
+
+/// Where the engine thread publishes its [`WorkerLoad`]; each field is read atomically, the
+/// snapshot as a whole may mix two publications.
+#[derive(Debug, Default)]
+pub struct LoadCell {
+    running: AtomicUsize,
+    waiting: AtomicUsize,
+    kv_blocks_used: AtomicUsize,
+    kv_blocks_total: AtomicUsize,
+}
+
+impl LoadCell {
+    pub fn publish(&self, load: WorkerLoad) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.kv_blocks_used.store(load.kv_blocks_used, Ordering::Relaxed);
+        self.kv_blocks_total.store(load.kv_blocks_total, Ordering::Relaxed);
+    }
+
+    pub fn get(&self) -> WorkerLoad {
+        WorkerLoad {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
+            kv_blocks_total: self.kv_blocks_total.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A bounded count of requests admitted to a worker's queue, shared by its handles (which
+/// take slots) and its thread (which gives them back).
+#[derive(Debug)]
+pub struct QueueSlots {
+    used: AtomicUsize,
+    capacity: usize,
+}
+
+impl QueueSlots {
+    pub fn new(capacity: usize) -> Self {
+        QueueSlots {
+            used: AtomicUsize::new(0),
+            capacity,
+        }
+    }
+
+    /// Takes a slot; false when all are taken.
+    pub fn try_take(&self) -> bool {
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.capacity).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    pub fn give_back(&self) {
+        let prev = self.used.fetch_sub(1, Ordering::AcqRel);
+        debug_assert!(prev > 0, "a queue slot was given back twice");
+    }
+
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_bounded() {
+        let q = QueueSlots::new(2);
+        assert!(q.try_take() && q.try_take());
+        assert!(!q.try_take());
+        q.give_back();
+        assert!(q.try_take());
+        assert_eq!(q.used(), 2);
+    }
+}

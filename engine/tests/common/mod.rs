@@ -1,0 +1,33 @@
+//! Shared by the engine's integration tests: the real model (loaded once) and the golden data.
+
+#![allow(dead_code)]
+
+use kvmesh_engine::model::LlamaModel;
+use kvmesh_engine::tokenizer::Tokenizer;
+use std::sync::{Arc, OnceLock};
+
+/// The golden outputs recorded from llama.cpp.
+pub fn golden() -> &'static serde_json::Value {
+    static GOLDEN: OnceLock<serde_json::Value> = OnceLock::new();
+    GOLDEN.get_or_init(|| {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/golden/smollm2_golden.json");
+        let text = std::fs::read_to_string(path)
+            .unwrap_or_else(|e| panic!("reading {path}: {e} (is ../shared beside the repo?)"));
+        serde_json::from_str(&text).expect("golden file is JSON")
+    })
+}
+
+/// The default model, loaded once per test binary.
+pub fn model() -> &'static (Arc<LlamaModel>, Arc<Tokenizer>) {
+    static MODEL: OnceLock<(Arc<LlamaModel>, Arc<Tokenizer>)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+        assert!(
+            path.exists(),
+            "model missing at {}: run `kvmesh fetch-model` (scripts/test.sh does)",
+            path.display()
+        );
+        let loaded = kvmesh_engine::load(&path).expect("model loads");
+        (loaded.model, loaded.tokenizer)
+    })
+}

@@ -1,0 +1,273 @@
+//! AVX-512 attention for one task (up to 16 query vectors of one GQA group), in three passes
+//! over the positions, 16 at a time:
+//! 1. scores: each chunk of 16 K rows is converted to f32 once; for each query, 16 lane-wise
+//!    FMA chains (head_dim in the lanes) are folded by one transposing reduction into a vector
+//!    of 16 scores — the canonical `dot16` per lane, with positions in the lanes;
+//! 2. softmax per query with positions in the lanes (16-lane class sums for `l`), then the
+//!    probabilities rounded to f16 as ggml does;
+//! 3. P·V with head_dim in the lanes, queries of one row sharing each converted V row.
+
+use super::{AttentionSeq, Ctx, Task, LANES, SCORES};
+use crate::cpu::exp::exp_avx512;
+use crate::cpu::lanes::avx512::{reduce16, reduce16x16, SLOT};
+use crate::cpu::par::{return_scratch, take_scratch};
+use half::f16;
+use std::arch::x86_64::*;
+
+/// Head sizes with a specialised kernel (multiples of 16 up to 128); others run portable.
+pub(super) fn supports(shape: &super::AttentionShape) -> bool {
+    matches!(shape.head_dim, 32 | 64 | 96 | 128)
+}
+
+/// # Safety
+/// AVX-512 F/BW/DQ/VL, FMA and F16C must be available; the task must own its output.
+pub(super) unsafe fn task(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+    // SAFETY: forwarded.
+    unsafe {
+        match ctx.shape.head_dim / 16 {
+            2 => task_d::<2, 4>(ctx, s, t),
+            4 => task_d::<4, 4>(ctx, s, t),
+            6 => task_d::<6, 2>(ctx, s, t),
+            _ => task_d::<8, 2>(ctx, s, t),
+        }
+    }
+}
+
+/// `D` registers per head vector; P·V handles up to `G` queries of a row per pass.
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
+unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+    let sh = &ctx.shape;
+    let hd = D * 16;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let nv = t.n_rows * t.n_heads;
+    // Query vector v = (row r, head hh), v = r * n_heads + hh, at position p(v).
+    let first_pos = s.start_pos + t.row0;
+    let pos_of = |v: usize| first_pos + v / t.n_heads;
+    let npos = first_pos + t.n_rows;
+    let nchunks = npos.div_ceil(LANES);
+    let stride = nchunks * LANES;
+
+    let mut buf = take_scratch(&SCORES);
+    buf.clear();
+    buf.resize(nv * stride + 2 * nv * hd + LANES * hd, 0.0);
+    let (sc, rest) = buf.split_at_mut(nv * stride);
+    let (qs, rest) = rest.split_at_mut(nv * hd);
+    let (acc, kv) = rest.split_at_mut(nv * hd);
+    for v in 0..nv {
+        let row = s.q_offset + t.row0 + v / t.n_heads;
+        let h = t.h0 + v % t.n_heads;
+        let q = &ctx.q[row * sh.q_row() + h * hd..][..hd];
+        for (a, &b) in qs[v * hd..(v + 1) * hd].iter_mut().zip(q) {
+            *a = f16::from_f32(b).to_f32();
+        }
+    }
+
+    // SAFETY: cache rows come from the validated block table; all scratch indexing stays
+    // inside the slices carved above; output writes are this task's (row, head) slots.
+    unsafe {
+        // 1. Scores.
+        for c in 0..nchunks {
+            load_chunk::<D>(ctx, s, t, ctx.k, kv, c * LANES, npos);
+            for v in 0..nv {
+                if pos_of(v) < c * LANES {
+                    continue;
+                }
+                let out = sc.as_mut_ptr().add(v * stride + c * LANES);
+                scores16::<D>(qs.as_ptr().add(v * hd), kv.as_ptr(), out);
+            }
+        }
+
+        // 2. Softmax per query over positions 0..=p; probabilities rounded to f16.
+        let scale = _mm512_set1_ps(scale);
+        for v in 0..nv {
+            let p = pos_of(v);
+            let row = sc.as_mut_ptr().add(v * stride);
+            let last = p / LANES;
+            let tail: __mmask16 = ((1u32 << (p % LANES + 1)) - 1) as u16;
+            let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+            for c in 0..=last {
+                let m = if c == last { tail } else { 0xFFFF };
+                let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(c * LANES)), scale);
+                mx = _mm512_mask_max_ps(mx, m, mx, x);
+            }
+            let mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+            let mut cls = _mm512_setzero_ps();
+            for c in 0..=last {
+                let m = if c == last { tail } else { 0xFFFF };
+                let x = _mm512_mul_ps(_mm512_loadu_ps(row.add(c * LANES)), scale);
+                let e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(x, mx)));
+                _mm512_storeu_ps(row.add(c * LANES), e);
+                cls = _mm512_add_ps(cls, e);
+            }
+            let inv_l = _mm512_set1_ps(1.0 / reduce16(cls));
+            for c in 0..=last {
+                let e = _mm512_mul_ps(_mm512_loadu_ps(row.add(c * LANES)), inv_l);
+                let w = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(e));
+                _mm512_storeu_ps(row.add(c * LANES), w);
+            }
+        }
+
+        // 3. P·V, row by row; the heads of a row share p and each converted V row.
+        for c in 0..nchunks {
+            load_chunk::<D>(ctx, s, t, ctx.v, kv, c * LANES, npos);
+            for r in 0..t.n_rows {
+                let p = first_pos + r;
+                if p < c * LANES {
+                    continue;
+                }
+                let tmax = LANES.min(p + 1 - c * LANES);
+                let mut h = 0;
+                while h < t.n_heads {
+                    let g = G.min(t.n_heads - h);
+                    let v = r * t.n_heads + h;
+                    let a = acc.as_mut_ptr().add(v * hd);
+                    let e = sc.as_ptr().add(v * stride + c * LANES);
+                    let vr = kv.as_ptr();
+                    match g {
+                        1 => pv::<D, 1>(a, hd, e, stride, vr, tmax),
+                        2 => pv::<D, 2>(a, hd, e, stride, vr, tmax),
+                        3 => pv::<D, 3>(a, hd, e, stride, vr, tmax),
+                        _ => pv::<D, 4>(a, hd, e, stride, vr, tmax),
+                    }
+                    h += g;
+                }
+            }
+        }
+
+        for v in 0..nv {
+            let row = s.q_offset + t.row0 + v / t.n_heads;
+            let h = t.h0 + v % t.n_heads;
+            let o = ctx.out.get().add(row * sh.q_row() + h * hd);
+            for j in 0..D {
+                let x = _mm512_loadu_ps(acc.as_ptr().add(v * hd + 16 * j));
+                _mm512_storeu_ps(o.add(16 * j), x);
+            }
+        }
+    }
+    return_scratch(&SCORES, buf);
+}
+
+/// Converts the 16 cache rows from position `pos0` (zeros from `npos` on) into `kv` as f32.
+#[inline]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn load_chunk<const D: usize>(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    cache: &[f16],
+    kv: &mut [f32],
+    pos0: usize,
+    npos: usize,
+) {
+    let sh = &ctx.shape;
+    let hd = D * 16;
+    assert!(kv.len() >= LANES * hd);
+    // The blocks are scattered, so hardware prefetchers cannot guess the next chunk: fetch
+    // the rows two chunks ahead while this one converts.
+    let ahead = pos0 + 2 * LANES;
+    for i in 0..LANES {
+        let pos = ahead + i;
+        if pos >= npos {
+            break;
+        }
+        let block = s.block_table[pos / sh.block_size] as usize;
+        let src = cache
+            .as_ptr()
+            .wrapping_add(sh.cache_offset(block, t.kv, pos % sh.block_size));
+        for line in (0..hd * 2).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(src.cast::<i8>().wrapping_add(line));
+        }
+    }
+    for i in 0..LANES {
+        let pos = pos0 + i;
+        // SAFETY: `kv` holds 16 rows of hd; cache rows come from the validated block table.
+        unsafe {
+            let dst = kv.as_mut_ptr().add(i * hd);
+            if pos < npos {
+                let block = s.block_table[pos / sh.block_size] as usize;
+                let src = cache
+                    .as_ptr()
+                    .add(sh.cache_offset(block, t.kv, pos % sh.block_size));
+                for j in 0..D {
+                    _mm512_storeu_ps(dst.add(16 * j), load_f16x16(src.add(16 * j)));
+                }
+            } else {
+                for j in 0..D {
+                    _mm512_storeu_ps(dst.add(16 * j), _mm512_setzero_ps());
+                }
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,f16c")]
+unsafe fn load_f16x16(p: *const f16) -> __m512 {
+    // SAFETY: the caller guarantees 16 readable halves.
+    _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p.cast()) })
+}
+
+/// Scores of one query (`q`, hd floats) against 16 f32 key rows (`k`, stride hd) into
+/// `out[0..16]`: per row the canonical `dot16` (lane-wise FMA chain, then the fixed tree).
+#[inline]
+#[target_feature(enable = "avx512f,avx512dq,fma")]
+unsafe fn scores16<const D: usize>(q: *const f32, k: *const f32, out: *mut f32) {
+    let hd = D * 16;
+    // SAFETY: q has hd floats, k has 16 * hd, out has 16.
+    unsafe {
+        let mut qv = [_mm512_setzero_ps(); D];
+        for (j, r) in qv.iter_mut().enumerate() {
+            *r = _mm512_loadu_ps(q.add(16 * j));
+        }
+        let mut part = [_mm512_setzero_ps(); 16];
+        for (t, &slot) in SLOT.iter().enumerate() {
+            let kr = k.add(t * hd);
+            let mut a = _mm512_setzero_ps();
+            for (j, &qj) in qv.iter().enumerate() {
+                a = _mm512_fmadd_ps(qj, _mm512_loadu_ps(kr.add(16 * j)), a);
+            }
+            part[slot] = a;
+        }
+        _mm512_storeu_ps(out, reduce16x16(&part));
+    }
+}
+
+/// `acc[g] += Σ_{t < tmax} e[g][t] * v[t]` for `G` queries, in position order.
+/// `acc` rows are `hd` apart, `e` rows `e_stride` apart, `v` rows `hd` apart.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn pv<const D: usize, const G: usize>(
+    acc: *mut f32,
+    hd: usize,
+    e: *const f32,
+    e_stride: usize,
+    v: *const f32,
+    tmax: usize,
+) {
+    // SAFETY: the caller sizes every buffer for G queries, tmax rows and hd columns.
+    unsafe {
+        let mut a = [[_mm512_setzero_ps(); D]; G];
+        for (g, ag) in a.iter_mut().enumerate() {
+            for (j, r) in ag.iter_mut().enumerate() {
+                *r = _mm512_loadu_ps(acc.add(g * hd + 16 * j));
+            }
+        }
+        for t in 0..tmax {
+            let mut vr = [_mm512_setzero_ps(); D];
+            for (j, r) in vr.iter_mut().enumerate() {
+                *r = _mm512_loadu_ps(v.add(t * hd + 16 * j));
+            }
+            for (g, ag) in a.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*e.add(g * e_stride + t));
+                for (r, &x) in ag.iter_mut().zip(&vr) {
+                    *r = _mm512_fmadd_ps(w, x, *r);
+                }
+            }
+        }
+        for (g, ag) in a.iter().enumerate() {
+            for (j, &r) in ag.iter().enumerate() {
+                _mm512_storeu_ps(acc.add(g * hd + 16 * j), r);
+            }
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! Activation quantization for the integer matmul path: each row is cut into blocks of 32 and
+//! each block becomes `d = max|x| / 127`, `q = round_half_even(x / d)` (via `x * (1/d)`, as
+//! ggml does), plus the block sums the weight formats need.
+
+use crate::cpu::Isa;
+
+/// One quantized block of 32 activations.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(16))]
+pub(crate) struct ActBlock {
+    pub q: [i8; 32],
+    /// Scale: `x ≈ d * q`.
+    pub d: f32,
+    /// `d * Σq`, for the Q4_1/Q4_0 offset term `m * Σx`.
+    pub s: f32,
+    /// `-128 * Σq`: the Q8_0 kernel runs weights as `q + 128` (unsigned) and subtracts this.
+    pub corr: i32,
+    _pad: i32,
+}
+
+/// The activation scales of one block for a tile of 16 rows, laid out for the AMX kernel
+/// (which broadcasts them at constant offsets).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C, align(64))]
+pub(crate) struct TileScales {
+    pub d: [f32; 16],
+    pub s: [f32; 16],
+}
+
+/// Gathers [`TileScales`] for the first `m / 16 * 16` rows of `acts` (`nb` blocks per row),
+/// indexed `[tile * nb + block]`.
+pub(crate) fn tile_scales(acts: &[ActBlock], nb: usize, out: &mut Vec<TileScales>) {
+    let tiles = acts.len() / nb / 16;
+    out.clear();
+    out.resize(tiles * nb, TileScales::default());
+    for (i, ts) in out.iter_mut().enumerate() {
+        let (t, b) = (i / nb, i % nb);
+        for r in 0..16 {
+            let a = &acts[(16 * t + r) * nb + b];
+            ts.d[r] = a.d;
+            ts.s[r] = a.s;
+        }
+    }
+}
+
+/// Quantizes `x = [m, k]` (k a multiple of 32) into `out = [m, k/32]` blocks.
+pub(crate) fn quantize(isa: Isa, x: &[f32], out: &mut Vec<ActBlock>) {
+    debug_assert!(x.len().is_multiple_of(32));
+    out.clear();
+    out.resize(x.len() / 32, ActBlock::default());
+    let run = |xs: &[f32], os: &mut [ActBlock]| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only passed on when the CPU supports it.
+        Isa::Avx512 | Isa::Amx => unsafe { quantize_avx512(xs, os) },
+        _ => quantize_portable(xs, os),
+    };
+    // Large batches (prefill) are worth splitting; decode rows are not.
+    const CHUNK_BLOCKS: usize = 4096;
+    if out.len() > 2 * CHUNK_BLOCKS && rayon::current_num_threads() > 1 {
+        use rayon::prelude::*;
+        x.par_chunks(CHUNK_BLOCKS * 32)
+            .zip(out.par_chunks_mut(CHUNK_BLOCKS))
+            .for_each(|(xs, os)| run(xs, os));
+    } else {
+        run(x, out);
+    }
+}
+
+/// Stores the scale and sum rounded through f16, as ggml's Q8_1/Q8_0 blocks hold them: the
+/// rounding is part of llama.cpp's arithmetic, and matching it keeps our logits (and greedy
+/// tokens) on llama.cpp's, not merely near them.
+fn finish(block: &mut ActBlock, d: f32, isum: i32) {
+    block.d = half::f16::from_f32(d).to_f32();
+    block.s = half::f16::from_f32(d * isum as f32).to_f32();
+    block.corr = -128 * isum;
+}
+
+/// The reference: the AVX-512 version must match it bit for bit.
+pub(crate) fn quantize_portable(x: &[f32], out: &mut [ActBlock]) {
+    for (xs, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let mut isum = 0i32;
+        for (q, &v) in o.q.iter_mut().zip(xs) {
+            let r = (v * id).round_ties_even() as i32;
+            *q = r.clamp(-128, 127) as i8;
+            isum += *q as i32;
+        }
+        finish(o, d, isum);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn quantize_avx512(x: &[f32], out: &mut [ActBlock]) {
+    use std::arch::x86_64::*;
+    for (xs, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        // SAFETY: `xs` has 32 elements and `o.q` 32 bytes.
+        unsafe {
+            let v0 = _mm512_loadu_ps(xs.as_ptr());
+            let v1 = _mm512_loadu_ps(xs.as_ptr().add(16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            let d = amax / 127.0;
+            let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let q0 = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(v0, id));
+            let q1 = _mm512_cvt_roundps_epi32::<RNE>(_mm512_mul_ps(v1, id));
+            let b0 = _mm512_cvtsepi32_epi8(q0);
+            let b1 = _mm512_cvtsepi32_epi8(q1);
+            _mm_storeu_si128(o.q.as_mut_ptr().cast(), b0);
+            _mm_storeu_si128(o.q.as_mut_ptr().add(16).cast(), b1);
+            // Sum the saturated bytes, as the portable path does.
+            let s = _mm512_add_epi32(_mm512_cvtepi8_epi32(b0), _mm512_cvtepi8_epi32(b1));
+            finish(o, d, _mm512_reduce_add_epi32(s));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn zero_block_has_zero_scale() {
+        let mut out = Vec::new();
+        quantize(Isa::Portable, &[0.0; 32], &mut out);
+        assert_eq!(out[0].d, 0.0);
+        assert_eq!(out[0].q, [0; 32]);
+    }
+
+    #[test]
+    fn extremes_map_to_127() {
+        let mut x = [0.0f32; 32];
+        x[3] = -2.0;
+        x[7] = 1.0;
+        let mut out = Vec::new();
+        quantize(Isa::Portable, &x, &mut out);
+        assert_eq!(out[0].q[3], -127);
+        assert_eq!(out[0].q[7], 64); // 63.5 rounds half to even
+        assert_eq!(out[0].corr, -128 * (64 - 127));
+    }
+
+    proptest! {
+        #[test]
+        fn avx512_matches_portable(v in proptest::collection::vec(-100.0f32..100.0, 32..=320)) {
+            prop_assume!(Isa::Avx512.is_supported());
+            let n = v.len() / 32 * 32;
+            let mut a = Vec::new();
+            let mut b = Vec::new();
+            quantize(Isa::Portable, &v[..n], &mut a);
+            quantize(Isa::Avx512, &v[..n], &mut b);
+            for (x, y) in a.iter().zip(&b) {
+                prop_assert_eq!(x.q, y.q);
+                prop_assert_eq!(x.d.to_bits(), y.d.to_bits());
+                prop_assert_eq!(x.s.to_bits(), y.s.to_bits());
+                prop_assert_eq!(x.corr, y.corr);
+            }
+        }
+    }
+}

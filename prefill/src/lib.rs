@@ -1,0 +1,18 @@
+//! The prefill node: computes a prompt's KV cache and pushes it, layer by layer, into the
+//! blocks the decode node reserved for it, then returns the first token.
+//!
+//! A [`PrefillWorker`] is a dedicated OS thread that owns an engine (its own KV pool with
+//! prefix caching). [`PrefillHandle`]s (cheap clones, any thread) submit
+//! [`PrefillRequest`]s; the reply (first token and its log-probabilities, or why not) comes back
+//! on the channel passed with the request. The KV travels separately, through a
+//! `kvmesh_transfer::Transport`, one chunk per layer per engine step, so the transfer overlaps
+//! the compute of the layers still to go. The same messages will cross machines (gRPC for the
+//! requests, QUIC or RDMA for the KV) in the multi-process mesh.
+
+mod push;
+mod request;
+mod worker;
+
+pub use push::KvPush;
+pub use request::{CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest};
+pub use worker::{PrefillConfig, PrefillHandle, PrefillWorker};

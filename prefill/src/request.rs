@@ -1,0 +1,128 @@
+//! The messages between a decode worker and a prefill worker.
+
+use crossbeam_channel::Sender;
+use kvmesh_common::{BlockId, NodeId, RequestId, SamplingParams, TokenId};
+use kvmesh_engine::sampler::Sampled;
+use kvmesh_transfer::TransportError;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Where the prompt's KV goes: a node and, in prompt order, the blocks there that receive
+/// the KV of the prompt's blocks from `cached_prefix_len / block_size` on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvDestination {
+    pub node: NodeId,
+    pub blocks: Vec<BlockId>,
+}
+
+/// Cancels a request across workers: the decode worker keeps one clone, the prefill worker
+/// checks the other before every step.
+#[derive(Clone, Debug, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Decode worker -> prefill worker: compute `prompt`, push its KV to `destination`, sample the
+/// first token.
+#[derive(Clone, Debug)]
+pub struct PrefillRequest {
+    pub request_id: RequestId,
+    pub prompt: Vec<TokenId>,
+    /// The request's parameters; set `seed` so the decode worker's later draws continue the
+    /// same random stream.
+    pub params: SamplingParams,
+    /// Leading prompt tokens the destination has already (whole blocks): not sent.
+    pub cached_prefix_len: usize,
+    pub destination: KvDestination,
+    pub cancel: CancelToken,
+}
+
+/// The prompt was computed and every chunk of its KV was handed to the transport.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillDone {
+    /// The first generated token, with its log-probabilities.
+    pub first: Sampled,
+    /// Prompt tokens the prefill worker served from its own prefix cache.
+    pub cached_tokens: usize,
+    pub chunks_sent: u32,
+    pub bytes_sent: u64,
+}
+
+/// Why a prefill did not complete; the decode worker then prefills locally.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PrefillError {
+    #[error("invalid prefill request: {0}")]
+    InvalidRequest(String),
+    #[error("the prefill worker's queue is full")]
+    Overloaded,
+    #[error("the prefill worker is draining or stopped")]
+    Unavailable,
+    #[error("cancelled")]
+    Cancelled,
+    #[error("KV transfer failed: {0}")]
+    Transfer(#[from] TransportError),
+    #[error("prefill failed: {0}")]
+    Engine(String),
+}
+
+/// Prefill worker -> decode worker: how one request ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrefillReply {
+    pub request_id: RequestId,
+    pub result: Result<PrefillDone, PrefillError>,
+}
+
+/// Sends exactly one reply: if the worker drops a request without answering (it stopped or
+/// panicked), the drop answers `Unavailable`, so the decode worker need not wait for its
+/// deadline.
+#[derive(Debug)]
+pub(crate) struct ReplyTo {
+    request_id: RequestId,
+    tx: Option<Sender<PrefillReply>>,
+}
+
+impl ReplyTo {
+    pub(crate) fn new(request_id: RequestId, tx: Sender<PrefillReply>) -> Self {
+        ReplyTo {
+            request_id,
+            tx: Some(tx),
+        }
+    }
+
+    pub(crate) fn send(mut self, result: Result<PrefillDone, PrefillError>) {
+        self.send_once(result);
+    }
+
+    /// Drops without replying: the caller reported the failure synchronously.
+    pub(crate) fn disarm(mut self) {
+        self.tx = None;
+    }
+
+    fn send_once(&mut self, result: Result<PrefillDone, PrefillError>) {
+        if let Some(tx) = self.tx.take() {
+            // A decode worker that went away needs no answer.
+            let _ = tx.send(PrefillReply {
+                request_id: self.request_id,
+                result,
+            });
+        }
+    }
+}
+
+impl Drop for ReplyTo {
+    fn drop(&mut self) {
+        self.send_once(Err(PrefillError::Unavailable));
+    }
+}

@@ -1,0 +1,482 @@
+//! The prefill worker thread and its handle.
+
+use crate::push::KvPush;
+use crate::request::{CancelToken, KvDestination, PrefillDone, PrefillError, PrefillRequest, ReplyTo};
+use crate::PrefillReply;
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+use kvmesh_common::{NodeId, RequestId};
+use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
+use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
+use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
+use kvmesh_engine::worker_metrics::WorkerMetrics;
+use kvmesh_transfer::{BlockShape, KvChunk, Transport, TransportError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A prefill worker's own settings (its engine is configured where it is built).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillConfig {
+    pub node_id: NodeId,
+    /// Requests accepted and not yet answered; more are refused with `Overloaded`, so the
+    /// decode worker prefills locally or tries another prefill worker.
+    pub max_queued_requests: usize,
+    /// How long one chunk may wait for room in the destination's queue before the transfer
+    /// counts as failed.
+    pub send_timeout: Duration,
+}
+
+impl PrefillConfig {
+    pub fn new(node_id: NodeId) -> Self {
+        PrefillConfig {
+            node_id,
+            max_queued_requests: 256,
+            send_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+enum Inbox {
+    Prefill(PrefillRequest, ReplyTo, Instant),
+    /// Wakes the thread to notice a drain.
+    Wake,
+    Stop,
+}
+
+struct Shared {
+    node_id: NodeId,
+    kv_shape: KvShape,
+    queue: QueueSlots,
+    draining: AtomicBool,
+    load: LoadCell,
+}
+
+/// Submits requests to one prefill worker. Cheap to clone; usable from any thread.
+#[derive(Clone)]
+pub struct PrefillHandle {
+    inbox: Sender<Inbox>,
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PrefillHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillHandle")
+            .field("node_id", &self.shared.node_id)
+            .finish()
+    }
+}
+
+impl PrefillHandle {
+    pub fn node_id(&self) -> NodeId {
+        self.shared.node_id
+    }
+
+    /// The worker's KV shape: a destination must use the same block size and layout.
+    pub fn kv_shape(&self) -> KvShape {
+        self.shared.kv_shape
+    }
+
+    /// Queues `request`; its reply arrives on `reply` (exactly one, also when the worker stops
+    /// first). Never blocks. An error here means no reply will come.
+    pub fn prefill(
+        &self,
+        request: PrefillRequest,
+        reply: Sender<PrefillReply>,
+    ) -> Result<(), PrefillError> {
+        if self.shared.draining.load(Ordering::Acquire) {
+            return Err(PrefillError::Unavailable);
+        }
+        if !self.shared.queue.try_take() {
+            return Err(PrefillError::Overloaded);
+        }
+        let reply = ReplyTo::new(request.request_id, reply);
+        match self
+            .inbox
+            .try_send(Inbox::Prefill(request, reply, Instant::now()))
+        {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(msg) | TrySendError::Disconnected(msg)) => {
+                self.shared.queue.give_back();
+                if let Inbox::Prefill(_, reply, _) = msg {
+                    reply.disarm();
+                }
+                Err(PrefillError::Unavailable)
+            }
+        }
+    }
+
+    pub fn load(&self) -> WorkerLoad {
+        self.shared.load.get()
+    }
+
+    /// Stops accepting requests; those accepted are finished, then the thread exits.
+    pub fn drain(&self) {
+        self.shared.draining.store(true, Ordering::Release);
+        let _ = self.inbox.try_send(Inbox::Wake);
+    }
+}
+
+/// Owns the prefill thread. Dropping it stops the thread (answering every open request with
+/// `Unavailable`); `drain` + `join` lets open requests finish first.
+pub struct PrefillWorker {
+    handle: PrefillHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl PrefillWorker {
+    /// Starts the thread. `engine` should have prefix caching on; its block size must match
+    /// the decode workers'.
+    pub fn spawn<R: ModelRunner + 'static>(
+        config: PrefillConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+    ) -> std::io::Result<PrefillWorker> {
+        // The inbox is far larger than the queue bound, so a `try_send` fails only when the
+        // thread is gone.
+        let (tx, rx) = crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
+        let shared = Arc::new(Shared {
+            node_id: config.node_id,
+            kv_shape: engine.runner().kv_shape(),
+            queue: QueueSlots::new(config.max_queued_requests),
+            draining: AtomicBool::new(false),
+            load: LoadCell::default(),
+        });
+        let mut state = Loop {
+            metrics: WorkerMetrics::new(config.node_id, "prefill"),
+            config,
+            engine,
+            transport,
+            inbox: rx,
+            shared: shared.clone(),
+            jobs: HashMap::new(),
+            next_seq_id: 0,
+            last_preemptions: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("prefill-{}", state.config.node_id))
+            .spawn(move || state.run())?;
+        Ok(PrefillWorker {
+            handle: PrefillHandle { inbox: tx, shared },
+            thread: Some(thread),
+        })
+    }
+
+    pub fn handle(&self) -> PrefillHandle {
+        self.handle.clone()
+    }
+
+    /// Waits for the thread to exit (after `drain`, once the open requests are answered).
+    pub fn join(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PrefillWorker {
+    fn drop(&mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = self.handle.inbox.send(Inbox::Stop);
+            let _ = t.join();
+        }
+    }
+}
+
+struct Job {
+    request_id: RequestId,
+    reply: ReplyTo,
+    push: KvPush,
+    dest_node: NodeId,
+    cancel: CancelToken,
+    enqueued_at: Instant,
+    admitted: bool,
+    failed: Option<TransportError>,
+    chunks_sent: u32,
+    bytes_sent: u64,
+}
+
+struct Loop<R: ModelRunner> {
+    config: PrefillConfig,
+    engine: LlmEngine<R>,
+    transport: Arc<dyn Transport>,
+    inbox: Receiver<Inbox>,
+    shared: Arc<Shared>,
+    jobs: HashMap<SeqId, Job>,
+    next_seq_id: SeqId,
+    metrics: WorkerMetrics,
+    last_preemptions: u64,
+}
+
+impl<R: ModelRunner> Loop<R> {
+    fn run(&mut self) {
+        let pool = self.engine.scheduler().pool();
+        self.metrics.kv_blocks_total.set(pool.num_blocks() as i64);
+        loop {
+            let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
+            if idle {
+                if self.shared.draining.load(Ordering::Acquire) && self.jobs.is_empty() {
+                    break;
+                }
+                match self.inbox.recv() {
+                    Ok(msg) => {
+                        if !self.handle(msg) {
+                            break;
+                        }
+                    }
+                    Err(_) => break,
+                }
+            }
+            if !self.drain_inbox() {
+                break;
+            }
+            self.drop_cancelled();
+            if self.engine.has_work() {
+                self.step();
+            }
+            self.publish_load();
+        }
+        for (seq_id, job) in self.jobs.drain() {
+            self.engine.abort(seq_id);
+            job.reply.send(Err(PrefillError::Unavailable));
+        }
+    }
+
+    /// False on `Stop`.
+    fn drain_inbox(&mut self) -> bool {
+        while let Ok(msg) = self.inbox.try_recv() {
+            if !self.handle(msg) {
+                return false;
+            }
+        }
+        true
+    }
+
+    fn handle(&mut self, msg: Inbox) -> bool {
+        match msg {
+            Inbox::Prefill(req, reply, enqueued_at) => self.accept(req, reply, enqueued_at),
+            Inbox::Wake => {}
+            Inbox::Stop => return false,
+        }
+        true
+    }
+
+    fn accept(&mut self, req: PrefillRequest, reply: ReplyTo, enqueued_at: Instant) {
+        let bs = self.engine.runner().kv_shape().block_size;
+        let KvDestination { node, blocks } = req.destination;
+        let push = match KvPush::new(bs, req.prompt.len(), req.cached_prefix_len, blocks) {
+            Ok(p) => p,
+            Err(e) => {
+                self.shared.queue.give_back();
+                return reply.send(Err(PrefillError::InvalidRequest(e)));
+            }
+        };
+        let seq_id = self.next_seq_id;
+        self.next_seq_id += 1;
+        if let Err(e) = self.engine.add_prefill_request(seq_id, req.prompt, req.params) {
+            self.shared.queue.give_back();
+            return reply.send(Err(PrefillError::InvalidRequest(e.to_string())));
+        }
+        self.jobs.insert(
+            seq_id,
+            Job {
+                request_id: req.request_id,
+                reply,
+                push,
+                dest_node: node,
+                cancel: req.cancel,
+                enqueued_at,
+                admitted: false,
+                failed: None,
+                chunks_sent: 0,
+                bytes_sent: 0,
+            },
+        );
+    }
+
+    fn drop_cancelled(&mut self) {
+        let cancelled: Vec<SeqId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.cancel.is_cancelled())
+            .map(|(&id, _)| id)
+            .collect();
+        for seq_id in cancelled {
+            self.engine.abort(seq_id);
+            self.end(seq_id, Err(PrefillError::Cancelled));
+        }
+    }
+
+    fn step(&mut self) {
+        let shape = self.engine.runner().kv_shape();
+        let num_layers = shape.num_layers;
+        let mut push = Pusher {
+            jobs: &mut self.jobs,
+            transport: &*self.transport,
+            block_shape: BlockShape {
+                num_kv_heads: shape.num_kv_heads as u32,
+                block_size: shape.block_size as u32,
+                head_dim: shape.head_dim as u32,
+            },
+            send_timeout: self.config.send_timeout,
+            last_layer: num_layers.saturating_sub(1),
+            metrics: &self.metrics,
+        };
+        let result = self
+            .engine
+            .step_observed(&mut |layer, step, kv| push.on_layer(layer, step, kv));
+        self.record_admissions();
+        let outputs = match result {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::error!(node = %self.config.node_id, "prefill step failed: {e}");
+                let ids: Vec<SeqId> = self.jobs.keys().copied().collect();
+                for seq_id in ids {
+                    self.engine.abort(seq_id);
+                    self.end(seq_id, Err(PrefillError::Engine(e.to_string())));
+                }
+                return;
+            }
+        };
+        for out in outputs {
+            self.finish(out);
+        }
+        // A transfer that failed mid-prompt is not worth finishing.
+        let failed: Vec<SeqId> = self
+            .jobs
+            .iter()
+            .filter(|(_, j)| j.failed.is_some())
+            .map(|(&id, _)| id)
+            .collect();
+        for seq_id in failed {
+            self.engine.abort(seq_id);
+            let e = self.jobs[&seq_id].failed.clone().expect("filtered");
+            self.end(seq_id, Err(e.into()));
+        }
+    }
+
+    fn finish(&mut self, out: SeqOutput) {
+        let Some(first) = out.sampled else {
+            return;
+        };
+        let Some(job) = self.jobs.get(&out.seq_id) else {
+            return;
+        };
+        // The engine ends a prefill-only sequence with its first token.
+        debug_assert!(out.finish.is_some());
+        let result = match &job.failed {
+            Some(e) => Err(e.clone().into()),
+            None if !job.push.is_done() => Err(PrefillError::Engine(
+                "the prompt finished before all of its KV was sent".into(),
+            )),
+            None => Ok(PrefillDone {
+                first,
+                cached_tokens: out.cached_tokens.unwrap_or(0),
+                chunks_sent: job.chunks_sent,
+                bytes_sent: job.bytes_sent,
+            }),
+        };
+        self.end(out.seq_id, result);
+    }
+
+    fn end(&mut self, seq_id: SeqId, result: Result<PrefillDone, PrefillError>) {
+        if let Some(job) = self.jobs.remove(&seq_id) {
+            tracing::debug!(request_id = %job.request_id, ok = result.is_ok(), "prefill ended");
+            self.shared.queue.give_back();
+            job.reply.send(result);
+        }
+    }
+
+    fn record_admissions(&mut self) {
+        for a in self.engine.last_admitted() {
+            let Some(job) = self.jobs.get_mut(&a.seq_id) else {
+                continue;
+            };
+            if std::mem::replace(&mut job.admitted, true) {
+                continue;
+            }
+            self.metrics
+                .queue_seconds
+                .observe(job.enqueued_at.elapsed().as_secs_f64());
+            if let Some(t) = self.engine.scheduler().sequence_tokens(a.seq_id) {
+                self.metrics
+                    .prefix_queried_tokens
+                    .inc_by(t.prompt.len() as u64);
+            }
+            self.metrics
+                .prefix_hit_tokens
+                .inc_by(a.num_cached_tokens as u64);
+        }
+    }
+
+    fn publish_load(&mut self) {
+        let s = self.engine.scheduler();
+        let load = WorkerLoad {
+            running: s.num_running() + s.num_awaiting_kv(),
+            waiting: s.num_waiting(),
+            kv_blocks_used: s.pool().num_used(),
+            kv_blocks_total: s.pool().num_blocks(),
+        };
+        self.shared.load.publish(load);
+        self.metrics.running.set(load.running as i64);
+        self.metrics.waiting.set(load.waiting as i64);
+        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
+        let preemptions = s.num_preemptions();
+        self.metrics
+            .preemptions
+            .inc_by(preemptions - self.last_preemptions);
+        self.last_preemptions = preemptions;
+    }
+}
+
+/// The per-layer hook: pushes the blocks each job completed in this step.
+struct Pusher<'a> {
+    jobs: &'a mut HashMap<SeqId, Job>,
+    transport: &'a dyn Transport,
+    block_shape: BlockShape,
+    send_timeout: Duration,
+    last_layer: usize,
+    metrics: &'a WorkerMetrics,
+}
+
+impl Pusher<'_> {
+    fn on_layer(&mut self, layer: usize, step: &StepInput, kv: &dyn KvSource) {
+        for chunk in &step.chunks {
+            let Some(job) = self.jobs.get_mut(&chunk.seq_id) else {
+                continue;
+            };
+            if job.failed.is_some() {
+                continue;
+            }
+            let blocks = job.push.pending(chunk);
+            if blocks.is_empty() {
+                continue;
+            }
+            let (src, dst) = job.push.addresses(chunk, blocks.clone());
+            let mut payload = Vec::new();
+            if let Err(e) = kv.read_kv_blocks(layer, &src, &mut payload) {
+                // The engine validated these blocks when it planned the step.
+                unreachable!("reading blocks of a planned chunk: {e}");
+            }
+            let bytes = payload.len() as u64;
+            let sealed = KvChunk::seal(job.request_id, layer..layer + 1, dst, self.block_shape, payload)
+                .expect("the payload matches its header by construction");
+            let deadline = Instant::now() + self.send_timeout;
+            match self.transport.send(job.dest_node, sealed, deadline) {
+                Ok(()) => {
+                    job.chunks_sent += 1;
+                    job.bytes_sent += bytes;
+                    self.metrics.transfer_bytes.inc_by(bytes);
+                }
+                Err(e) => {
+                    tracing::warn!(request_id = %job.request_id, "KV push failed: {e}");
+                    job.failed = Some(e);
+                }
+            }
+            if layer == self.last_layer {
+                job.push.mark_sent(blocks);
+            }
+        }
+    }
+}

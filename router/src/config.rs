@@ -1,0 +1,182 @@
+//! The router's configuration: one typed struct, serde with `deny_unknown_fields`,
+//! validated by [`RouterConfig::validate`] (which [`crate::Router::new`] calls).
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// How the HTTP gateway listens, authenticates and bounds requests.
+///
+/// Durations are written as humantime strings in TOML/JSON (`"15s"`, `"500ms"`).
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Address to listen on (default `127.0.0.1:8000`). `Router::serve` takes a bound
+    /// listener; the caller binds this address.
+    pub listen: SocketAddr,
+    /// The model name served: `/v1/models` lists it and requests must name it (or omit
+    /// `model`).
+    pub model_name: String,
+    /// Accepted bearer tokens (`Authorization: Bearer <key>`); empty = no auth. Only their
+    /// SHA-256 digests are kept by the running router, and `Debug` redacts them.
+    pub api_keys: Vec<String>,
+    /// Largest accepted request body; larger bodies get 413.
+    pub max_body_bytes: usize,
+    /// The model's context window: prompt tokens + `max_tokens` must fit in it.
+    pub max_context: usize,
+    /// `max_tokens` when the request has none (capped by what is left of the context).
+    pub default_max_tokens: u32,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: u32,
+    /// Largest `n` (choices per request).
+    pub max_n: u32,
+    /// Most `stop` strings a request may give.
+    pub max_stop_sequences: usize,
+    /// Most entries in `logit_bias` (and in `stop_token_ids`).
+    pub max_logit_bias: usize,
+    /// Interval of SSE keep-alive comments while a stream is idle (lets proxies and the
+    /// server notice dead clients during long prefills).
+    #[serde(with = "humantime_serde")]
+    pub sse_keep_alive: Duration,
+    /// `Retry-After` sent with 429 (backend overloaded) and 503 (unavailable).
+    #[serde(with = "humantime_serde")]
+    pub retry_after: Duration,
+    /// After the shutdown signal, how long `serve` waits for in-flight requests.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            listen: SocketAddr::from((Ipv4Addr::LOCALHOST, 8000)),
+            model_name: "SmolLM2-135M-Instruct".into(),
+            api_keys: Vec::new(),
+            max_body_bytes: 4 << 20,
+            max_context: 8192,
+            default_max_tokens: 512,
+            max_tokens_limit: 4096,
+            max_n: 8,
+            max_stop_sequences: 16,
+            max_logit_bias: 300,
+            sse_keep_alive: Duration::from_secs(15),
+            retry_after: Duration::from_secs(1),
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl std::fmt::Debug for RouterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RouterConfig")
+            .field("listen", &self.listen)
+            .field("model_name", &self.model_name)
+            .field(
+                "api_keys",
+                &format_args!("[{} redacted]", self.api_keys.len()),
+            )
+            .field("max_body_bytes", &self.max_body_bytes)
+            .field("max_context", &self.max_context)
+            .field("default_max_tokens", &self.default_max_tokens)
+            .field("max_tokens_limit", &self.max_tokens_limit)
+            .field("max_n", &self.max_n)
+            .field("max_stop_sequences", &self.max_stop_sequences)
+            .field("max_logit_bias", &self.max_logit_bias)
+            .field("sse_keep_alive", &self.sse_keep_alive)
+            .field("retry_after", &self.retry_after)
+            .field("shutdown_timeout", &self.shutdown_timeout)
+            .finish()
+    }
+}
+
+/// A configuration value that cannot work.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid router config `{field}`: {reason}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub reason: &'static str,
+}
+
+impl RouterConfig {
+    /// Checks every field; `Router::new` refuses a config that fails.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn check(ok: bool, field: &'static str, reason: &'static str) -> Result<(), ConfigError> {
+            if ok {
+                Ok(())
+            } else {
+                Err(ConfigError { field, reason })
+            }
+        }
+        check(
+            !self.model_name.is_empty(),
+            "model_name",
+            "must not be empty",
+        )?;
+        check(
+            self.api_keys.iter().all(|k| !k.is_empty()),
+            "api_keys",
+            "keys must not be empty",
+        )?;
+        check(
+            self.max_body_bytes > 0,
+            "max_body_bytes",
+            "must be positive",
+        )?;
+        check(self.max_context >= 2, "max_context", "must be at least 2")?;
+        check(
+            self.default_max_tokens >= 1,
+            "default_max_tokens",
+            "must be at least 1",
+        )?;
+        check(
+            self.max_tokens_limit >= 1,
+            "max_tokens_limit",
+            "must be at least 1",
+        )?;
+        check(self.max_n >= 1, "max_n", "must be at least 1")?;
+        check(
+            !self.sse_keep_alive.is_zero(),
+            "sse_keep_alive",
+            "must be positive",
+        )?;
+        Ok(())
+    }
+
+    /// `Retry-After` in whole seconds (at least 1).
+    pub(crate) fn retry_after_secs(&self) -> u64 {
+        self.retry_after.as_secs_f64().ceil().max(1.0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_round_trip() {
+        let c = RouterConfig::default();
+        c.validate().unwrap();
+        let json = serde_json::to_string(&c).unwrap();
+        assert!(json.contains("\"sse_keep_alive\":\"15s\""), "{json}");
+        let back: RouterConfig = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_rejected() {
+        assert!(serde_json::from_str::<RouterConfig>(r#"{"listen_port": 1}"#).is_err());
+        let c: RouterConfig = serde_json::from_str(r#"{"max_n": 0}"#).unwrap();
+        assert_eq!(c.validate().unwrap_err().field, "max_n");
+    }
+
+    #[test]
+    fn debug_redacts_api_keys() {
+        let c = RouterConfig {
+            api_keys: vec!["sk-secret".into()],
+            ..Default::default()
+        };
+        let s = format!("{c:?}");
+        assert!(!s.contains("sk-secret") && s.contains("1 redacted"), "{s}");
+    }
+}

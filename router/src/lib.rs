@@ -1,0 +1,36 @@
+//! The HTTP gateway: an OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/models`), health, Prometheus metrics, API-key auth and request ids, in front of a
+//! [`Backend`] that serves tokens.
+//!
+//! ```text
+//! client ──HTTP──> Router (axum) ──GenerateRequest──> dyn Backend ──GenerateEvent*──> Router ──SSE/JSON──> client
+//! ```
+//!
+//! The router authenticates, validates (a clear OpenAI-style 4xx on bad input), applies the
+//! chat template, tokenizes, fans out `n` backend requests and turns their event streams
+//! into OpenAI responses. Every error goes through one classifier, [`ApiError`].
+//! Dropping the HTTP response body (client gone) drops the backend receivers, which is the
+//! cancellation signal.
+//!
+//! Routing policies, disaggregation and migration arrive with the mesh; this crate's seam
+//! to the workers is [`Backend`].
+
+mod auth;
+mod backend;
+mod config;
+mod error;
+mod generation;
+mod json;
+mod metrics;
+mod openai;
+mod prompt;
+mod request_id;
+mod server;
+mod sse;
+
+pub use async_trait::async_trait;
+pub use backend::Backend;
+pub use config::{ConfigError, RouterConfig};
+pub use error::ApiError;
+pub use metrics::registry;
+pub use server::Router;

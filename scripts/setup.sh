@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the system packages kvmesh needs to build and test on a fresh Debian machine.
+# Idempotent; runs apt-get only when something is missing.
+set -euo pipefail
+
+need=()
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
+command -v unzip >/dev/null 2>&1 || need+=(unzip)
+
+if ((${#need[@]})); then
+  echo "setup: installing ${need[*]}" >&2
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+fi

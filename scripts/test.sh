@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite: formatting, lints, and every test, against the real model.
+# Builds once in release (the tests run the real forward pass), fetches the model if missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+cargo build --release -p kvmesh
+target/release/kvmesh fetch-model
+cargo test --workspace --release "$@"
