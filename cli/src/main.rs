@@ -3,6 +3,7 @@
 mod bench_engine;
 mod generate;
 mod model_args;
+mod serve;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -18,6 +19,8 @@ struct Cli {
 enum Command {
     /// Download and verify the default model (SmolLM2-135M-Instruct Q4_1) into the cache.
     FetchModel(model_args::FetchArgs),
+    /// Run the whole mesh in one process behind the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
     /// Generate text for one prompt on this machine.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -41,6 +44,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::FetchModel(args) => model_args::fetch(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
     }

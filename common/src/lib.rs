@@ -9,5 +9,8 @@ pub mod sampling;
 
 pub use block_hash::{BlockHasher, ModelFingerprint};
 pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};
-pub use protocol::{GenerateEvent, GenerateRequest, TokenEvent, Usage, WorkerError};
+pub use protocol::{
+    GenerateEvent, GenerateRequest, KvEvent, LoadReport, NodeInfo, NodeRole, TokenEvent, Usage,
+    WorkerError,
+};
 pub use sampling::{FinishReason, SamplingParams, SamplingParamsError};

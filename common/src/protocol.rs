@@ -1,7 +1,7 @@
 //! Messages between the router and the workers. The in-process mesh passes them over
 //! channels; the multi-process mesh carries the same messages over gRPC.
 
-use crate::ids::{RequestId, TokenId};
+use crate::ids::{NodeId, RequestId, SequenceHash, TokenId};
 use crate::sampling::{FinishReason, SamplingParams};
 use serde::{Deserialize, Serialize};
 
@@ -62,4 +62,53 @@ pub enum WorkerError {
     Unavailable(String),
     #[error("internal error: {0}")]
     Internal(String),
+}
+
+/// A change in which prefixes a node's KV pool can serve from cache; nodes publish these and
+/// the prefix index consumes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvEvent {
+    /// A full block with this hash was cached and can now be a prefix hit.
+    Stored(SequenceHash),
+    /// The block with this hash was reallocated; the prefix is gone from this pool.
+    Removed(SequenceHash),
+}
+
+/// What a node does in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeRole {
+    Router,
+    Prefill,
+    Decode,
+}
+
+impl NodeRole {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeRole::Router => "router",
+            NodeRole::Prefill => "prefill",
+            NodeRole::Decode => "decode",
+        }
+    }
+}
+
+/// How a node announces itself in discovery.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub node_id: NodeId,
+    pub role: NodeRole,
+    /// Where its control plane listens (`in-process` for the embedded mesh).
+    pub address: String,
+    /// The model it serves; nodes only share KV with the same fingerprint.
+    pub model_fingerprint: u64,
+    pub kv_blocks_total: usize,
+}
+
+/// A node's load as last reported.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
 }

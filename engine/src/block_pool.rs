@@ -18,14 +18,7 @@ use free_list::{FreeList, Links};
 use kvmesh_common::{BlockId, SequenceHash};
 use std::collections::HashMap;
 
-/// A change in which prefixes this pool can serve from cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KvEvent {
-    /// A full block with this hash was cached and can now be a prefix hit.
-    Stored(SequenceHash),
-    /// The block with this hash was reallocated; the prefix is gone from this pool.
-    Removed(SequenceHash),
-}
+pub use kvmesh_common::KvEvent;
 
 /// Misuse of the pool's reference counting. The pool's state is unchanged when one is returned.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -12,40 +12,34 @@ use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::cell::RefCell;
+use std::sync::Mutex;
 use std::time::Instant;
 
-thread_local! {
-    /// Seconds spent per op kind, for the breakdown line.
-    static SPENT: RefCell<Vec<(&'static str, f64)>> = const { RefCell::new(Vec::new()) };
-}
+/// Seconds spent per op kind, for the breakdown line.
+static SPENT: Mutex<Vec<(&'static str, f64)>> = Mutex::new(Vec::new());
 
 fn timed<R>(name: &'static str, f: impl FnOnce() -> R) -> R {
     let t = Instant::now();
     let r = f();
     let dt = t.elapsed().as_secs_f64();
-    SPENT.with(|s| {
-        let mut s = s.borrow_mut();
-        match s.iter_mut().find(|(n, _)| *n == name) {
-            Some(e) => e.1 += dt,
-            None => s.push((name, dt)),
-        }
-    });
+    let mut s = SPENT.lock().unwrap();
+    match s.iter_mut().find(|(n, _)| *n == name) {
+        Some(e) => e.1 += dt,
+        None => s.push((name, dt)),
+    }
     r
 }
 
 fn breakdown() -> String {
-    SPENT.with(|s| {
-        let mut s = s.borrow_mut();
-        let total: f64 = s.iter().map(|e| e.1).sum();
-        let line = s
-            .iter()
-            .map(|(n, t)| format!("{n} {:.0}%", 100.0 * t / total))
-            .collect::<Vec<_>>()
-            .join(", ");
-        s.clear();
-        line
-    })
+    let mut s = SPENT.lock().unwrap();
+    let total: f64 = s.iter().map(|e| e.1).sum();
+    let line = s
+        .iter()
+        .map(|(n, t)| format!("{n} {:.0}%", 100.0 * t / total))
+        .collect::<Vec<_>>()
+        .join(", ");
+    s.clear();
+    line
 }
 
 const LAYERS: usize = 30;
@@ -229,7 +223,11 @@ fn main() {
     println!(
         "synthetic SmolLM2-135M forward, {:?}, {threads} threads{}",
         cpu::Isa::detect(),
-        if in_pool { ", steps on a pool worker" } else { "" }
+        if in_pool {
+            ", steps on a pool worker"
+        } else {
+            ""
+        }
     );
     const PROMPT: usize = 512;
     const DECODE_STEPS: usize = 16;

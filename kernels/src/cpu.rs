@@ -1,10 +1,14 @@
-//! The CPU backend: SIMD kernels chosen at run time (`is_x86_feature_detected!`), a portable
-//! fallback with the same arithmetic, and rayon's global pool for threading.
+//! The CPU backend: SIMD kernels chosen at run time ([`Isa::detect`]: AVX-512 + VNNI, and AMX
+//! tiles for batched integer matmuls where Linux grants them), a portable fallback with the
+//! same arithmetic, and rayon's global pool for threading.
 //!
 //! Every op defines one canonical order of floating-point operations per output element, and
-//! both the AVX-512 and the portable paths follow it. So results are bit-identical across
-//! ISAs, across batch sizes and across tilings: a sequence's output never depends on what it
-//! was batched with.
+//! every path follows it. So results are bit-identical across ISAs, across batch sizes and
+//! across tilings: a sequence's output never depends on what it was batched with.
+//!
+//! Callers that issue many small ops (decode) should run their step on a rayon worker
+//! (`ThreadPool::install`, or `rayon::scope`): ops called from outside the pool pay a
+//! cross-thread wake-up each.
 //!
 //! Preconditions (shapes, lengths) are checked with `assert!`; non-finite inputs give
 //! unspecified but non-panicking results.

@@ -68,7 +68,11 @@ fn row_is_bit_identical_alone_and_in_a_batch_of_37() {
 #[test]
 fn fused_weights_match_separate_matmuls() {
     for f in FORMATS {
-        let (q, k, v) = (random(f, 40, 64, 4), random(f, 13, 64, 5), random(f, 13, 64, 6));
+        let (q, k, v) = (
+            random(f, 40, 64, 4),
+            random(f, 13, 64, 5),
+            random(f, 13, 64, 6),
+        );
         let qkv = QMatrix::concat_rows(&[q.clone(), k.clone(), v.clone()]).unwrap();
         let x = xs(3 * 64, 7);
         let fused = mm(&qkv, &x, 3);
@@ -109,9 +113,16 @@ fn close_to_f64_on_dequantized_weights() {
             for a in 0..m {
                 let xa = &x[a * k..(a + 1) * k];
                 let want: f64 = row.iter().zip(xa).map(|(&p, &q)| p as f64 * q as f64).sum();
-                let norm: f64 = row.iter().zip(xa).map(|(&p, &q)| (p as f64 * q as f64).abs()).sum();
+                let norm: f64 = row
+                    .iter()
+                    .zip(xa)
+                    .map(|(&p, &q)| (p as f64 * q as f64).abs())
+                    .sum();
                 let got = out[a * n + r] as f64;
-                assert!((got - want).abs() <= 0.01 * norm, "{f:?}: {got} vs {want} ({norm})");
+                assert!(
+                    (got - want).abs() <= 0.01 * norm,
+                    "{f:?}: {got} vs {want} ({norm})"
+                );
             }
         }
     }

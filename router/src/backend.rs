@@ -20,10 +20,10 @@ use tokio::sync::mpsc;
 ///     async fn generate(
 ///         &self,
 ///         req: GenerateRequest,
-///     ) -> Result<mpsc::Receiver<GenerateEvent>, WorkerError> {
-///         let (tx, rx) = mpsc::channel(16);
+///     ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError> {
+///         let (tx, rx) = mpsc::unbounded_channel();
 ///         let usage = Usage { prompt_tokens: req.prompt.len() as u32, ..Usage::default() };
-///         tx.try_send(GenerateEvent::Finished { reason: FinishReason::Stop, text: String::new(), usage })
+///         tx.send(GenerateEvent::Finished { reason: FinishReason::Stop, text: String::new(), usage })
 ///             .map_err(|e| WorkerError::Internal(e.to_string()))?;
 ///         Ok(rx)
 ///     }
@@ -46,7 +46,7 @@ pub trait Backend: Send + Sync + 'static {
     async fn generate(
         &self,
         req: GenerateRequest,
-    ) -> Result<mpsc::Receiver<GenerateEvent>, WorkerError>;
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError>;
 
     /// Ready to take traffic (false while starting or draining); `/health` reports it.
     fn is_ready(&self) -> bool;

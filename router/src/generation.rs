@@ -96,7 +96,7 @@ pub(crate) struct Generation {
 /// receiver is dropped right after the final event.
 fn choice_events(
     index: usize,
-    rx: mpsc::Receiver<GenerateEvent>,
+    rx: mpsc::UnboundedReceiver<GenerateEvent>,
 ) -> BoxStream<'static, (usize, Option<GenerateEvent>)> {
     stream::unfold(Some(rx), move |rx| async move {
         let mut rx = rx?;
@@ -111,7 +111,7 @@ fn choice_events(
 
 impl Generation {
     fn new(
-        receivers: Vec<mpsc::Receiver<GenerateEvent>>,
+        receivers: Vec<mpsc::UnboundedReceiver<GenerateEvent>>,
         prompt_tokens: usize,
         started: std::time::Instant,
         retry_after_secs: u64,

@@ -23,6 +23,7 @@ mod generation;
 mod json;
 mod metrics;
 mod openai;
+pub mod policy;
 mod prompt;
 mod request_id;
 mod server;

@@ -5,6 +5,7 @@ use std::sync::OnceLock;
 /// A kernel implementation. Results are bit-identical between them; `Portable` exists for
 /// machines without AVX-512 and so that tests can check the SIMD paths against it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Isa {
     /// Plain Rust, no run-time feature requirements.
     Portable,

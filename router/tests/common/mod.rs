@@ -204,19 +204,19 @@ impl Backend for ScriptedBackend {
     async fn generate(
         &self,
         req: GenerateRequest,
-    ) -> Result<mpsc::Receiver<GenerateEvent>, WorkerError> {
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError> {
         self.requests.lock().unwrap().push(req.clone());
         let steps = (self.script.lock().unwrap())(&req)?;
         if steps.iter().any(|s| matches!(s, Step::Panic)) {
             panic!("scripted panic");
         }
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::unbounded_channel();
         let cancel = self.cancel.clone();
         tokio::spawn(async move {
             for step in steps {
                 match step {
                     Step::Send(ev) => {
-                        if tx.send(ev).await.is_err() {
+                        if tx.send(ev).is_err() {
                             cancel.mark();
                             return;
                         }
@@ -239,14 +239,12 @@ impl Backend for ScriptedBackend {
                                 }
                                 () = tokio::time::sleep(every) => {}
                             }
-                            if tx.send(token(b'x')).await.is_err() {
+                            if tx.send(token(b'x')).is_err() {
                                 cancel.mark();
                                 return;
                             }
                         }
-                        let _ = tx
-                            .send(finished(&req, max as u32, FinishReason::Length))
-                            .await;
+                        let _ = tx.send(finished(&req, max as u32, FinishReason::Length));
                     }
                     Step::Panic => unreachable!(),
                 }

@@ -1,6 +1,7 @@
 //! Activation quantization for the integer matmul path: each row is cut into blocks of 32 and
 //! each block becomes `d = max|x| / 127`, `q = round_half_even(x / d)` (via `x * (1/d)`, as
-//! ggml does), plus the block sums the weight formats need.
+//! ggml does), plus the block sums the weight formats need. Like ggml's `block_q8_1`, `d` and
+//! `s = d * Σq` are kept at f16 precision, so our dot products track llama.cpp's.
 
 use crate::cpu::Isa;
 
@@ -9,36 +10,48 @@ use crate::cpu::Isa;
 #[repr(C, align(16))]
 pub(crate) struct ActBlock {
     pub q: [i8; 32],
-    /// Scale: `x ≈ d * q`.
+    /// Scale: `x ≈ d * q` (an f16 value).
     pub d: f32,
-    /// `d * Σq`, for the Q4_1/Q4_0 offset term `m * Σx`.
+    /// `f16(d * Σq)`, for the Q4_1/Q4_0 offset term `m * Σx`.
     pub s: f32,
     /// `-128 * Σq`: the Q8_0 kernel runs weights as `q + 128` (unsigned) and subtracts this.
     pub corr: i32,
     _pad: i32,
 }
 
-/// The activation scales of one block for a tile of 16 rows, laid out for the AMX kernel
-/// (which broadcasts them at constant offsets).
-#[derive(Clone, Copy, Debug, Default)]
+/// One block of a tile of 16 activation rows, laid out for the AMX kernel: the 16 rows'
+/// quants contiguous (one dense tile load) and their scales (broadcast at constant offsets).
+#[derive(Clone, Copy, Debug)]
 #[repr(C, align(64))]
-pub(crate) struct TileScales {
+pub(crate) struct ActTile {
+    pub q: [[i8; 32]; 16],
     pub d: [f32; 16],
     pub s: [f32; 16],
 }
 
-/// Gathers [`TileScales`] for the first `m / 16 * 16` rows of `acts` (`nb` blocks per row),
+impl Default for ActTile {
+    fn default() -> Self {
+        ActTile {
+            q: [[0; 32]; 16],
+            d: [0.0; 16],
+            s: [0.0; 16],
+        }
+    }
+}
+
+/// Regroups the first `m / 16 * 16` rows of `acts` (`nb` blocks per row) into [`ActTile`]s,
 /// indexed `[tile * nb + block]`.
-pub(crate) fn tile_scales(acts: &[ActBlock], nb: usize, out: &mut Vec<TileScales>) {
+pub(crate) fn act_tiles(acts: &[ActBlock], nb: usize, out: &mut Vec<ActTile>) {
     let tiles = acts.len() / nb / 16;
     out.clear();
-    out.resize(tiles * nb, TileScales::default());
-    for (i, ts) in out.iter_mut().enumerate() {
+    out.resize(tiles * nb, ActTile::default());
+    for (i, at) in out.iter_mut().enumerate() {
         let (t, b) = (i / nb, i % nb);
         for r in 0..16 {
             let a = &acts[(16 * t + r) * nb + b];
-            ts.d[r] = a.d;
-            ts.s[r] = a.s;
+            at.q[r] = a.q;
+            at.d[r] = a.d;
+            at.s[r] = a.s;
         }
     }
 }

@@ -12,7 +12,7 @@
 //! tile-data state first (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`), which
 //! [`supported`] requests once.
 
-use super::act::{ActBlock, TileScales};
+use super::act::ActTile;
 use super::quantized::Panel;
 use std::arch::asm;
 use std::arch::x86_64::*;
@@ -170,7 +170,7 @@ unsafe fn scale_block<const Q8: bool>(
     acc: &mut [__m512; 16],
     c: *const i32,
     wb: &BBlock,
-    ts: &TileScales,
+    ts: &ActTile,
 ) {
     // SAFETY: `c` is a 16x16 tile.
     unsafe {
@@ -187,9 +187,8 @@ unsafe fn scale_block<const Q8: bool>(
     }
 }
 
-/// `out[a * ldo + r]` for the first `m16` (a multiple of 16) activation rows of `acts`, with
-/// the panel's blocks unpacked into `packed` (Q8_0: signed) and the activation scales of
-/// each tile in `tiles`.
+/// `out[a * ldo + r]` for the first `m16` (a multiple of 16) activation rows, given as
+/// [`ActTile`]s, with the panel's blocks unpacked into `packed` (Q8_0: signed).
 ///
 /// # Safety
 /// [`supported`] must have returned true and the CPU must have AVX-512 F and FMA; `out` must
@@ -198,32 +197,35 @@ unsafe fn scale_block<const Q8: bool>(
 pub(super) unsafe fn panel<const Q8: bool>(
     p: &Panel,
     packed: &[BBlock],
-    acts: &[ActBlock],
-    tiles: &[TileScales],
+    tiles: &[ActTile],
     m16: usize,
     out: *mut f32,
     ldo: usize,
 ) {
     let nb = p.nb;
-    assert!(packed.len() == nb && nb > 0 && acts.len() >= m16 * nb && m16.is_multiple_of(16));
+    assert!(packed.len() == nb && nb > 0 && m16.is_multiple_of(16));
     assert!(tiles.len() >= m16 / 16 * nb);
-    let stride = nb * std::mem::size_of::<ActBlock>();
+    let stride = 32;
     let mut cbuf = [[[0i32; 16]; 16]; 2];
     let mask = ((1u32 << p.rows) - 1) as u16;
-    // SAFETY: tile loads read 16 activation rows (`stride` apart) and one packed block;
+    // SAFETY: tile loads read one activation tile block (16 x 32 bytes) and one packed block;
     // stores go to `cbuf`; `out` as promised by the caller.
     unsafe {
         asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly));
         for t in 0..m16 / 16 {
-            let rows = acts.as_ptr().add(16 * t * nb).cast::<u8>();
             let ts = &tiles[t * nb..(t + 1) * nb];
             let mut acc = [_mm512_setzero_ps(); 16];
             let c0 = cbuf[0].as_mut_ptr().cast();
-            dot_block::<0, Q8>(rows, stride, packed[0].w.as_ptr().cast(), c0);
+            dot_block::<0, Q8>(
+                ts[0].q.as_ptr().cast(),
+                stride,
+                packed[0].w.as_ptr().cast(),
+                c0,
+            );
             for b in 1..=nb {
                 // Start block b on the other tile set, then scale block b - 1.
                 if b < nb {
-                    let a = rows.add(b * std::mem::size_of::<ActBlock>());
+                    let a = ts[b].q.as_ptr().cast();
                     let w = packed[b].w.as_ptr().cast();
                     let c = cbuf[b % 2].as_mut_ptr().cast();
                     if b % 2 == 0 {

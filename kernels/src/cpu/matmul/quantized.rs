@@ -7,10 +7,11 @@
 //! for each block b:                        // in order
 //!     I   = Σ_j wq[j] * aq[j]              // exact int32 (wq: 0..15 or -128..127)
 //!     acc = fma(float(I), dw * da, acc)    // dw * da rounded to f32 first
-//!     acc = fma(mw, sa, acc)               // Q4 only: mw = m (Q4_1) or -8*d (Q4_0), sa = da*Σaq
+//!     acc = fma(mw, sa, acc)               // Q4 only: mw = m (Q4_1) or -8*d (Q4_0)
 //! ```
+//! with the activation block's `da` and `sa = f16(da * Σaq)` from `act.rs`.
 
-use super::act::{self, ActBlock, TileScales};
+use super::act::{self, ActBlock, ActTile};
 use super::{for_each_panel, PANEL};
 use crate::cpu::par::{return_scratch, take_scratch, with_scratch, SendPtr};
 use crate::cpu::Isa;
@@ -42,7 +43,7 @@ const M_CHUNK: usize = 256;
 
 thread_local! {
     static ACTS: RefCell<Vec<ActBlock>> = const { RefCell::new(Vec::new()) };
-    static TILE_SCALES: RefCell<Vec<TileScales>> = const { RefCell::new(Vec::new()) };
+    static ACT_TILES: RefCell<Vec<ActTile>> = const { RefCell::new(Vec::new()) };
 }
 
 pub(super) fn matmul(isa: Isa, w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]) {
@@ -53,20 +54,20 @@ pub(super) fn matmul(isa: Isa, w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]
         out.fill(0.0);
         return;
     }
-    let mut scales = take_scratch(&TILE_SCALES);
+    let mut tiles_buf = take_scratch(&ACT_TILES);
     with_scratch(&ACTS, |acts| {
         act::quantize(isa, x, acts);
         // AMX handles whole tiles of 16 rows; M_CHUNK is a multiple of 16.
         let amx = isa == Isa::Amx && m >= 16;
         if amx {
-            act::tile_scales(acts, nb, &mut scales);
+            act::act_tiles(acts, nb, &mut tiles_buf);
         }
         let outp = SendPtr(out.as_mut_ptr());
         for a0 in (0..m).step_by(M_CHUNK) {
             let mc = M_CHUNK.min(m - a0);
             let acts = &acts[a0 * nb..(a0 + mc) * nb];
             let tiles = if amx && mc >= 16 {
-                &scales[a0 / 16 * nb..(a0 + mc) / 16 * nb]
+                &tiles_buf[a0 / 16 * nb..(a0 + mc) / 16 * nb]
             } else {
                 &[][..]
             };
@@ -90,7 +91,7 @@ pub(super) fn matmul(isa: Isa, w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]
             });
         }
     });
-    return_scratch(&TILE_SCALES, scales);
+    return_scratch(&ACT_TILES, tiles_buf);
 }
 
 /// One 16-row panel of a matrix in panel layout (`quant/panel.rs`); `rows` of them are real.

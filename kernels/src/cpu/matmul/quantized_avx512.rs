@@ -7,9 +7,11 @@
 //! outputs. The canonical per-output arithmetic of `quantized.rs` falls out lane by lane.
 //!
 //! Each panel block is loaded once per tile of up to 8 activation rows and reused across
-//! them (the panel, ~10-30 KB, stays in L1 while the activation tiles stream past).
+//! them (the panel, ~10-30 KB, stays in L1 while the activation tiles stream past). Under
+//! `Isa::Amx`, whole tiles of 16 activation rows go to `amx.rs` instead, with the same
+//! arithmetic.
 
-use super::act::{ActBlock, TileScales};
+use super::act::{ActBlock, ActTile};
 use super::amx::{self, BBlock};
 use super::quantized::{Panel, QKind};
 use crate::cpu::par::{return_scratch, take_scratch};
@@ -38,8 +40,8 @@ thread_local! {
 }
 
 /// Computes `out[a * ldo + r]` for all `acts.len() / nb` activation rows and the panel's rows.
-/// When `tiles` is non-empty (AMX in use), it holds the [`TileScales`] of every whole tile of
-/// 16 activation rows, which then go through the AMX kernel.
+/// When `tiles` is non-empty (AMX in use), it holds every whole tile of 16 activation rows
+/// as [`ActTile`]s, and those rows go through the AMX kernel.
 ///
 /// # Safety
 /// The CPU must support the `Isa::Avx512` features (and AMX when `tiles` is non-empty); `out`
@@ -47,7 +49,7 @@ thread_local! {
 pub(super) unsafe fn panel(
     p: &Panel,
     acts: &[ActBlock],
-    tiles: &[TileScales],
+    tiles: &[ActTile],
     out: *mut f32,
     ldo: usize,
 ) {
@@ -67,8 +69,7 @@ pub(super) unsafe fn panel(
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,fma,f16c")]
 unsafe fn amx_rows<const KIND: u8>(
     p: &Panel,
-    acts: &[ActBlock],
-    tiles: &[TileScales],
+    tiles: &[ActTile],
     m: usize,
     out: *mut f32,
     ldo: usize,
@@ -93,9 +94,9 @@ unsafe fn amx_rows<const KIND: u8>(
             _mm512_storeu_ps(dst.m.as_mut_ptr(), wb.m);
         }
         if KIND == KIND_Q8_0 {
-            amx::panel::<true>(p, &packed, acts, tiles, m16, out, ldo);
+            amx::panel::<true>(p, &packed, tiles, m16, out, ldo);
         } else {
-            amx::panel::<false>(p, &packed, acts, tiles, m16, out, ldo);
+            amx::panel::<false>(p, &packed, tiles, m16, out, ldo);
         }
     }
     return_scratch(&PACKED, packed);
@@ -114,7 +115,7 @@ fn format_of(kind: u8) -> WeightFormat {
 unsafe fn dispatch<const KIND: u8>(
     p: &Panel,
     acts: &[ActBlock],
-    tiles: &[TileScales],
+    tiles: &[ActTile],
     m: usize,
     out: *mut f32,
     ldo: usize,
@@ -125,7 +126,7 @@ unsafe fn dispatch<const KIND: u8>(
     // SAFETY: each tile reads C activation rows from `a` and writes C output rows.
     unsafe {
         if !tiles.is_empty() && m >= 16 {
-            a = amx_rows::<KIND>(p, acts, tiles, m, out, ldo);
+            a = amx_rows::<KIND>(p, tiles, m, out, ldo);
         }
         while a + TILE <= m {
             tile::<KIND, TILE>(p, &acts[a * p.nb..], out.add(a * ldo), ldo);
@@ -220,11 +221,7 @@ unsafe fn tile<const KIND: u8, const C: usize>(
     ldo: usize,
 ) {
     let nb = p.nb;
-    let pbb = match KIND {
-        KIND_Q4_0 => 288,
-        KIND_Q4_1 => 320,
-        _ => 544,
-    };
+    let pbb = panel_block_bytes(format_of(KIND));
     assert!(acts.len() >= C * nb);
     let mut acc = [_mm512_setzero_ps(); C];
     // SAFETY: block b lies inside `p.blocks` (checked by the caller); activation indices are

@@ -73,36 +73,74 @@ fn is_integer_path(f: WeightFormat) -> bool {
     )
 }
 
-/// f64 reference: dequantized weights times the activations the kernel actually sees
-/// (8-bit quantized ones on the integer path).
+/// f64 reference. Float path: dequantized weights times `x`. Integer path: the kernel's
+/// semantics in exact arithmetic — per block, `Σ (dw·qw)(da·qa)` plus the offset term `mw·s`
+/// with the activation block's (f16-rounded) `s`, as ggml's `vec_dot_q4_1_q8_1` does.
 fn check_against_f64(w: &QMatrix, x: &[f32], m: usize, got: &[f32]) {
     let k = w.cols;
-    let xs: Vec<f32> = if is_integer_path(w.format) {
-        let mut blocks = vec![ActBlock::default(); x.len() / 32];
-        quantize_portable(x, &mut blocks);
-        blocks
-            .iter()
-            .flat_map(|b| b.q.map(|q| q as f32 * b.d))
-            .collect()
-    } else {
-        x.to_vec()
-    };
-    let mut row = vec![0.0f32; k];
-    for r in 0..w.rows {
-        w.dequantize_row(r, &mut row);
-        for a in 0..m {
-            let (mut s, mut mag) = (0.0f64, 0.0f64);
-            for (wv, xv) in row.iter().zip(&xs[a * k..(a + 1) * k]) {
-                s += *wv as f64 * *xv as f64;
-                mag += (*wv as f64 * *xv as f64).abs();
+    let f = w.format;
+    let mut want = vec![(0.0f64, 0.0f64); m * w.rows];
+    if is_integer_path(f) {
+        let nb = k / 32;
+        let mut acts = vec![ActBlock::default(); x.len() / 32];
+        quantize_portable(x, &mut acts);
+        let (g, rb, bb) = (w.data(), w.row_bytes(), f.block_bytes());
+        for r in 0..w.rows {
+            for a in 0..m {
+                let (mut s, mut mag) = (0.0f64, 0.0f64);
+                for b in 0..nb {
+                    let blk = &g[r * rb + b * bb..][..bb];
+                    let ab = &acts[a * nb + b];
+                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f64();
+                    let (qw, mw): (Vec<f64>, f64) = match f {
+                        WeightFormat::Q8_0 => {
+                            (blk[2..].iter().map(|&q| q as i8 as f64).collect(), 0.0)
+                        }
+                        _ => {
+                            let qs = if f == WeightFormat::Q4_1 {
+                                &blk[4..]
+                            } else {
+                                &blk[2..]
+                            };
+                            let mw = if f == WeightFormat::Q4_1 {
+                                f16::from_le_bytes([blk[2], blk[3]]).to_f64()
+                            } else {
+                                -8.0 * d
+                            };
+                            let lo = qs.iter().map(|&q| (q & 15) as f64);
+                            (lo.chain(qs.iter().map(|&q| (q >> 4) as f64)).collect(), mw)
+                        }
+                    };
+                    for (j, q) in qw.iter().enumerate() {
+                        let t = d * q * ab.q[j] as f64 * ab.d as f64;
+                        s += t;
+                        mag += t.abs();
+                    }
+                    s += mw * ab.s as f64;
+                    mag += (mw * ab.s as f64).abs();
+                }
+                want[a * w.rows + r] = (s, mag);
             }
-            let g = got[a * w.rows + r] as f64;
-            assert!(
-                (g - s).abs() <= 2e-6 * mag + 1e-30,
-                "{:?} r={r} a={a}: got {g}, want {s} (mag {mag})",
-                w.format
-            );
         }
+    } else {
+        let mut row = vec![0.0f32; k];
+        for r in 0..w.rows {
+            w.dequantize_row(r, &mut row);
+            for a in 0..m {
+                let (mut s, mut mag) = (0.0f64, 0.0f64);
+                for (wv, xv) in row.iter().zip(&x[a * k..(a + 1) * k]) {
+                    s += *wv as f64 * *xv as f64;
+                    mag += (*wv as f64 * *xv as f64).abs();
+                }
+                want[a * w.rows + r] = (s, mag);
+            }
+        }
+    }
+    for (i, (&g, &(s, mag))) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g as f64 - s).abs() <= 2e-6 * mag + 1e-30,
+            "{f:?} out[{i}]: got {g}, want {s} (mag {mag})"
+        );
     }
 }
 
@@ -202,4 +240,3 @@ fn extreme_quants() {
         }
     }
 }
-

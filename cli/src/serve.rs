@@ -1,0 +1,119 @@
+//! `kvmesh serve`: the whole mesh in one process — the HTTP router, prefill workers and decode
+//! workers, joined by the in-process transport and the in-memory kvstore.
+
+mod backend;
+mod config;
+
+use crate::model_args;
+use anyhow::{Context, Result};
+use backend::MeshBackend;
+use clap::Args;
+use config::ServeConfig;
+use kvmesh_decode::{LocalMesh, LocalMeshConfig};
+use kvmesh_router::Router;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Model file (.gguf) or HF checkpoint directory; defaults to the cached SmolLM2, fetched
+    /// when missing.
+    #[arg(long, env = "KVMESH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Address of the OpenAI-compatible HTTP API.
+    #[arg(long, env = "KVMESH_LISTEN")]
+    pub listen: Option<std::net::SocketAddr>,
+    #[arg(long, env = "KVMESH_PREFILL_WORKERS")]
+    pub prefill_workers: Option<usize>,
+    #[arg(long, env = "KVMESH_DECODE_WORKERS")]
+    pub decode_workers: Option<usize>,
+    /// Compute threads shared by all workers (default: all cores).
+    #[arg(long, env = "KVMESH_THREADS")]
+    pub threads: Option<usize>,
+    /// Comma-separated API keys; requests must send one as a bearer token.
+    #[arg(long, env = "KVMESH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    pub api_keys: Option<Vec<String>>,
+    /// TOML file with any of the settings (flags and KVMESH_* variables override it).
+    #[arg(long, env = "KVMESH_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Print the effective configuration as TOML and exit.
+    #[arg(long)]
+    pub print_config: bool,
+}
+
+pub fn run(args: &ServeArgs) -> Result<()> {
+    let config = ServeConfig::layered(args)?;
+    if args.print_config {
+        print!("{}", config.to_toml_redacted()?);
+        return Ok(());
+    }
+    model_args::init_threads(config.threads)?;
+    let path = kvmesh_engine::model_fetch::ensure_model(config.model.as_deref())
+        .context("locating the model")?;
+    let loaded = model_args::load(&path)?;
+
+    let mesh_config = config.mesh_config();
+    let mesh = LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?;
+    tracing::info!(
+        prefill_workers = mesh_config.prefill_workers,
+        decode_workers = mesh_config.decode_workers,
+        kv_blocks_per_worker = mesh_config.decode_engine.num_blocks,
+        "workers started"
+    );
+    let backend = Arc::new(MeshBackend::new(&mesh, loaded.fingerprint.0));
+    let mut router_config = config.router.clone();
+    router_config.max_context = router_config.max_context.min(loaded.model.config.max_context);
+    let router = Router::new(router_config, backend.clone(), loaded.tokenizer.clone())
+        .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(config.router.listen)
+            .await
+            .with_context(|| format!("binding {}", config.router.listen))?;
+        tracing::info!(
+            address = %listener.local_addr()?,
+            model = %config.router.model_name,
+            "serving the OpenAI API"
+        );
+        router
+            .serve(listener, shutdown_signal())
+            .await
+            .context("HTTP server")
+    })?;
+    tracing::info!("HTTP server stopped; draining workers");
+    backend.set_ready(false);
+    mesh.shutdown();
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => tracing::info!("SIGINT: shutting down"),
+        _ = term => tracing::info!("SIGTERM: shutting down"),
+    }
+}
+
+/// For the mesh config type's users in this module tree.
+pub(crate) type MeshConfig = LocalMeshConfig;

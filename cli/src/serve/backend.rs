@@ -1,0 +1,110 @@
+//! The router's `Backend` over the in-process workers: registers them in the in-memory
+//! discovery, refreshes their load on each request and routes with the router's policy.
+
+use kvmesh_common::{GenerateEvent, GenerateRequest, LoadReport, NodeId, NodeInfo, NodeRole};
+use kvmesh_common::WorkerError;
+use kvmesh_decode::{DecodeHandle, LocalMesh};
+use kvmesh_engine::worker_load::WorkerLoad;
+use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
+use kvmesh_prefill::PrefillHandle;
+use kvmesh_router::policy::least_loaded;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+pub struct MeshBackend {
+    discovery: InMemoryDiscovery,
+    decode: HashMap<NodeId, DecodeHandle>,
+    prefill: HashMap<NodeId, PrefillHandle>,
+    ready: AtomicBool,
+}
+
+fn report(load: WorkerLoad) -> LoadReport {
+    LoadReport {
+        running: load.running,
+        waiting: load.waiting,
+        kv_blocks_used: load.kv_blocks_used,
+    }
+}
+
+impl MeshBackend {
+    pub fn new(mesh: &LocalMesh, model_fingerprint: u64) -> Self {
+        let discovery = InMemoryDiscovery::new();
+        let register = |node_id, role, load: WorkerLoad| {
+            discovery
+                .register(NodeInfo {
+                    node_id,
+                    role,
+                    address: "in-process".into(),
+                    model_fingerprint,
+                    kv_blocks_total: load.kv_blocks_total,
+                })
+                .expect("worker node ids are unique");
+        };
+        let decode: HashMap<_, _> = mesh
+            .decode_handles()
+            .into_iter()
+            .map(|h| (h.node_id(), h))
+            .collect();
+        let prefill: HashMap<_, _> = mesh
+            .prefill_handles()
+            .into_iter()
+            .map(|h| (h.node_id(), h))
+            .collect();
+        for (id, h) in &decode {
+            register(*id, NodeRole::Decode, h.load());
+        }
+        for (id, h) in &prefill {
+            register(*id, NodeRole::Prefill, h.load());
+        }
+        MeshBackend {
+            discovery,
+            decode,
+            prefill,
+            ready: AtomicBool::new(true),
+        }
+    }
+
+    pub fn set_ready(&self, ready: bool) {
+        self.ready.store(ready, Ordering::Release);
+    }
+
+    /// Refreshes the load reports (atomics published by each worker thread) and picks.
+    fn choose(&self, role: NodeRole) -> Option<NodeId> {
+        let loads: Vec<(NodeId, WorkerLoad)> = match role {
+            NodeRole::Decode => self.decode.iter().map(|(i, h)| (*i, h.load())).collect(),
+            NodeRole::Prefill => self.prefill.iter().map(|(i, h)| (*i, h.load())).collect(),
+            NodeRole::Router => Vec::new(),
+        };
+        for (id, load) in loads {
+            // Registered in `new` and never removed while the backend lives.
+            let _ = self.discovery.report_load(id, report(load));
+        }
+        least_loaded(&self.discovery.nodes(role))
+    }
+}
+
+#[kvmesh_router::async_trait]
+impl kvmesh_router::Backend for MeshBackend {
+    async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<UnboundedReceiver<GenerateEvent>, WorkerError> {
+        if !self.is_ready() {
+            return Err(WorkerError::Unavailable("the mesh is shutting down".into()));
+        }
+        let decode = self
+            .choose(NodeRole::Decode)
+            .and_then(|id| self.decode.get(&id))
+            .ok_or_else(|| WorkerError::Unavailable("no decode worker".into()))?;
+        let prefill = self
+            .choose(NodeRole::Prefill)
+            .and_then(|id| self.prefill.get(&id))
+            .cloned();
+        decode.generate(req, prefill)
+    }
+
+    fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+}

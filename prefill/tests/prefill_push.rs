@@ -1,0 +1,200 @@
+//! The prefill worker on the real model: the KV it pushes is exactly the KV a local run
+//! computes, block by block and layer by layer, and its first token is the local first token.
+
+use crossbeam_channel::Receiver;
+use kvmesh_common::{BlockId, NodeId, RequestId, SamplingParams, TokenId};
+use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_engine::llm_engine::LlmEngine;
+use kvmesh_engine::llama_runner::LlamaRunner;
+use kvmesh_engine::runner::{KvSource, ModelRunner};
+use kvmesh_engine::sampler::Sampled;
+use kvmesh_engine::Loaded;
+use kvmesh_prefill::{
+    CancelToken, KvDestination, PrefillConfig, PrefillError, PrefillReply, PrefillRequest,
+    PrefillWorker,
+};
+use kvmesh_transfer::{InProcessTransport, KvChunk, Transport};
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+const BS: usize = 16;
+
+fn loaded() -> &'static Loaded {
+    static MODEL: OnceLock<Loaded> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+        assert!(path.exists(), "model missing at {}: run `kvmesh fetch-model`", path.display());
+        kvmesh_engine::load(&path).expect("model loads")
+    })
+}
+
+fn engine(max_num_batched_tokens: usize) -> LlmEngine<LlamaRunner> {
+    EngineConfig {
+        block_size: BS,
+        num_blocks: 64,
+        max_num_batched_tokens,
+        ..EngineConfig::default()
+    }
+    .llama_engine(loaded())
+    .unwrap()
+}
+
+fn prompt(len: usize) -> Vec<TokenId> {
+    let base = loaded()
+        .tokenizer
+        .encode("Paged attention keeps the KV cache in fixed-size blocks, so memory is never wasted on padding and prefixes can be shared between requests.", false)
+        .unwrap();
+    (0..len).map(|i| base[i % base.len()]).collect()
+}
+
+/// Runs `prompt` alone on a local engine: its first sampled token and its prompt KV per
+/// (layer, prompt block) in the transfer layout.
+fn local_run(prompt: &[TokenId], params: &SamplingParams) -> (Sampled, HashMap<(usize, usize), Vec<u8>>) {
+    let mut e = engine(4096);
+    e.add_prefill_request(0, prompt.to_vec(), params.clone()).unwrap();
+    let mut table = Vec::new();
+    let mut kv = HashMap::new();
+    let layers = e.runner().kv_shape().num_layers;
+    let n_blocks = prompt.len().div_ceil(BS);
+    let out = e
+        .step_observed(&mut |layer, step, src: &dyn KvSource| {
+            table.clone_from(&step.chunks[0].block_table);
+            for b in 0..n_blocks {
+                let mut bytes = Vec::new();
+                src.read_kv_blocks(layer, &table[b..b + 1], &mut bytes).unwrap();
+                kv.insert((layer, b), bytes);
+            }
+        })
+        .unwrap();
+    assert_eq!(kv.len(), layers * n_blocks);
+    (out[0].sampled.clone().unwrap(), kv)
+}
+
+struct Received {
+    chunks: Vec<KvChunk>,
+    reply: PrefillReply,
+}
+
+fn prefill(
+    worker_budget: usize,
+    prompt: &[TokenId],
+    params: SamplingParams,
+    cached_prefix_len: usize,
+) -> Received {
+    let transport = Arc::new(InProcessTransport::new(4096));
+    let dest = NodeId(2);
+    let rx = transport.bind(dest).unwrap();
+    let worker = PrefillWorker::spawn(
+        PrefillConfig::new(NodeId(1)),
+        engine(worker_budget),
+        transport.clone() as Arc<dyn Transport>,
+    )
+    .unwrap();
+    let blocks: Vec<BlockId> = (0..(prompt.len().div_ceil(BS) - cached_prefix_len / BS) as u32)
+        .map(|i| BlockId(1000 + i))
+        .collect();
+    let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+    let request = PrefillRequest {
+        request_id: RequestId(77),
+        prompt: prompt.to_vec(),
+        params,
+        cached_prefix_len,
+        destination: KvDestination { node: dest, blocks },
+        cancel: CancelToken::new(),
+    };
+    worker.handle().prefill(request, reply_tx).unwrap();
+    let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    drop(worker);
+    Received {
+        chunks: drain(&rx),
+        reply,
+    }
+}
+
+fn drain(rx: &Receiver<KvChunk>) -> Vec<KvChunk> {
+    rx.try_iter().collect()
+}
+
+#[test]
+fn pushed_kv_equals_local_kv_and_skips_the_destination_cache() {
+    let p = prompt(100); // 7 blocks, the last one partial
+    let params = SamplingParams::greedy(8);
+    let (first, local_kv) = local_run(&p, &params);
+    // The worker prefills in 32-token chunks, so blocks go out over four steps; the
+    // destination already has the first two blocks.
+    let got = prefill(32, &p, params, 32);
+    let done = got.reply.result.expect("prefill succeeds");
+    assert_eq!(done.first.token, first.token);
+    assert_eq!(done.first.logprob, first.logprob);
+
+    let layers = loaded().model.config.num_layers;
+    let mut seen = HashMap::new();
+    for c in &got.chunks {
+        c.verify().unwrap();
+        assert_eq!(c.header.request_id, RequestId(77));
+        assert_eq!(c.header.num_layers, 1);
+        let block_bytes = c.payload.len() / c.header.blocks.len();
+        for (i, b) in c.header.blocks.iter().enumerate() {
+            let prompt_block = (b.0 - 1000) as usize + 2;
+            let bytes = &c.payload[i * block_bytes..(i + 1) * block_bytes];
+            let key = (c.header.first_layer as usize, prompt_block);
+            assert!(seen.insert(key, bytes.to_vec()).is_none(), "{key:?} sent twice");
+        }
+    }
+    assert_eq!(seen.len(), layers * 5, "every layer of blocks 2..7, once");
+    for (key, bytes) in &seen {
+        assert!(local_kv[key] == *bytes, "KV of {key:?} differs from the local run");
+    }
+    assert_eq!(done.chunks_sent as usize, got.chunks.len());
+    assert_eq!(
+        done.bytes_sent as usize,
+        got.chunks.iter().map(|c| c.payload.len()).sum::<usize>()
+    );
+}
+
+#[test]
+fn a_seeded_sample_equals_the_local_one() {
+    let p = prompt(40);
+    let params = SamplingParams {
+        temperature: 1.5,
+        top_p: 0.95,
+        seed: Some(1234),
+        logprobs: Some(3),
+        ..SamplingParams::greedy(4)
+    };
+    let (first, _) = local_run(&p, &params);
+    let got = prefill(2048, &p, params, 0);
+    assert_eq!(got.reply.result.unwrap().first, first);
+}
+
+#[test]
+fn an_unreachable_destination_fails_the_prefill() {
+    let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::new(4));
+    let worker = PrefillWorker::spawn(PrefillConfig::new(NodeId(1)), engine(2048), transport).unwrap();
+    let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+    let request = PrefillRequest {
+        request_id: RequestId(5),
+        prompt: prompt(20),
+        params: SamplingParams::greedy(1),
+        cached_prefix_len: 0,
+        destination: KvDestination {
+            node: NodeId(99),
+            blocks: vec![BlockId(0), BlockId(1)],
+        },
+        cancel: CancelToken::new(),
+    };
+    worker.handle().prefill(request.clone(), reply_tx.clone()).unwrap();
+    let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert!(matches!(reply.result, Err(PrefillError::Transfer(_))));
+
+    // A destination that does not match the prompt is refused without computing.
+    let bad = PrefillRequest {
+        cached_prefix_len: 8,
+        ..request
+    };
+    worker.handle().prefill(bad, reply_tx).unwrap();
+    let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert!(matches!(reply.result, Err(PrefillError::InvalidRequest(_))));
+    assert_eq!(worker.handle().load().kv_blocks_used, 0);
+}
