@@ -8,7 +8,8 @@
 #   --json            print one JSON object instead of the table
 #   --check           exit 1 unless every target is met
 #   --llamacpp-only   skip kvmesh (report llama.cpp numbers only)
-#   --reps N          llama-bench repetitions (default: 5)
+#   --reps N          llama-bench repetitions (default: 5); llama-batched-bench
+#                     is run ceil(N/2) times and the median S_TG is used
 #   --keep DIR        keep raw outputs of every tool in DIR
 #   --wait-idle SECS  first wait up to SECS for the 1-minute load average to drop
 #                     below 0.5 (other builds on a 2-core box wreck the numbers)
@@ -48,7 +49,7 @@ BATCH_NTG=64
 BATCH_NPL=1,8,32
 BATCH_CTX=8192
 
-usage() { sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -124,12 +125,16 @@ if ! "$LLAMA_BIN/llama-bench" -m "$MODEL" -t "$THREADS" -p "$PP" -n "$TG" -r "$R
 fi
 
 LOADS+=(--load "llama-batched-bench=$(loadavg)")
-log "llama-batched-bench -c $BATCH_CTX -npp $BATCH_NPP -ntg $BATCH_NTG -npl $BATCH_NPL"
-if ! "$LLAMA_BIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -c "$BATCH_CTX" \
-     -npp "$BATCH_NPP" -ntg "$BATCH_NTG" -npl "$BATCH_NPL" --output-format jsonl \
-     >"$OUTDIR/batched_bench.jsonl" 2>"$OUTDIR/batched_bench.log"; then
-  log "llama-batched-bench failed:"; tail -n 20 "$OUTDIR/batched_bench.log" >&2; exit 1
-fi
+BATCH_RUNS=$(( (REPS + 1) / 2 ))
+log "llama-batched-bench -c $BATCH_CTX -npp $BATCH_NPP -ntg $BATCH_NTG -npl $BATCH_NPL (x$BATCH_RUNS)"
+: >"$OUTDIR/batched_bench.jsonl"; : >"$OUTDIR/batched_bench.log"
+for ((run = 1; run <= BATCH_RUNS; run++)); do
+  if ! "$LLAMA_BIN/llama-batched-bench" -m "$MODEL" -t "$THREADS" -tb "$THREADS" -c "$BATCH_CTX" \
+       -npp "$BATCH_NPP" -ntg "$BATCH_NTG" -npl "$BATCH_NPL" --output-format jsonl \
+       >>"$OUTDIR/batched_bench.jsonl" 2>>"$OUTDIR/batched_bench.log"; then
+    log "llama-batched-bench failed:"; tail -n 20 "$OUTDIR/batched_bench.log" >&2; exit 1
+  fi
+done
 t1=$(date +%s)
 log "llama.cpp done in $((t1 - t0))s"
 

@@ -435,7 +435,7 @@ def main(argv=None) -> int:
     r.add_argument("--trace", default=os.path.join(here, "..", "..", "shared", "traces", "azure_llm_conv_2023.csv"))
     r.add_argument("--gguf", help="model GGUF, for the single-token word list")
     r.add_argument("--concurrency", default="1,8,32")
-    r.add_argument("--requests", default="8,32,96", help="requests per level (one, or one per level)")
+    r.add_argument("--requests", default="8,24,96", help="requests per level (one, or one per level)")
     r.add_argument("--scale", type=float, default=0.25, help="multiply trace lengths by this")
     r.add_argument("--min-prompt", type=int, default=16)
     r.add_argument("--max-prompt", type=int, default=1024)

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build --release -p kvmesh
 target/release/kvmesh fetch-model
-exec target/release/kvmesh generate --chat --prompt "What is the capital of France?" "$@"
+exec target/release/kvmesh serve "$@"

@@ -83,24 +83,40 @@ _MD_ROW = re.compile(
 )
 
 
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
 def parse_batched(text):
-    """Return {npl: {"pp":..,"tg":..,"s_pp":..,"s_tg":..}} from jsonl or md."""
-    out = {}
+    """Return {npl: {"pp","tg","s_pp","s_tg","runs","s_tg_runs"}} from jsonl
+    (or the md table of older versions).  When the bench was run several
+    times (rows repeated), S_PP / S_TG are the medians over the runs."""
+    rows = []
     for obj in _json_objects(text):
         if isinstance(obj, dict) and "speed_tg" in obj and "pl" in obj:
-            out[int(obj["pl"])] = {
-                "pp": int(obj["pp"]),
-                "tg": int(obj["tg"]),
-                "s_pp": float(obj["speed_pp"]),
-                "s_tg": float(obj["speed_tg"]),
-            }
-    if out:
-        return out
-    for line in text.splitlines():
-        m = _MD_ROW.match(line.strip())
-        if m:
-            pp, tg, b = int(m.group(1)), int(m.group(2)), int(m.group(3))
-            out[b] = {"pp": pp, "tg": tg, "s_pp": float(m.group(6)), "s_tg": float(m.group(8))}
+            rows.append((int(obj["pl"]), int(obj["pp"]), int(obj["tg"]),
+                         float(obj["speed_pp"]), float(obj["speed_tg"])))
+    if not rows:
+        for line in text.splitlines():
+            m = _MD_ROW.match(line.strip())
+            if m:
+                rows.append((int(m.group(3)), int(m.group(1)), int(m.group(2)),
+                             float(m.group(6)), float(m.group(8))))
+    by_pl = {}
+    for pl, pp, tg, s_pp, s_tg in rows:
+        by_pl.setdefault(pl, []).append((pp, tg, s_pp, s_tg))
+    out = {}
+    for pl, rs in by_pl.items():
+        out[pl] = {
+            "pp": rs[0][0],
+            "tg": rs[0][1],
+            "s_pp": _median([r[2] for r in rs]),
+            "s_tg": _median([r[3] for r in rs]),
+            "runs": len(rs),
+            "s_tg_runs": [r[3] for r in rs],
+        }
     return out
 
 

@@ -7,7 +7,7 @@
 #                        (default: ../shared/traces/azure_llm_conv_2023.csv, relative to the repo)
 #   --model GGUF         (default: ~/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   --concurrency LIST   closed-loop client counts (default: 1,8,32)
-#   --requests LIST      requests per level, one or one per level (default: 8,24,64)
+#   --requests LIST      requests per level, one or one per level (default: 8,24,96)
 #   --scale F            trace lengths are multiplied by F, then clipped to
 #                        prompt 16..1024, output 4..128 tokens (default: 0.25)
 #   --ctx N              llama-server context per slot; -c is 32*N (default: 2048)
@@ -39,7 +39,7 @@ ROOT="$(cd "$HERE/../.." && pwd)"
 TRACE="$ROOT/../shared/traces/azure_llm_conv_2023.csv"
 MODEL="$HOME/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONC="1,8,32"
-REQS="8,24,64"
+REQS="8,24,96"
 SCALE="0.25"
 CTX=2048
 LEVEL_TIMEOUT=120

@@ -76,7 +76,10 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
         );
     } else {
         println!("threads {threads}");
-        println!("prefill {} tokens: {prefill_tok_s:.1} tok/s", args.prefill_tokens);
+        println!(
+            "prefill {} tokens: {prefill_tok_s:.1} tok/s",
+            args.prefill_tokens
+        );
         for (b, s) in decode {
             println!("decode batch {b:>3}: {s:.1} tok/s (aggregate)");
         }
@@ -86,7 +89,9 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
 
 fn median_time(repeats: usize, mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
     f()?; // warm-up: page in weights, size scratch buffers
-    let mut times = (0..repeats.max(1)).map(|_| f()).collect::<Result<Vec<_>>>()?;
+    let mut times = (0..repeats.max(1))
+        .map(|_| f())
+        .collect::<Result<Vec<_>>>()?;
     times.sort();
     Ok(times[times.len() / 2])
 }

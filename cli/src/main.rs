@@ -9,7 +9,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvmesh", version, about = "Disaggregated prefill/decode LLM serving mesh")]
+#[command(
+    name = "kvmesh",
+    version,
+    about = "Disaggregated prefill/decode LLM serving mesh"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

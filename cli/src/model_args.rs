@@ -59,7 +59,8 @@ pub fn fetch(args: &FetchArgs) -> Result<()> {
 /// Loads the model, logging how long it took.
 pub fn load(path: &std::path::Path) -> Result<kvmesh_engine::Loaded> {
     let start = std::time::Instant::now();
-    let loaded = kvmesh_engine::load(path).with_context(|| format!("loading {}", path.display()))?;
+    let loaded =
+        kvmesh_engine::load(path).with_context(|| format!("loading {}", path.display()))?;
     tracing::info!(path = %path.display(), elapsed = ?start.elapsed(), "model loaded");
     Ok(loaded)
 }

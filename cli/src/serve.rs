@@ -31,7 +31,12 @@ pub struct ServeArgs {
     #[arg(long, env = "KVMESH_THREADS")]
     pub threads: Option<usize>,
     /// Comma-separated API keys; requests must send one as a bearer token.
-    #[arg(long, env = "KVMESH_API_KEYS", value_delimiter = ',', hide_env_values = true)]
+    #[arg(
+        long,
+        env = "KVMESH_API_KEYS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
     pub api_keys: Option<Vec<String>>,
     /// TOML file with any of the settings (flags and KVMESH_* variables override it).
     #[arg(long, env = "KVMESH_CONFIG")]
@@ -62,7 +67,9 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     );
     let backend = Arc::new(MeshBackend::new(&mesh, loaded.fingerprint.0));
     let mut router_config = config.router.clone();
-    router_config.max_context = router_config.max_context.min(loaded.model.config.max_context);
+    router_config.max_context = router_config
+        .max_context
+        .min(loaded.model.config.max_context);
     let router = Router::new(router_config, backend.clone(), loaded.tokenizer.clone())
         .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
 

@@ -16,7 +16,8 @@ pub const WORKER_REQUESTS_RUNNING: &str = "kvmesh_worker_requests_running";
 pub const WORKER_REQUESTS_WAITING: &str = "kvmesh_worker_requests_waiting";
 pub const WORKER_KV_BLOCKS_USED: &str = "kvmesh_worker_kv_blocks_used";
 pub const WORKER_KV_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_blocks_total";
-pub const WORKER_PREFIX_QUERIED_TOKENS_TOTAL: &str = "kvmesh_worker_prefix_cache_queried_tokens_total";
+pub const WORKER_PREFIX_QUERIED_TOKENS_TOTAL: &str =
+    "kvmesh_worker_prefix_cache_queried_tokens_total";
 pub const WORKER_PREFIX_HIT_TOKENS_TOTAL: &str = "kvmesh_worker_prefix_cache_hit_tokens_total";
 pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
 

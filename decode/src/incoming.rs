@@ -14,7 +14,9 @@ pub enum IncomingError {
     Corrupt(#[from] ChunkError),
     #[error("chunk for request {got}, expected {expected}")]
     WrongRequest { expected: RequestId, got: RequestId },
-    #[error("chunk has dtype {got:?} and block shape {shape:?}; this node stores f16 {expected:?}")]
+    #[error(
+        "chunk has dtype {got:?} and block shape {shape:?}; this node stores f16 {expected:?}"
+    )]
     Layout {
         got: KvDtype,
         shape: BlockShape,
@@ -143,7 +145,14 @@ mod tests {
     fn chunk(layer: usize, blocks: &[u32]) -> KvChunk {
         let blocks: Vec<BlockId> = blocks.iter().map(|&b| BlockId(b)).collect();
         let len = blocks.len() * 16;
-        KvChunk::seal(RequestId(5), layer..layer + 1, blocks, block_shape(&shape()), vec![3; len]).unwrap()
+        KvChunk::seal(
+            RequestId(5),
+            layer..layer + 1,
+            blocks,
+            block_shape(&shape()),
+            vec![3; len],
+        )
+        .unwrap()
     }
 
     #[test]
@@ -174,7 +183,10 @@ mod tests {
         ));
         let mut c = chunk(0, &[4]);
         c.header.request_id = RequestId(6);
-        assert!(matches!(t.check(&c), Err(IncomingError::WrongRequest { .. })));
+        assert!(matches!(
+            t.check(&c),
+            Err(IncomingError::WrongRequest { .. })
+        ));
         let mut c = chunk(0, &[4]);
         c.payload[3] ^= 1;
         assert!(matches!(

@@ -35,13 +35,15 @@ pub enum DecodeError {
     Spawn(#[from] std::io::Error),
 }
 
+struct Submission {
+    request: GenerateRequest,
+    prefill: Option<PrefillHandle>,
+    events: UnboundedSender<GenerateEvent>,
+    enqueued_at: Instant,
+}
+
 enum Inbox {
-    Generate {
-        request: GenerateRequest,
-        prefill: Option<PrefillHandle>,
-        events: UnboundedSender<GenerateEvent>,
-        enqueued_at: Instant,
-    },
+    Generate(Box<Submission>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
@@ -87,6 +89,11 @@ impl DecodeHandle {
     /// part is at least `local_prefill_max_tokens` long is prefilled there (falling back to a
     /// local prefill if that fails); without, or for shorter prompts, it is prefilled here.
     ///
+    /// The stream: one `Token` per generated token (also a final EOS or stop token, with empty
+    /// text, so the count matches `usage.completion_tokens`), each carrying the text that is
+    /// final with it (the last one also carries any text held back until the end); then
+    /// `Finished` (its `text` is empty) or `Error`.
+    ///
     /// Never blocks. Errors: `InvalidRequest` (bad parameters, empty prompt, prompt longer
     /// than the context or the KV pool), `Overloaded` (the queue is full: retry later),
     /// `Unavailable` (draining or stopped).
@@ -96,7 +103,9 @@ impl DecodeHandle {
         prefill: Option<PrefillHandle>,
     ) -> Result<EventReceiver, WorkerError> {
         if self.shared.draining.load(Ordering::Acquire) {
-            return Err(WorkerError::Unavailable("the decode worker is draining".into()));
+            return Err(WorkerError::Unavailable(
+                "the decode worker is draining".into(),
+            ));
         }
         self.validate(&request)?;
         if !self.shared.queue.try_take() {
@@ -107,17 +116,19 @@ impl DecodeHandle {
             )));
         }
         let (events, rx) = unbounded_channel();
-        let msg = Inbox::Generate {
+        let msg = Inbox::Generate(Box::new(Submission {
             request,
             prefill,
             events,
             enqueued_at: Instant::now(),
-        };
+        }));
         match self.inbox.try_send(msg) {
             Ok(()) => Ok(rx),
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.shared.queue.give_back();
-                Err(WorkerError::Unavailable("the decode worker has stopped".into()))
+                Err(WorkerError::Unavailable(
+                    "the decode worker has stopped".into(),
+                ))
             }
         }
     }
@@ -304,11 +315,11 @@ impl<R: ModelRunner> Loop<R> {
         self.metrics.kv_blocks_total.set(total as i64);
         self.publish_load();
         loop {
-            let idle = !self.engine.has_work()
-                || (self.engine.last_step_tokens() == 0 && !self.kicked);
+            let idle =
+                !self.engine.has_work() || (self.engine.last_step_tokens() == 0 && !self.kicked);
             if idle {
                 let draining = self.shared.draining.load(Ordering::Acquire) || self.inbox_closed;
-                if draining && self.active.is_empty() {
+                if draining && self.active.is_empty() && self.inbox.is_empty() {
                     break;
                 }
                 self.wait(self.engine.next_timeout());
@@ -327,6 +338,14 @@ impl<R: ModelRunner> Loop<R> {
             self.publish_load();
         }
         self.transport.unbind(self.config.node_id);
+        // Requests that raced the drain or the stop: answer rather than strand them.
+        while let Ok(msg) = self.inbox.try_recv() {
+            if let Inbox::Generate(s) = msg {
+                self.shared.queue.give_back();
+                let e = WorkerError::Unavailable("the decode worker stopped".into());
+                let _ = s.events.send(GenerateEvent::Error(e));
+            }
+        }
         let ids: Vec<SeqId> = self.active.keys().copied().collect();
         for seq_id in ids {
             let e = WorkerError::Unavailable("the decode worker stopped".into());
@@ -376,12 +395,7 @@ impl<R: ModelRunner> Loop<R> {
         }
         loop {
             match self.inbox.try_recv() {
-                Ok(Inbox::Generate {
-                    request,
-                    prefill,
-                    events,
-                    enqueued_at,
-                }) => self.accept(request, prefill, events, enqueued_at),
+                Ok(Inbox::Generate(s)) => self.accept(*s),
                 Ok(Inbox::Wake) => {}
                 Ok(Inbox::Stop) => return false,
                 Err(TryRecvError::Empty) => break,
@@ -394,13 +408,13 @@ impl<R: ModelRunner> Loop<R> {
         true
     }
 
-    fn accept(
-        &mut self,
-        request: GenerateRequest,
-        prefill: Option<PrefillHandle>,
-        events: UnboundedSender<GenerateEvent>,
-        enqueued_at: Instant,
-    ) {
+    fn accept(&mut self, submission: Submission) {
+        let Submission {
+            request,
+            prefill,
+            events,
+            enqueued_at,
+        } = submission;
         let GenerateRequest {
             request_id,
             prompt,
@@ -416,9 +430,8 @@ impl<R: ModelRunner> Loop<R> {
         // draws continue the same random stream.
         params.seed.get_or_insert_with(rand::random);
         let uncached = prompt.len() - self.engine.scheduler().probe_prefix(&prompt);
-        let prefill = prefill.filter(|p| {
-            uncached >= self.config.local_prefill_max_tokens && self.compatible(p)
-        });
+        let prefill = prefill
+            .filter(|p| uncached >= self.config.local_prefill_max_tokens && self.compatible(p));
         let seq_id = self.next_seq_id;
         self.next_seq_id += 1;
         let prompt_tokens = prompt.len() as u32;
@@ -434,7 +447,9 @@ impl<R: ModelRunner> Loop<R> {
         };
         if let Err(e) = added {
             self.shared.queue.give_back();
-            let _ = events.send(GenerateEvent::Error(WorkerError::InvalidRequest(e.to_string())));
+            let _ = events.send(GenerateEvent::Error(WorkerError::InvalidRequest(
+                e.to_string(),
+            )));
             return;
         }
         self.by_request.insert(request_id, seq_id);

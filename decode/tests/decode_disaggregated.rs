@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-
 /// Wraps the in-process transport: counts chunks, and corrupts or drops the `nth` one.
 struct TestTransport {
     inner: InProcessTransport,
@@ -53,7 +52,12 @@ impl Transport for TestTransport {
         self.inner.unbind(node)
     }
 
-    fn send(&self, dest: NodeId, mut chunk: KvChunk, deadline: Instant) -> Result<(), TransportError> {
+    fn send(
+        &self,
+        dest: NodeId,
+        mut chunk: KvChunk,
+        deadline: Instant,
+    ) -> Result<(), TransportError> {
         let n = self.sent.fetch_add(1, Ordering::SeqCst);
         if n == self.nth {
             match self.fault {
@@ -83,8 +87,12 @@ fn start(
     timeout: Duration,
 ) -> Pair {
     let prefill_node = NodeId(node.0 + 1);
-    let prefill =
-        PrefillWorker::spawn(PrefillConfig::new(prefill_node), engine(), transport.clone()).unwrap();
+    let prefill = PrefillWorker::spawn(
+        PrefillConfig::new(prefill_node),
+        engine(),
+        transport.clone(),
+    )
+    .unwrap();
     let config = DecodeConfig {
         local_prefill_max_tokens,
         remote_prefill_timeout: timeout,
@@ -132,11 +140,22 @@ fn a_remote_prefill_gives_the_tokens_of_a_local_one() {
 #[test]
 fn thirty_two_concurrent_requests_each_match_their_lone_run() {
     let transport = TestTransport::new(Fault::None, 0);
-    let pair = start(NodeId(0x2000), transport.clone(), 48, Duration::from_secs(120));
+    let pair = start(
+        NodeId(0x2000),
+        transport.clone(),
+        48,
+        Duration::from_secs(120),
+    );
     let (d, p) = (pair.decode.handle(), pair.prefill.handle());
     let lens = [5, 17, 40, 64, 100, 150, 220, 300];
     let requests: Vec<_> = (0..32)
-        .map(|i| request(100 + i as u64, prompt(i, lens[i % lens.len()]), 6 + (i % 5) as u32))
+        .map(|i| {
+            request(
+                100 + i as u64,
+                prompt(i, lens[i % lens.len()]),
+                6 + (i % 5) as u32,
+            )
+        })
         .collect();
     let streams: Vec<_> = requests
         .iter()
@@ -159,7 +178,12 @@ fn dropping_the_stream_frees_the_request_blocks() {
     let (d, p) = (pair.decode.handle(), pair.prefill.handle());
     for (id, len) in [(1, 20), (2, 120)] {
         // Far more tokens than the test waits for: only cancellation ends it in time.
-        let mut rx = d.generate(request(id, prompt(id as usize, len), 1_500), Some(p.clone())).unwrap();
+        let mut rx = d
+            .generate(
+                request(id, prompt(id as usize, len), 1_500),
+                Some(p.clone()),
+            )
+            .unwrap();
         for _ in 0..2 {
             assert!(matches!(
                 rx.blocking_recv(),
@@ -178,7 +202,12 @@ fn a_corrupt_chunk_is_recomputed_locally() {
     let node = NodeId(0x4000);
     let pair = start(node, transport.clone(), 32, Duration::from_secs(60));
     let r = request(1, prompt(3, 180), 10);
-    let (tokens, _, _) = collect(pair.decode.handle().generate(r.clone(), Some(pair.prefill.handle())).unwrap());
+    let (tokens, _, _) = collect(
+        pair.decode
+            .handle()
+            .generate(r.clone(), Some(pair.prefill.handle()))
+            .unwrap(),
+    );
     assert!(transport.sent() > 3, "the corrupt chunk was sent");
     assert_eq!(transfers_completed(node), 0, "the transfer was refused");
     assert_eq!(tokens, reference(&r));
@@ -191,7 +220,12 @@ fn a_lost_chunk_times_out_and_is_recomputed_locally() {
     let node = NodeId(0x5000);
     let pair = start(node, transport.clone(), 32, Duration::from_millis(500));
     let r = request(1, prompt(4, 150), 8);
-    let (tokens, _, _) = collect(pair.decode.handle().generate(r.clone(), Some(pair.prefill.handle())).unwrap());
+    let (tokens, _, _) = collect(
+        pair.decode
+            .handle()
+            .generate(r.clone(), Some(pair.prefill.handle()))
+            .unwrap(),
+    );
     assert!(transport.sent() > 5);
     assert_eq!(transfers_completed(node), 0, "the transfer never completed");
     assert_eq!(tokens, reference(&r));
@@ -201,11 +235,73 @@ fn a_lost_chunk_times_out_and_is_recomputed_locally() {
 #[test]
 fn a_gone_prefill_worker_means_a_local_prefill() {
     let transport = TestTransport::new(Fault::None, 0);
-    let Pair { decode, prefill } = start(NodeId(0x6000), transport.clone(), 32, Duration::from_secs(60));
+    let Pair { decode, prefill } = start(
+        NodeId(0x6000),
+        transport.clone(),
+        32,
+        Duration::from_secs(60),
+    );
     let p = prefill.handle();
     drop(prefill); // stops its thread
     let r = request(1, prompt(6, 120), 8);
     let (tokens, _, _) = collect(decode.handle().generate(r.clone(), Some(p)).unwrap());
     assert_eq!(transport.sent(), 0);
     assert_eq!(tokens, reference(&r));
+}
+
+#[test]
+fn seeded_sampling_continues_the_same_random_stream_after_a_remote_prefill() {
+    let transport = TestTransport::new(Fault::None, 0);
+    let node = NodeId(0x7000);
+    let pair = start(node, transport.clone(), 32, Duration::from_secs(60));
+    let mut r = request(1, prompt(8, 150), 16);
+    r.params.temperature = 0.9;
+    r.params.top_k = 40;
+    r.params.seed = Some(42);
+    let (tokens, _, _) = collect(
+        pair.decode
+            .handle()
+            .generate(r.clone(), Some(pair.prefill.handle()))
+            .unwrap(),
+    );
+    assert_eq!(transfers_completed(node), 1);
+    assert_eq!(tokens, reference(&r));
+}
+
+#[test]
+fn a_local_mesh_serves_through_its_handles() {
+    let config = kvmesh_decode::LocalMeshConfig {
+        prefill_workers: 2,
+        decode_workers: 2,
+        prefill_engine: engine_config(),
+        decode_engine: engine_config(),
+        decode: DecodeConfig {
+            local_prefill_max_tokens: 32,
+            ..DecodeConfig::new(NodeId(0))
+        },
+        ..Default::default()
+    };
+    let mesh = kvmesh_decode::LocalMesh::start(loaded(), &config).unwrap();
+    let (decode, prefill) = (mesh.decode_handles(), mesh.prefill_handles());
+    assert_eq!(decode.len(), 2);
+    let requests: Vec<_> = (0..4)
+        .map(|i| request(i, prompt(i as usize, 90), 6))
+        .collect();
+    let streams: Vec<_> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            decode[i % 2]
+                .generate(r.clone(), Some(prefill[i / 2].clone()))
+                .unwrap()
+        })
+        .collect();
+    for (r, s) in requests.iter().zip(streams) {
+        assert_eq!(collect(s).0, reference(r));
+    }
+    for d in &decode {
+        assert_eq!(transfers_completed(d.node_id()), 2);
+    }
+    mesh.shutdown();
+    assert!(decode[0].generate(requests[0].clone(), None).is_err());
 }

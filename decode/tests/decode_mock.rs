@@ -10,9 +10,7 @@ use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
 use kvmesh_engine::gguf::GgufFile;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::mock_runner::{CostModel, MockRunner};
-use kvmesh_engine::runner::{
-    KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput,
-};
+use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput};
 use kvmesh_engine::scheduler::SchedulerConfig;
 use kvmesh_engine::tokenizer::Tokenizer;
 use kvmesh_transfer::{InProcessTransport, Transport};
@@ -34,7 +32,12 @@ struct GatedRunner {
 }
 
 impl KvSource for GatedRunner {
-    fn read_kv_blocks(&self, layer: usize, blocks: &[BlockId], out: &mut Vec<u8>) -> Result<(), RunnerError> {
+    fn read_kv_blocks(
+        &self,
+        layer: usize,
+        blocks: &[BlockId],
+        out: &mut Vec<u8>,
+    ) -> Result<(), RunnerError> {
         self.inner.read_kv_blocks(layer, blocks, out)
     }
 }
@@ -52,12 +55,17 @@ impl ModelRunner for GatedRunner {
     fn execute_observed(
         &mut self,
         input: &StepInput,
-        on_layer: &mut dyn FnMut(usize, &dyn KvSource),
+        on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
     ) -> Result<StepOutput, RunnerError> {
         let _ = self.permits.recv();
         self.inner.execute_observed(input, on_layer)
     }
-    fn write_kv_blocks(&mut self, layers: Range<usize>, blocks: &[BlockId], payload: &[u8]) -> Result<(), RunnerError> {
+    fn write_kv_blocks(
+        &mut self,
+        layers: Range<usize>,
+        blocks: &[BlockId],
+        payload: &[u8],
+    ) -> Result<(), RunnerError> {
         self.inner.write_kv_blocks(layers, blocks, payload)
     }
 }
@@ -91,7 +99,10 @@ fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
         max_queued_requests,
         ..DecodeConfig::new(NodeId(9))
     };
-    (DecodeWorker::spawn(decode, engine, transport).unwrap(), permit_tx)
+    (
+        DecodeWorker::spawn(decode, engine, transport).unwrap(),
+        permit_tx,
+    )
 }
 
 fn request(id: u64, prompt_len: usize) -> GenerateRequest {
@@ -116,7 +127,10 @@ fn finishes(mut rx: kvmesh_decode::EventReceiver) -> bool {
     false
 }
 
-fn generate(d: &DecodeHandle, r: GenerateRequest) -> Result<kvmesh_decode::EventReceiver, WorkerError> {
+fn generate(
+    d: &DecodeHandle,
+    r: GenerateRequest,
+) -> Result<kvmesh_decode::EventReceiver, WorkerError> {
     d.generate(r, None)
 }
 

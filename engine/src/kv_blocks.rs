@@ -20,7 +20,11 @@ pub fn payload_len(shape: &KvShape, num_layers: usize, num_blocks: usize) -> usi
 }
 
 /// Checks that `layers` and `blocks` address this shape's cache.
-pub fn check_range(shape: &KvShape, layers: Range<usize>, blocks: &[BlockId]) -> Result<(), RunnerError> {
+pub fn check_range(
+    shape: &KvShape,
+    layers: Range<usize>,
+    blocks: &[BlockId],
+) -> Result<(), RunnerError> {
     if layers.end > shape.num_layers || layers.start > layers.end {
         return Err(RunnerError::LayerOutOfRange {
             layer: layers.end.max(layers.start),

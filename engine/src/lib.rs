@@ -5,8 +5,11 @@
 pub mod block_pool;
 pub mod chat_template;
 pub mod detokenizer;
+pub mod engine_config;
 pub mod gguf;
+pub mod kv_blocks;
 pub mod llama_runner;
+pub mod llm_engine;
 pub mod mock_runner;
 pub mod model;
 pub mod model_config;
@@ -17,11 +20,8 @@ pub mod sampler;
 pub mod scheduler;
 pub mod stop;
 pub mod tokenizer;
-pub mod llm_engine;
-pub mod kv_blocks;
-pub mod worker_metrics;
-pub mod engine_config;
 pub mod worker_load;
+pub mod worker_metrics;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -248,7 +248,9 @@ impl<R: ModelRunner> LlmEngine<R> {
         }
         let cached = state.cached_tokens.unwrap_or(0).max(remote_cached_tokens);
         state.cached_tokens = Some(cached);
-        let outcome = self.scheduler.complete_remote_prefill(seq_id, first.token)?;
+        let outcome = self
+            .scheduler
+            .complete_remote_prefill(seq_id, first.token)?;
         let mut outputs = vec![SeqOutput {
             seq_id,
             sampled: Some(first),
@@ -287,7 +289,7 @@ impl<R: ModelRunner> LlmEngine<R> {
     /// so a prefill worker can push that layer while the next ones compute.
     pub fn step_observed(
         &mut self,
-        on_layer: &mut dyn FnMut(usize, &StepInput, &dyn KvSource),
+        on_layer: &mut (dyn FnMut(usize, &StepInput, &dyn KvSource) + Send),
     ) -> Result<Vec<SeqOutput>, EngineError> {
         let plan = self.scheduler.schedule();
         self.last_step_tokens = plan.step.num_tokens();
@@ -398,7 +400,9 @@ fn top_n(logits: &[f32], n: usize) -> Vec<(TokenId, f32)> {
     }
     let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
     let n = n.min(ids.len());
-    ids.select_nth_unstable_by(n - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    ids.select_nth_unstable_by(n - 1, |&a, &b| {
+        logits[b as usize].total_cmp(&logits[a as usize])
+    });
     ids.truncate(n);
     ids.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
     ids.into_iter().map(|t| (t, logits[t as usize])).collect()

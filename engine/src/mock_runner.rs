@@ -16,9 +16,7 @@
 //!   volumes are modelled), and writing received blocks only checks their addresses.
 
 use crate::kv_blocks;
-use crate::runner::{
-    KvShape, KvSource, ModelRunner, RunnerError, SeqChunk, StepInput, StepOutput,
-};
+use crate::runner::{KvShape, KvSource, ModelRunner, RunnerError, SeqChunk, StepInput, StepOutput};
 use kvmesh_common::{BlockId, TokenId};
 use std::ops::Range;
 use std::time::Duration;
@@ -209,7 +207,7 @@ impl ModelRunner for MockRunner {
     fn execute_observed(
         &mut self,
         input: &StepInput,
-        on_layer: &mut dyn FnMut(usize, &dyn KvSource),
+        on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
     ) -> Result<StepOutput, RunnerError> {
         let output = self.execute_step(input)?;
         for layer in 0..self.kv_shape.num_layers {

@@ -61,7 +61,10 @@ impl LlamaModel {
             };
             let w_gate_up = concat(
                 &n("ffn_gate_up"),
-                &[w.matrix(&n("ffn_gate.weight"))?, w.matrix(&n("ffn_up.weight"))?],
+                &[
+                    w.matrix(&n("ffn_gate.weight"))?,
+                    w.matrix(&n("ffn_up.weight"))?,
+                ],
             )?;
             layers.push(Layer {
                 attn_norm: w.vector_f32(&n("attn_norm.weight"))?,
@@ -189,7 +192,10 @@ impl Forward {
         let s = &mut self.scratch;
 
         let x = sized(&mut s.x, n * hs);
-        for (row, &tok) in x.chunks_exact_mut(hs).zip(chunks.iter().flat_map(|ch| &ch.tokens)) {
+        for (row, &tok) in x
+            .chunks_exact_mut(hs)
+            .zip(chunks.iter().flat_map(|ch| &ch.tokens))
+        {
             model.embed.dequantize_row(tok as usize, row);
         }
 

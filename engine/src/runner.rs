@@ -105,7 +105,7 @@ pub trait ModelRunner: KvSource + Send {
     fn execute_observed(
         &mut self,
         input: &StepInput,
-        on_layer: &mut dyn FnMut(usize, &dyn KvSource),
+        on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
     ) -> Result<StepOutput, RunnerError>;
 
     fn execute(&mut self, input: &StepInput) -> Result<StepOutput, RunnerError> {

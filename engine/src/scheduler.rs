@@ -437,7 +437,10 @@ impl Scheduler {
             return Err(SchedulerError::NotAwaitingKv(seq_id));
         };
         self.awaiting_kv.remove(pos);
-        let seq = self.seqs.get_mut(&seq_id).expect("awaiting sequences exist");
+        let seq = self
+            .seqs
+            .get_mut(&seq_id)
+            .expect("awaiting sequences exist");
         seq.remote = None;
         seq.num_computed = seq.tokens.len();
         if self.config.enable_prefix_caching {

@@ -38,8 +38,10 @@ impl LoadCell {
     pub fn publish(&self, load: WorkerLoad) {
         self.running.store(load.running, Ordering::Relaxed);
         self.waiting.store(load.waiting, Ordering::Relaxed);
-        self.kv_blocks_used.store(load.kv_blocks_used, Ordering::Relaxed);
-        self.kv_blocks_total.store(load.kv_blocks_total, Ordering::Relaxed);
+        self.kv_blocks_used
+            .store(load.kv_blocks_used, Ordering::Relaxed);
+        self.kv_blocks_total
+            .store(load.kv_blocks_total, Ordering::Relaxed);
     }
 
     pub fn get(&self) -> WorkerLoad {

@@ -6,8 +6,7 @@
 use kvmesh_common::metrics as names;
 use kvmesh_common::NodeId;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 use std::sync::OnceLock;
 

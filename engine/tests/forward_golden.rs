@@ -81,7 +81,11 @@ fn golden_prompts_match_llama_cpp() {
     for case in golden()["generation"].as_array().unwrap() {
         let prompt = case["prompt"].as_str().unwrap();
         let prompt_ids = tokenizer.encode(prompt, true).unwrap();
-        assert_eq!(prompt_ids, ids(&case["prompt_ids"]), "prompt ids of {prompt:?}");
+        assert_eq!(
+            prompt_ids,
+            ids(&case["prompt_ids"]),
+            "prompt ids of {prompt:?}"
+        );
 
         // First step: top-1 exact; the top-5 set equal except where llama.cpp's own 5th
         // place is a near-tie with what follows it; logits close to llama.cpp's.
@@ -101,7 +105,10 @@ fn golden_prompts_match_llama_cpp() {
                 "{prompt:?}: logit of {id} is {got}, llama.cpp {want}"
             );
             if !got_top5.contains(&id) {
-                assert!(want - cut < NEAR_TIE, "{prompt:?}: {id} missing from our top-5 {got_top5:?}");
+                assert!(
+                    want - cut < NEAR_TIE,
+                    "{prompt:?}: {id} missing from our top-5 {got_top5:?}"
+                );
                 ties.push(format!("{prompt:?}: top-5 boundary {id}"));
             }
         }
@@ -116,8 +123,13 @@ fn golden_prompts_match_llama_cpp() {
             let ours = top_k(l, 1)[0];
             if ours != want {
                 let gap = l[ours as usize] - l[want as usize];
-                assert!(gap < NEAR_TIE, "{prompt:?}: greedy token {i}: ours {ours}, llama.cpp {want}, gap {gap}");
-                ties.push(format!("{prompt:?}: greedy token {i} ({ours} vs {want}, gap {gap:.3})"));
+                assert!(
+                    gap < NEAR_TIE,
+                    "{prompt:?}: greedy token {i}: ours {ours}, llama.cpp {want}, gap {gap}"
+                );
+                ties.push(format!(
+                    "{prompt:?}: greedy token {i} ({ours} vs {want}, gap {gap:.3})"
+                ));
                 exact = false;
             }
         }
@@ -127,7 +139,10 @@ fn golden_prompts_match_llama_cpp() {
         }
     }
     eprintln!("near-ties tolerated: {ties:#?}");
-    assert!(ties.len() <= 3, "too many near-ties to be rounding: {ties:#?}");
+    assert!(
+        ties.len() <= 3,
+        "too many near-ties to be rounding: {ties:#?}"
+    );
 }
 
 /// Logits after each prefix `tokens[..=p]` for `p >= from`, in one prefill.

@@ -69,6 +69,9 @@ fn argmax(logits: &[f32]) -> TokenId {
     best as TokenId
 }
 
+/// What one step did: sampled tokens, and remote admissions with their cached prefix.
+type StepResult = (Vec<(SeqId, TokenId)>, Vec<(SeqId, usize)>);
+
 /// One node: a scheduler, a runner and its own clock (it is busy until `free_at`).
 struct Node {
     sched: Scheduler,
@@ -86,7 +89,7 @@ impl Node {
     }
 
     /// One step starting at `now`: returns the sampled tokens and the remote admissions.
-    fn step(&mut self, now: Duration) -> (Vec<(SeqId, TokenId)>, Vec<(SeqId, usize)>) {
+    fn step(&mut self, now: Duration) -> StepResult {
         let out = self.sched.schedule();
         let remote = out
             .remote_admitted
@@ -151,7 +154,13 @@ impl Mesh {
 
     fn note_token(&mut self, id: SeqId) {
         self.first_token_at.entry(id).or_insert(self.now);
-        let output = self.decode.sched.sequence_tokens(id).unwrap().output.to_vec();
+        let output = self
+            .decode
+            .sched
+            .sequence_tokens(id)
+            .unwrap()
+            .output
+            .to_vec();
         if output.len() >= self.max_tokens[&id] {
             assert!(self.decode.sched.finish(id));
             self.done.insert(id, output);
@@ -164,13 +173,20 @@ impl Mesh {
                 return;
             }
             let now = self.t0 + self.now;
-            self.fell_back.extend(self.decode.sched.handle_timeouts(now));
+            self.fell_back
+                .extend(self.decode.sched.handle_timeouts(now));
             // Arrived transfers.
-            let (ready, later): (Vec<_>, Vec<_>) =
-                self.arriving.drain(..).partition(|(at, _, _)| *at <= self.now);
+            let (ready, later): (Vec<_>, Vec<_>) = self
+                .arriving
+                .drain(..)
+                .partition(|(at, _, _)| *at <= self.now);
             self.arriving = later;
             for (_, id, token) in ready {
-                let outcome = self.decode.sched.complete_remote_prefill(id, token).unwrap();
+                let outcome = self
+                    .decode
+                    .sched
+                    .complete_remote_prefill(id, token)
+                    .unwrap();
                 assert!(outcome.context_full.is_empty());
                 self.note_token(id);
             }
@@ -184,7 +200,10 @@ impl Mesh {
                     }
                     let prompt = self.decode.sched.sequence_tokens(id).unwrap().prompt;
                     assert!(cached % 4 == 0 && cached < prompt.len());
-                    self.prefill.sched.add_sequence(id, prompt.to_vec()).unwrap();
+                    self.prefill
+                        .sched
+                        .add_sequence(id, prompt.to_vec())
+                        .unwrap();
                 }
                 for (id, _) in sampled {
                     self.note_token(id);

@@ -46,7 +46,8 @@ fn inputs(n: usize, k: usize, f: WeightFormat, m: usize) -> (QMatrix, Vec<f32>, 
 }
 
 /// CPU time of all this process's threads, in seconds (Linux; 0 elsewhere). On a shared
-/// machine, FLOPs per CPU-second measure the kernels rather than the neighbours.
+/// machine, FLOPs per CPU-second measure the kernels rather than the neighbours (though it
+/// also counts rayon workers spinning between small calls, which deflates m = 1).
 fn cpu_seconds() -> f64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
         return 0.0;

@@ -100,7 +100,11 @@ mod tests {
         let idx = InMemoryPrefixIndex::new();
         idx.apply(
             NodeId(1),
-            &[KvEvent::Stored(h(1)), KvEvent::Stored(h(2)), KvEvent::Stored(h(3))],
+            &[
+                KvEvent::Stored(h(1)),
+                KvEvent::Stored(h(2)),
+                KvEvent::Stored(h(3)),
+            ],
         );
         idx.apply(NodeId(2), &[KvEvent::Stored(h(1)), KvEvent::Stored(h(3))]);
         let o = idx.overlap(&[h(1), h(2), h(3), h(4)]);

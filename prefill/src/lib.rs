@@ -14,5 +14,7 @@ mod request;
 mod worker;
 
 pub use push::KvPush;
-pub use request::{CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest};
+pub use request::{
+    CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest,
+};
 pub use worker::{PrefillConfig, PrefillHandle, PrefillWorker};

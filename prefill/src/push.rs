@@ -30,7 +30,7 @@ impl KvPush {
         cached_prefix_len: usize,
         dest: Vec<BlockId>,
     ) -> Result<Self, String> {
-        if block_size == 0 || cached_prefix_len % block_size != 0 {
+        if block_size == 0 || !cached_prefix_len.is_multiple_of(block_size) {
             return Err(format!(
                 "cached_prefix_len {cached_prefix_len} is not a whole number of {block_size}-token blocks"
             ));
@@ -69,9 +69,14 @@ impl KvPush {
     }
 
     /// Source blocks (from the chunk's block table) and destination blocks of `blocks`.
-    pub fn addresses(&self, chunk: &SeqChunk, blocks: Range<usize>) -> (Vec<BlockId>, Vec<BlockId>) {
+    pub fn addresses(
+        &self,
+        chunk: &SeqChunk,
+        blocks: Range<usize>,
+    ) -> (Vec<BlockId>, Vec<BlockId>) {
         let src = chunk.block_table[blocks.clone()].to_vec();
-        let dst = self.dest[blocks.start - self.first_block..blocks.end - self.first_block].to_vec();
+        let dst =
+            self.dest[blocks.start - self.first_block..blocks.end - self.first_block].to_vec();
         (src, dst)
     }
 
@@ -111,7 +116,10 @@ mod tests {
         assert_eq!(r, 1..3);
         assert_eq!(
             p.addresses(&c, r.clone()),
-            (vec![BlockId(101), BlockId(102)], vec![BlockId(7), BlockId(8)])
+            (
+                vec![BlockId(101), BlockId(102)],
+                vec![BlockId(7), BlockId(8)]
+            )
         );
         p.mark_sent(r);
         assert!(p.is_done());

@@ -1,7 +1,9 @@
 //! The prefill worker thread and its handle.
 
 use crate::push::KvPush;
-use crate::request::{CancelToken, KvDestination, PrefillDone, PrefillError, PrefillRequest, ReplyTo};
+use crate::request::{
+    CancelToken, KvDestination, PrefillDone, PrefillError, PrefillRequest, ReplyTo,
+};
 use crate::PrefillReply;
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use kvmesh_common::{NodeId, RequestId};
@@ -39,7 +41,7 @@ impl PrefillConfig {
 }
 
 enum Inbox {
-    Prefill(PrefillRequest, ReplyTo, Instant),
+    Prefill(Box<(PrefillRequest, ReplyTo, Instant)>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
@@ -94,13 +96,13 @@ impl PrefillHandle {
         let reply = ReplyTo::new(request.request_id, reply);
         match self
             .inbox
-            .try_send(Inbox::Prefill(request, reply, Instant::now()))
+            .try_send(Inbox::Prefill(Box::new((request, reply, Instant::now()))))
         {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(msg) | TrySendError::Disconnected(msg)) => {
                 self.shared.queue.give_back();
-                if let Inbox::Prefill(_, reply, _) = msg {
-                    reply.disarm();
+                if let Inbox::Prefill(job) = msg {
+                    job.1.disarm();
                 }
                 Err(PrefillError::Unavailable)
             }
@@ -135,7 +137,8 @@ impl PrefillWorker {
     ) -> std::io::Result<PrefillWorker> {
         // The inbox is far larger than the queue bound, so a `try_send` fails only when the
         // thread is gone.
-        let (tx, rx) = crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
+        let (tx, rx) =
+            crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
         let shared = Arc::new(Shared {
             node_id: config.node_id,
             kv_shape: engine.runner().kv_shape(),
@@ -216,7 +219,8 @@ impl<R: ModelRunner> Loop<R> {
         loop {
             let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
             if idle {
-                if self.shared.draining.load(Ordering::Acquire) && self.jobs.is_empty() {
+                let draining = self.shared.draining.load(Ordering::Acquire);
+                if draining && self.jobs.is_empty() && self.inbox.is_empty() {
                     break;
                 }
                 match self.inbox.recv() {
@@ -241,6 +245,13 @@ impl<R: ModelRunner> Loop<R> {
             self.engine.abort(seq_id);
             job.reply.send(Err(PrefillError::Unavailable));
         }
+        // Requests that raced the drain or the stop.
+        while let Ok(msg) = self.inbox.try_recv() {
+            if let Inbox::Prefill(job) = msg {
+                self.shared.queue.give_back();
+                job.1.send(Err(PrefillError::Unavailable));
+            }
+        }
     }
 
     /// False on `Stop`.
@@ -255,7 +266,10 @@ impl<R: ModelRunner> Loop<R> {
 
     fn handle(&mut self, msg: Inbox) -> bool {
         match msg {
-            Inbox::Prefill(req, reply, enqueued_at) => self.accept(req, reply, enqueued_at),
+            Inbox::Prefill(job) => {
+                let (req, reply, enqueued_at) = *job;
+                self.accept(req, reply, enqueued_at)
+            }
             Inbox::Wake => {}
             Inbox::Stop => return false,
         }
@@ -274,7 +288,10 @@ impl<R: ModelRunner> Loop<R> {
         };
         let seq_id = self.next_seq_id;
         self.next_seq_id += 1;
-        if let Err(e) = self.engine.add_prefill_request(seq_id, req.prompt, req.params) {
+        if let Err(e) = self
+            .engine
+            .add_prefill_request(seq_id, req.prompt, req.params)
+        {
             self.shared.queue.give_back();
             return reply.send(Err(PrefillError::InvalidRequest(e.to_string())));
         }
@@ -460,8 +477,14 @@ impl Pusher<'_> {
                 unreachable!("reading blocks of a planned chunk: {e}");
             }
             let bytes = payload.len() as u64;
-            let sealed = KvChunk::seal(job.request_id, layer..layer + 1, dst, self.block_shape, payload)
-                .expect("the payload matches its header by construction");
+            let sealed = KvChunk::seal(
+                job.request_id,
+                layer..layer + 1,
+                dst,
+                self.block_shape,
+                payload,
+            )
+            .expect("the payload matches its header by construction");
             let deadline = Instant::now() + self.send_timeout;
             match self.transport.send(job.dest_node, sealed, deadline) {
                 Ok(()) => {

@@ -4,8 +4,8 @@
 use crossbeam_channel::Receiver;
 use kvmesh_common::{BlockId, NodeId, RequestId, SamplingParams, TokenId};
 use kvmesh_engine::engine_config::EngineConfig;
-use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::llama_runner::LlamaRunner;
+use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::{KvSource, ModelRunner};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_engine::Loaded;
@@ -24,7 +24,11 @@ fn loaded() -> &'static Loaded {
     static MODEL: OnceLock<Loaded> = OnceLock::new();
     MODEL.get_or_init(|| {
         let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
-        assert!(path.exists(), "model missing at {}: run `kvmesh fetch-model`", path.display());
+        assert!(
+            path.exists(),
+            "model missing at {}: run `kvmesh fetch-model`",
+            path.display()
+        );
         kvmesh_engine::load(&path).expect("model loads")
     })
 }
@@ -50,9 +54,13 @@ fn prompt(len: usize) -> Vec<TokenId> {
 
 /// Runs `prompt` alone on a local engine: its first sampled token and its prompt KV per
 /// (layer, prompt block) in the transfer layout.
-fn local_run(prompt: &[TokenId], params: &SamplingParams) -> (Sampled, HashMap<(usize, usize), Vec<u8>>) {
+fn local_run(
+    prompt: &[TokenId],
+    params: &SamplingParams,
+) -> (Sampled, HashMap<(usize, usize), Vec<u8>>) {
     let mut e = engine(4096);
-    e.add_prefill_request(0, prompt.to_vec(), params.clone()).unwrap();
+    e.add_prefill_request(0, prompt.to_vec(), params.clone())
+        .unwrap();
     let mut table = Vec::new();
     let mut kv = HashMap::new();
     let layers = e.runner().kv_shape().num_layers;
@@ -62,7 +70,8 @@ fn local_run(prompt: &[TokenId], params: &SamplingParams) -> (Sampled, HashMap<(
             table.clone_from(&step.chunks[0].block_table);
             for b in 0..n_blocks {
                 let mut bytes = Vec::new();
-                src.read_kv_blocks(layer, &table[b..b + 1], &mut bytes).unwrap();
+                src.read_kv_blocks(layer, &table[b..b + 1], &mut bytes)
+                    .unwrap();
                 kv.insert((layer, b), bytes);
             }
         })
@@ -139,12 +148,18 @@ fn pushed_kv_equals_local_kv_and_skips_the_destination_cache() {
             let prompt_block = (b.0 - 1000) as usize + 2;
             let bytes = &c.payload[i * block_bytes..(i + 1) * block_bytes];
             let key = (c.header.first_layer as usize, prompt_block);
-            assert!(seen.insert(key, bytes.to_vec()).is_none(), "{key:?} sent twice");
+            assert!(
+                seen.insert(key, bytes.to_vec()).is_none(),
+                "{key:?} sent twice"
+            );
         }
     }
     assert_eq!(seen.len(), layers * 5, "every layer of blocks 2..7, once");
     for (key, bytes) in &seen {
-        assert!(local_kv[key] == *bytes, "KV of {key:?} differs from the local run");
+        assert!(
+            local_kv[key] == *bytes,
+            "KV of {key:?} differs from the local run"
+        );
     }
     assert_eq!(done.chunks_sent as usize, got.chunks.len());
     assert_eq!(
@@ -171,7 +186,8 @@ fn a_seeded_sample_equals_the_local_one() {
 #[test]
 fn an_unreachable_destination_fails_the_prefill() {
     let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::new(4));
-    let worker = PrefillWorker::spawn(PrefillConfig::new(NodeId(1)), engine(2048), transport).unwrap();
+    let worker =
+        PrefillWorker::spawn(PrefillConfig::new(NodeId(1)), engine(2048), transport).unwrap();
     let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
     let request = PrefillRequest {
         request_id: RequestId(5),
@@ -184,7 +200,10 @@ fn an_unreachable_destination_fails_the_prefill() {
         },
         cancel: CancelToken::new(),
     };
-    worker.handle().prefill(request.clone(), reply_tx.clone()).unwrap();
+    worker
+        .handle()
+        .prefill(request.clone(), reply_tx.clone())
+        .unwrap();
     let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
     assert!(matches!(reply.result, Err(PrefillError::Transfer(_))));
 

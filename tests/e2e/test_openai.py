@@ -401,6 +401,57 @@ def test_logit_bias_bans_greedy_token(client, model_name):
     assert not r.choices[0].message.content.startswith("L")
 
 
+def test_stop_token_ids(client, model_name):
+    """Golden greedy ids start L ' É to ile , la: stopping on ',' (id 28) leaves "L'Étoile"."""
+    gen = golden_chat()
+    comma = gen["greedy_ids"][5]
+    assert comma == 28
+    r = client.chat.completions.create(
+        model=model_name, messages=GOLDEN_MESSAGES, max_tokens=16, extra_body={"stop_token_ids": [comma]}, **GREEDY
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == "L'Étoile"
+
+
+def test_top_k_1_is_greedy(client, model_name):
+    kw = dict(model=model_name, prompt="The best thing about summer is", max_tokens=12, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0.0, **kw).choices[0].text
+    k1 = client.completions.create(temperature=1.0, seed=5, **{**kw, "extra_body": {"ignore_eos": True, "top_k": 1}})
+    assert k1.choices[0].text == greedy
+
+
+def test_min_tokens_defers_eos(client, model_name):
+    msgs = [{"role": "user", "content": "Reply with just the word yes."}]
+    r = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=64, **GREEDY)
+    assert r.choices[0].finish_reason == "stop", "the model should end this answer with EOS"
+    n = r.usage.completion_tokens
+    m = client.chat.completions.create(
+        model=model_name, messages=msgs, max_tokens=64, extra_body={"min_tokens": n + 5}, **GREEDY
+    )
+    assert m.usage.completion_tokens >= n + 5
+
+
+def test_penalties_accepted_and_applied(client, model_name):
+    base = client.chat.completions.create(model=model_name, messages=GOLDEN_MESSAGES, max_tokens=24, **GREEDY)
+    # The golden greedy answer repeats ", la" a lot: a strong repetition penalty must change it.
+    rep = client.chat.completions.create(
+        model=model_name, messages=GOLDEN_MESSAGES, max_tokens=24, extra_body={"repetition_penalty": 2.0}, **GREEDY
+    )
+    assert rep.choices[0].message.content != base.choices[0].message.content
+    for kw in ({"presence_penalty": 1.5}, {"frequency_penalty": 1.5}, {"top_p": 0.5, "temperature": 0.7, "seed": 3},
+               {"extra_body": {"min_p": 0.2}, "temperature": 1.0, "seed": 3}):
+        r = client.chat.completions.create(model=model_name, messages=GOLDEN_MESSAGES, max_tokens=8, **{**GREEDY, **kw})
+        assert r.usage.completion_tokens >= 1
+
+
+def test_long_prompt_near_context_limit(client, model_name):
+    n = CONTEXT_LEN - 200
+    r = client.completions.create(model=model_name, prompt=" hello" * n, max_tokens=4, extra_body={"ignore_eos": True},
+                                  **GREEDY)
+    assert r.usage.prompt_tokens == n
+    assert r.usage.completion_tokens == 4
+
+
 def test_x_request_id_echoed(client, model_name):
     raw = client.chat.completions.with_raw_response.create(
         model=model_name,
@@ -538,6 +589,7 @@ def _bad_cases(model_name):
         ("temperature_nan", C, chat()[:-1] + b', "temperature": NaN}', 400),
         ("temperature_1e9", C, chat(temperature=1e9), 400),
         ("top_p_above_1", P, comp(top_p=1.5), 400),
+        # OpenAI (and vLLM) answer an unknown model with 404 code model_not_found.
         ("unknown_model", C, chat(model="no-such-model"), 404),
         ("unknown_model_completion", P, comp(model="no-such-model"), 404),
         ("empty_messages", C, chat(messages=[]), 400),

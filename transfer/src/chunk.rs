@@ -180,6 +180,12 @@ mod tests {
         let sealed = KvChunk::seal(RequestId(1), 0..1, vec![], shape(), vec![]);
         assert_eq!(sealed, Err(ChunkError::Empty));
         let sealed = KvChunk::seal(RequestId(1), 0..1, vec![BlockId(0)], shape(), vec![0; 3]);
-        assert!(matches!(sealed, Err(ChunkError::PayloadSize { expected: 256, got: 3 })));
+        assert!(matches!(
+            sealed,
+            Err(ChunkError::PayloadSize {
+                expected: 256,
+                got: 3
+            })
+        ));
     }
 }

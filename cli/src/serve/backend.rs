@@ -1,8 +1,8 @@
 //! The router's `Backend` over the in-process workers: registers them in the in-memory
 //! discovery, refreshes their load on each request and routes with the router's policy.
 
-use kvmesh_common::{GenerateEvent, GenerateRequest, LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_common::WorkerError;
+use kvmesh_common::{GenerateEvent, GenerateRequest, LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeHandle, LocalMesh};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};

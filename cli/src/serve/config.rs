@@ -111,7 +111,12 @@ impl ServeConfig {
     /// TOML of this config with API keys masked.
     pub fn to_toml_redacted(&self) -> Result<String> {
         let mut shown = self.clone();
-        shown.router.api_keys = shown.router.api_keys.iter().map(|_| "<redacted>".into()).collect();
+        shown.router.api_keys = shown
+            .router
+            .api_keys
+            .iter()
+            .map(|_| "<redacted>".into())
+            .collect();
         Ok(toml::to_string_pretty(&shown)?)
     }
 }

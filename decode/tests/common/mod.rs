@@ -52,7 +52,9 @@ const TEXT: &str = "The history of computing is a story of abstraction. Early ma
 /// A prompt of `len` real tokens, different for each `seed`.
 pub fn prompt(seed: usize, len: usize) -> Vec<TokenId> {
     let base = loaded().tokenizer.encode(TEXT, false).unwrap();
-    (0..len).map(|i| base[(seed * 17 + i) % base.len()]).collect()
+    (0..len)
+        .map(|i| base[(seed * 17 + i) % base.len()])
+        .collect()
 }
 
 pub fn request(id: u64, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateRequest {
@@ -124,8 +126,12 @@ pub fn transfers_completed(node: kvmesh_common::NodeId) -> u64 {
         .flat_map(|f| f.get_metric())
         .filter(|m| {
             let labels = m.get_label();
-            labels.iter().any(|l| l.name() == "node" && l.value() == node)
-                && labels.iter().any(|l| l.name() == "role" && l.value() == "decode")
+            labels
+                .iter()
+                .any(|l| l.name() == "node" && l.value() == node)
+                && labels
+                    .iter()
+                    .any(|l| l.name() == "role" && l.value() == "decode")
         })
         .map(|m| m.get_histogram().get_sample_count())
         .sum()

@@ -231,7 +231,10 @@ fn a_remote_prefill_holds_blocks_but_stays_out_of_the_batch() {
     let out = s.schedule();
     assert_eq!(out.remote_admitted.len(), 1);
     let adm = &out.remote_admitted[0];
-    assert_eq!((adm.seq_id, adm.num_cached_tokens, adm.blocks.len()), (1, 0, 3));
+    assert_eq!(
+        (adm.seq_id, adm.num_cached_tokens, adm.blocks.len()),
+        (1, 0, 3)
+    );
     // Only the local sequence computes.
     assert_eq!(out.step.chunks.len(), 1);
     assert_eq!(out.step.chunks[0].seq_id, 2);
@@ -291,7 +294,10 @@ fn a_failed_transfer_releases_its_blocks_and_prefills_locally() {
     s.abort_step(out);
     assert_eq!(s.pool().num_used(), 3);
     assert!(s.fail_remote_prefill(1));
-    assert_eq!((s.pool().num_used(), s.num_awaiting_kv(), s.num_waiting()), (0, 0, 1));
+    assert_eq!(
+        (s.pool().num_used(), s.num_awaiting_kv(), s.num_waiting()),
+        (0, 0, 1)
+    );
     assert!(!s.fail_remote_prefill(1), "no longer remote");
     assert_eq!(
         s.complete_remote_prefill(1, 3),
@@ -326,7 +332,9 @@ fn a_transfer_that_misses_its_deadline_is_released() {
     // The first clock reading after admission starts the transfer's clock.
     assert!(s.handle_timeouts(t0).is_empty());
     assert_eq!(s.next_timeout(), Some(t0 + TIMEOUT));
-    assert!(s.handle_timeouts(t0 + TIMEOUT - Duration::from_millis(1)).is_empty());
+    assert!(s
+        .handle_timeouts(t0 + TIMEOUT - Duration::from_millis(1))
+        .is_empty());
     assert_eq!(s.pool().num_used(), 3);
     assert_eq!(s.handle_timeouts(t0 + TIMEOUT), vec![1]);
     assert_eq!((s.pool().num_used(), s.num_awaiting_kv()), (0, 0));
@@ -360,7 +368,10 @@ fn remote_prefills_wait_for_blocks_and_slots_in_arrival_order() {
     s.abort_step(out);
     s.add_remote_sequence(4, prompt(2), TIMEOUT).unwrap();
     let out = s.schedule();
-    assert!(out.remote_admitted.is_empty(), "max_num_seqs counts awaiting sequences");
+    assert!(
+        out.remote_admitted.is_empty(),
+        "max_num_seqs counts awaiting sequences"
+    );
     s.abort_step(out);
 }
 

@@ -10,7 +10,10 @@ use std::sync::{Arc, OnceLock};
 pub fn golden() -> &'static serde_json::Value {
     static GOLDEN: OnceLock<serde_json::Value> = OnceLock::new();
     GOLDEN.get_or_init(|| {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/golden/smollm2_golden.json");
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/golden/smollm2_golden.json"
+        );
         let text = std::fs::read_to_string(path)
             .unwrap_or_else(|e| panic!("reading {path}: {e} (is ../shared beside the repo?)"));
         serde_json::from_str(&text).expect("golden file is JSON")
