@@ -10,3 +10,5 @@ cargo clippy --workspace --all-targets --release -- -D warnings
 cargo build --release -p kvmesh
 target/release/kvmesh fetch-model
 cargo test --workspace --release "$@"
+# End to end through real HTTP with the official openai client (its own venv, its own server).
+tests/e2e/run.sh
