@@ -1,0 +1,98 @@
+//! The `kvmesh` binary's own commands: `generate --json` against llama.cpp's golden tokens,
+//! and `serve --print-config` layering (defaults < TOML < env < flags).
+
+use std::process::Command;
+
+fn kvmesh() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_kvmesh"));
+    c.env_remove("KVMESH_DECODE_WORKERS")
+        .env_remove("KVMESH_CONFIG")
+        .env("KVMESH_LOG", "warn");
+    c
+}
+
+fn golden() -> serde_json::Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../shared/golden/smollm2_golden.json"
+    );
+    serde_json::from_str(&std::fs::read_to_string(path).expect("golden file")).unwrap()
+}
+
+#[test]
+fn generate_json_matches_llama_cpp_greedy() {
+    let case = &golden()["generation"][1];
+    assert_eq!(case["prompt"], "The capital of France is");
+    let out = kvmesh()
+        .args([
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--json",
+        ])
+        .output()
+        .expect("kvmesh runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert_eq!(json["prompt_ids"], case["prompt_ids"]);
+    let greedy: Vec<u64> = serde_json::from_value(case["greedy_ids"].clone()).unwrap();
+    let output: Vec<u64> = serde_json::from_value(json["output_ids"].clone()).unwrap();
+    assert_eq!(output, greedy[..8]);
+    assert_eq!(
+        json["first_step_top5"]["ids"][0],
+        case["first_step_top5_ids"][0]
+    );
+    assert_eq!(
+        json["first_step_top5"]["logits"].as_array().unwrap().len(),
+        5
+    );
+    assert!(json["text"].as_str().unwrap().starts_with(" Paris."));
+}
+
+fn print_config(args: &[&str], env: &[(&str, &str)]) -> Result<String, String> {
+    let mut c = kvmesh();
+    c.args(["serve", "--print-config"]).args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out = c.output().expect("kvmesh runs");
+    if out.status.success() {
+        Ok(String::from_utf8(out.stdout).unwrap())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+#[test]
+fn serve_config_layers_file_env_and_flags() {
+    let dir = std::env::temp_dir().join(format!("kvmesh-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("serve.toml");
+    std::fs::write(&file, "decode_workers = 3\n[router]\nmax_n = 2\n").unwrap();
+    let file = file.to_str().unwrap();
+
+    let from_file = print_config(&["--config", file], &[]).unwrap();
+    assert!(from_file.contains("decode_workers = 3"), "{from_file}");
+    assert!(from_file.contains("max_n = 2"), "{from_file}");
+    let from_env = print_config(&["--config", file], &[("KVMESH_DECODE_WORKERS", "4")]).unwrap();
+    assert!(from_env.contains("decode_workers = 4"), "{from_env}");
+    let from_flag = print_config(
+        &["--config", file, "--decode-workers", "5"],
+        &[("KVMESH_DECODE_WORKERS", "4")],
+    )
+    .unwrap();
+    assert!(from_flag.contains("decode_workers = 5"), "{from_flag}");
+
+    std::fs::write(dir.join("bad.toml"), "decode_wokers = 2\n").unwrap();
+    let err = print_config(&["--config", dir.join("bad.toml").to_str().unwrap()], &[]).unwrap_err();
+    assert!(err.contains("decode_wokers"), "{err}");
+    let err = print_config(&["--decode-workers", "0"], &[]).unwrap_err();
+    assert!(err.contains("decode_workers must be at least 1"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
