@@ -6,7 +6,8 @@
 #   --model PATH      GGUF model (default: ~/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   --threads N       threads for both engines (default: 2)
 #   --json            print one JSON object instead of the table
-#   --check           exit 1 unless every target is met
+#   --check           exit 1 unless every target is met (3: met, but the machine
+#                     was busy, so the numbers are not trustworthy)
 #   --llamacpp-only   skip kvmesh (report llama.cpp numbers only)
 #   --reps N          llama-bench repetitions (default: 5); llama-batched-bench
 #                     is run ceil(N/2) times and the median S_TG is used
@@ -49,7 +50,7 @@ BATCH_NTG=64
 BATCH_NPL=1,8,32
 BATCH_CTX=8192
 
-usage() { sed -n '2,31p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,32p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
 
 while [[ $# -gt 0 ]]; do
   case "$1" in

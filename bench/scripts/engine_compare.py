@@ -9,7 +9,9 @@ Used by bench/engine_vs_llamacpp.sh. Inputs are the raw outputs of:
                        omitted / empty => llama.cpp-only report)
 
 Prints a table (default) or one JSON object (--json).  With --check the exit
-status is 1 when a target is missed (or a kvmesh metric is missing).
+status is 1 when a target is missed (or a kvmesh metric is missing), 3 when
+all targets are met but the machine was busy (1-minute load average above
+half the CPU count before a phase), so the result is not trustworthy.
 """
 
 import argparse
@@ -191,8 +193,10 @@ def build_report(lb, bb, km, meta):
         if km and m["kvmesh"] is None and m["target"] is not None:
             warnings.append("missing kvmesh value for %s" % m["metric"])
 
+    reliable = True
     for name, load in (meta.get("loads") or {}).items():
         if load is not None and meta.get("ncpu") and load > 0.5 * meta["ncpu"]:
+            reliable = False
             warnings.append("load average %.2f before %s on %d CPUs: other processes skew the numbers"
                             % (load, name, meta["ncpu"]))
 
@@ -206,6 +210,7 @@ def build_report(lb, bb, km, meta):
         "kvmesh": km,
         "metrics": metrics,
         "all_targets_met": all_met if km else None,
+        "reliable": reliable,
         "warnings": warnings,
     }
 
@@ -241,6 +246,10 @@ def print_table(rep, out=sys.stdout):
         print("kvmesh: not run (llama.cpp only)", file=out)
     for w_ in rep["warnings"]:
         print("warning: %s" % w_, file=out)
+    if not rep["reliable"]:
+        print("UNRELIABLE: the machine was busy; llama.cpp's spinning threads degrade far more than"
+              " kvmesh under contention, so ratios are inflated. Rerun on an idle machine"
+              " (--wait-idle SECS).", file=out)
 
 
 def main(argv=None):
@@ -284,6 +293,8 @@ def main(argv=None):
         print_table(rep)
     if a.check and rep["all_targets_met"] is not True:
         return 1
+    if a.check and not rep["reliable"]:
+        return 3
     return 0
 
 

@@ -99,7 +99,13 @@ mkdir -p "$OUT"
 
 # ---- server lifecycle -----------------------------------------------------------
 SERVER_PID=""
+LOADGEN_PID=""
 stop_server() {
+  if [[ -n "$LOADGEN_PID" ]] && kill -0 "$LOADGEN_PID" 2>/dev/null; then
+    kill -TERM "$LOADGEN_PID" 2>/dev/null || true
+    wait "$LOADGEN_PID" 2>/dev/null || true
+  fi
+  LOADGEN_PID=""
   if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
     kill -TERM "$SERVER_PID" 2>/dev/null || true
     for _ in $(seq 1 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
@@ -163,7 +169,11 @@ bench() {
   python3 "$LOADGEN" run --url "http://127.0.0.1:$port" --label "$name" --model "$SERVED_NAME" \
     --trace "$TRACE" --gguf "$MODEL" --concurrency "$CONC" --requests "$REQS" --scale "$SCALE" \
     --max-prompt 1024 --max-output 128 --level-timeout "$LEVEL_TIMEOUT" --request-grace 30 \
-    --json "$OUT/$name.json" >/dev/null
+    --json "$OUT/$name.json" >/dev/null &
+  LOADGEN_PID=$!
+  # (waiting on a background job lets INT/TERM traps run at once)
+  wait "$LOADGEN_PID"
+  LOADGEN_PID=""
   stop_server
 }
 

@@ -61,7 +61,12 @@ fi
 
 # ---- the server --------------------------------------------------------------
 SERVER_PID=""
+PYTEST_PID=""
 cleanup() {
+  if [[ -n "$PYTEST_PID" ]] && kill -0 "$PYTEST_PID" 2>/dev/null; then
+    kill -TERM "$PYTEST_PID" 2>/dev/null || true
+    wait "$PYTEST_PID" 2>/dev/null || true
+  fi
   if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
     kill -TERM "$SERVER_PID" 2>/dev/null || true
     for _ in $(seq 1 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
@@ -130,8 +135,12 @@ fi
 export KVMESH_E2E_BASE_URL="$BASE_URL"
 export KVMESH_MODEL="$MODEL"
 set +e
-"$PY" -m pytest -p no:cacheprovider -rfEs "$HERE" "$@"
+# In the background + wait, so that INT/TERM traps run at once.
+"$PY" -m pytest -p no:cacheprovider -rfEs "$HERE" "$@" &
+PYTEST_PID=$!
+wait "$PYTEST_PID"
 status=$?
+PYTEST_PID=""
 set -e
 if [[ $status -ne 0 && -n "${SERVER_LOG:-}" ]]; then
   log "---- server log (tail) ----"

@@ -33,7 +33,7 @@ impl Default for ServeConfig {
         ServeConfig {
             model: None,
             threads: None,
-            prefill_workers: 1,
+            prefill_workers: default_prefill_workers(),
             decode_workers: 1,
             local_prefill_max_tokens: mesh.decode.local_prefill_max_tokens,
             max_queued_requests: mesh.decode.max_queued_requests,
@@ -42,6 +42,14 @@ impl Default for ServeConfig {
             router: RouterConfig::default(),
         }
     }
+}
+
+/// Disaggregation pays when prefill and decode get hardware of their own. On a small machine
+/// two workers would only split the same cores between two thread pools (and add a KV copy),
+/// so below 8 cores the decode worker prefills everything itself, chunked into its batches.
+fn default_prefill_workers() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    usize::from(cores >= 8)
 }
 
 impl ServeConfig {
