@@ -271,7 +271,8 @@ def pct(xs: list[float], q: float) -> float | None:
 async def run_level(args, host, port, conc: int, reqs: list[dict]) -> dict:
     queue = list(reversed(reqs))
     results = []
-    deadline = time.perf_counter() + args.level_timeout
+    t0 = time.perf_counter()
+    deadline = t0 + args.level_timeout
 
     def body(r):
         b = {"model": args.model, "prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0.0,
@@ -284,12 +285,13 @@ async def run_level(args, host, port, conc: int, reqs: list[dict]) -> dict:
         while queue and time.perf_counter() < deadline:
             r = queue.pop()
             left = max(1.0, deadline - time.perf_counter() + args.request_grace)
+            sent = time.perf_counter() - t0
             res = await stream_completion(host, port, body(r), timeout=left)
+            res["sent_s"] = sent
             res["requested_prompt_tokens"] = r["prompt_tokens"]
             res["max_tokens"] = r["max_tokens"]
             results.append(res)
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(conc)))
     wall = time.perf_counter() - t0
     ok = [r for r in results if r["error"] is None]
@@ -322,6 +324,11 @@ async def run_level(args, host, port, conc: int, reqs: list[dict]) -> dict:
             if ok and all(r["prompt_tokens"] is not None for r in ok) else None),
         "max_tokens_mean": round(sum(r["max_tokens"] for r in ok) / len(ok), 1) if ok else None,
         "short_outputs": sum(1 for r in ok if (r["completion_tokens"] or 0) < r["max_tokens"]),
+        # one row per request, in send order: [sent_s, ttft_s, latency_s, prompt_tokens, completion_tokens]
+        "per_request": [
+            [round(r["sent_s"], 3), None if r["ttft"] is None else round(r["ttft"], 3), round(r["latency"], 3),
+             r["requested_prompt_tokens"], r["completion_tokens"]]
+            for r in sorted(results, key=lambda r: r["sent_s"])],
     }
     return level
 

@@ -13,8 +13,9 @@
 #   --ctx N              llama-server context per slot; -c is 32*N (default: 2048)
 #   --level-timeout S    no new requests after S seconds in a level (default: 120)
 #   --only NAME          run just `kvmesh` or `llama-server`
+#   --out DIR            logs and per-server JSON (default: target/bench-serve)
 #   --wait-idle S        first wait up to S s for the 1-min load average to drop below 0.5
-#   --json [PATH]        also write all results as JSON (default PATH: target/bench-serve/compare.json;
+#   --json [PATH]        also write all results as JSON (default PATH: OUT/compare.json;
 #                        `-` prints the JSON to stdout after the tables)
 #   -h, --help
 # Environment:
@@ -46,10 +47,11 @@ LEVEL_TIMEOUT=120
 ONLY=""
 WAIT_IDLE=0
 JSON=""
+OUT="$ROOT/target/bench-serve"
 SERVED_NAME="SmolLM2-135M-Instruct"
 READY_TIMEOUT=180
 
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,34p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --trace) TRACE="$2"; shift 2 ;;
@@ -61,9 +63,10 @@ while [[ $# -gt 0 ]]; do
     --level-timeout) LEVEL_TIMEOUT="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     --wait-idle) WAIT_IDLE="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
     --json)
       if [[ $# -ge 2 && ( "$2" == "-" || "$2" != -* ) ]]; then JSON="$2"; shift 2
-      else JSON="$ROOT/target/bench-serve/compare.json"; shift; fi ;;
+      else JSON="DEFAULT"; shift; fi ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -94,8 +97,9 @@ if [[ "$ONLY" != llama-server ]]; then
   [[ -x "$KVMESH" ]] || { log "kvmesh binary not executable: $KVMESH"; exit 1; }
 fi
 
-OUT="$ROOT/target/bench-serve"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+[[ "$JSON" == DEFAULT ]] && JSON="$OUT/compare.json"
 
 # ---- server lifecycle -----------------------------------------------------------
 SERVER_PID=""

@@ -16,8 +16,9 @@ pub struct DecodeConfig {
     /// Requests accepted but not yet holding KV blocks; more are refused with `Overloaded`
     /// (the router answers 429).
     pub max_queued_requests: usize,
-    /// How long a remote prefill may take, from the moment its blocks are reserved, before
-    /// they are released and the prompt is prefilled here.
+    /// How long a remote prefill may stay silent (from the reservation of its blocks, then
+    /// from each KV chunk that arrives) before its blocks are released and the prompt is
+    /// prefilled here.
     pub remote_prefill_timeout: Duration,
 }
 

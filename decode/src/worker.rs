@@ -512,6 +512,7 @@ impl<R: ModelRunner> Loop<R> {
             .transfer_bytes
             .inc_by(chunk.payload.len() as u64);
         t.incoming.record(&chunk);
+        self.engine.note_transfer_progress(seq_id, Instant::now());
         self.try_complete(seq_id);
     }
 

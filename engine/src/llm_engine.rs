@@ -275,6 +275,11 @@ impl<R: ModelRunner> LlmEngine<R> {
         self.scheduler.handle_timeouts(now)
     }
 
+    /// KV of `seq_id`'s transfer arrived at `now`: its timeout starts over.
+    pub fn note_transfer_progress(&mut self, seq_id: SeqId, now: Instant) -> bool {
+        self.scheduler.note_transfer_progress(seq_id, now)
+    }
+
     /// When `handle_timeouts` must run next, if a transfer is pending.
     pub fn next_timeout(&self) -> Option<Instant> {
         self.scheduler.next_timeout()

@@ -507,6 +507,22 @@ impl Scheduler {
         expired
     }
 
+    /// Pushes back the deadline of `seq_id`'s transfer: KV arrived at `now`. The timeout
+    /// bounds a transfer's silence, not its length, so a long prompt that streams steadily is
+    /// never thrown away and recomputed. Returns false if it is not awaiting KV.
+    pub fn note_transfer_progress(&mut self, seq_id: SeqId, now: Instant) -> bool {
+        if !self.awaiting_kv.contains(&seq_id) {
+            return false;
+        }
+        match self.seqs.get_mut(&seq_id).and_then(|s| s.remote.as_mut()) {
+            Some(remote) => {
+                remote.deadline = Some(now + remote.timeout);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// The earliest transfer deadline: call `handle_timeouts` then (and after every
     /// `schedule` that admitted a remote prefill, to start its clock).
     pub fn next_timeout(&self) -> Option<Instant> {

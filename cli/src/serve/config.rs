@@ -19,7 +19,8 @@ pub struct ServeConfig {
     pub local_prefill_max_tokens: usize,
     /// Requests a worker queues before it refuses more (the router answers 429).
     pub max_queued_requests: usize,
-    /// How long a decode worker waits for a remote prefill before prefilling locally.
+    /// How long a remote prefill may stay silent (no KV arriving) before the decode worker
+    /// prefills locally instead.
     #[serde(with = "humantime_serde")]
     pub remote_prefill_timeout: Duration,
     /// KV pool and batching of every worker.

@@ -346,6 +346,27 @@ fn a_transfer_that_misses_its_deadline_is_released() {
 }
 
 #[test]
+fn a_transfer_that_keeps_making_progress_does_not_expire() {
+    let t0 = Instant::now(); // only ever offset: virtual time
+    let mut s = Scheduler::new(config(16, 32));
+    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
+    let out = s.schedule();
+    s.abort_step(out);
+    assert!(s.handle_timeouts(t0).is_empty());
+    // KV keeps arriving just before each deadline: three timeouts pass in all.
+    for i in 1..=3u32 {
+        let now = t0 + TIMEOUT * i - Duration::from_millis(1);
+        assert!(s.note_transfer_progress(1, now));
+        assert!(s.handle_timeouts(now).is_empty());
+    }
+    assert_eq!(s.num_awaiting_kv(), 1);
+    // Silence for a whole timeout ends it.
+    let last = t0 + TIMEOUT * 3 - Duration::from_millis(1);
+    assert_eq!(s.handle_timeouts(last + TIMEOUT), vec![1]);
+    assert!(!s.note_transfer_progress(1, last + TIMEOUT));
+}
+
+#[test]
 fn remote_prefills_wait_for_blocks_and_slots_in_arrival_order() {
     let mut c = config(4, 64);
     c.max_num_seqs = 2;
