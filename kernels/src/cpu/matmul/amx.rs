@@ -206,6 +206,8 @@ pub(super) unsafe fn panel<const Q8: bool>(
     assert!(packed.len() == nb && nb > 0 && m16.is_multiple_of(16));
     assert!(tiles.len() >= m16 / 16 * nb);
     let stride = 32;
+    let pbb = p.blocks.len() / nb;
+    let next = p.blocks.as_ptr().wrapping_add(p.blocks.len());
     let mut cbuf = [[[0i32; 16]; 16]; 2];
     let mask = ((1u32 << p.rows) - 1) as u16;
     // SAFETY: tile loads read one activation tile block (16 x 32 bytes) and one packed block;
@@ -223,6 +225,17 @@ pub(super) unsafe fn panel<const Q8: bool>(
                 c0,
             );
             for b in 1..=nb {
+                if t == 0 {
+                    // Pull the next panel (usually this thread's next) into cache while the
+                    // tile units work, so its unpacking does not wait on memory. Prefetches
+                    // never fault, so running past the matrix is harmless.
+                    let ahead = next.wrapping_add((b - 1) * pbb);
+                    let mut off = 0;
+                    while off < pbb {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off).cast());
+                        off += 64;
+                    }
+                }
                 // Start block b on the other tile set, then scale block b - 1.
                 if b < nb {
                     let a = ts[b].q.as_ptr().cast();

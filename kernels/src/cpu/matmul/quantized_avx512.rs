@@ -35,6 +35,9 @@ const KIND_Q8_0: u8 = 2;
 /// Activation rows per tile: 8 accumulators + 8 weight vectors + scales fit the 32 registers.
 const TILE: usize = 8;
 
+/// How far ahead of the block being read `tile` prefetches the panel stream.
+const PREFETCH_BYTES: usize = 2048;
+
 thread_local! {
     static PACKED: RefCell<Vec<BBlock>> = const { RefCell::new(Vec::new()) };
 }
@@ -83,7 +86,9 @@ unsafe fn amx_rows<const KIND: u8>(
     // SAFETY: every block lies in `p.blocks` (checked by the caller); `out` as promised.
     unsafe {
         for (b, dst) in packed.iter_mut().enumerate() {
-            let wb = load_block::<KIND>(p.blocks.as_ptr().add(b * pbb));
+            let blk = p.blocks.as_ptr().add(b * pbb);
+            prefetch_block(blk.wrapping_add(PREFETCH_BYTES), pbb);
+            let wb = load_block::<KIND>(blk);
             // Q8_0 goes back to signed bytes for `tdpbssd` (no bias correction needed).
             let unbias = if KIND == KIND_Q8_0 { -128 } else { 0 };
             for (g, w) in wb.w.iter().enumerate() {
@@ -143,6 +148,21 @@ unsafe fn dispatch<const KIND: u8>(
             6 => tile::<KIND, 6>(p, rest, o, ldo),
             _ => tile::<KIND, 7>(p, rest, o, ldo),
         }
+    }
+}
+
+/// Prefetches the `len` bytes at `at` into L1. The weights stream from memory (or a shared
+/// L3) faster with these explicit requests than on the hardware prefetchers alone. Callers
+/// prefetch ahead of the block they read; past a panel's end that is the next panel, which
+/// the same thread usually takes next. Prefetches never fault, so running past the matrix
+/// is harmless.
+#[inline(always)]
+fn prefetch_block(at: *const u8, len: usize) {
+    let mut off = 0;
+    while off < len {
+        // SAFETY: a prefetch is a hint; it never faults, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(off).cast()) };
+        off += 64;
     }
 }
 
@@ -228,7 +248,9 @@ unsafe fn tile<const KIND: u8, const C: usize>(
     // below C * nb <= acts.len(); the caller owns C output rows of `p.rows` floats.
     unsafe {
         for b in 0..nb {
-            let wb = load_block::<KIND>(p.blocks.as_ptr().add(b * pbb));
+            let blk = p.blocks.as_ptr().add(b * pbb);
+            prefetch_block(blk.wrapping_add(PREFETCH_BYTES), pbb);
+            let wb = load_block::<KIND>(blk);
             for (c, acc) in acc.iter_mut().enumerate() {
                 *acc = update::<KIND>(*acc, &wb, acts.get_unchecked(c * nb + b));
             }
