@@ -11,6 +11,7 @@ use kvmesh_common::BlockId;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::model::LlamaModel;
 use kvmesh_engine::runner::{ModelRunner, SeqChunk, StepInput};
+use kvmesh_engine::sampler::argmax;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -154,14 +155,4 @@ fn time_decode(
         })?;
     }
     Ok(start.elapsed())
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

@@ -3,14 +3,10 @@
 use crate::model_args::{self, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvmesh_common::{BlockHasher, SamplingParams};
+use kvmesh_common::SamplingParams;
 use kvmesh_engine::chat_template::{ChatMessage, ChatTemplate};
-use kvmesh_engine::llama_runner::LlamaRunner;
-use kvmesh_engine::llm_engine::LlmEngine;
-use kvmesh_engine::scheduler::SchedulerConfig;
+use kvmesh_engine::engine_config::EngineConfig;
 use std::io::Write;
-
-const BLOCK_SIZE: usize = 16;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -37,9 +33,9 @@ pub struct GenerateArgs {
 pub fn run(args: &GenerateArgs) -> Result<()> {
     let path = args.model.prepare()?;
     let loaded = model_args::load(&path)?;
-    let tokenizer = loaded.tokenizer.clone();
+    let tokenizer = &loaded.tokenizer;
     let prompt = if args.chat {
-        ChatTemplate::from_tokenizer(&tokenizer)?
+        ChatTemplate::from_tokenizer(tokenizer)?
             .render(&[ChatMessage::new("user", args.prompt.as_str())], true)?
     } else {
         args.prompt.clone()
@@ -48,20 +44,16 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     if prompt_ids.is_empty() {
         bail!("the prompt is empty");
     }
-    let max_context = loaded.model.config.max_context;
-    let needed = (prompt_ids.len() + args.max_tokens as usize).min(max_context);
-    let num_blocks = needed.div_ceil(BLOCK_SIZE) + 1;
-    let runner = LlamaRunner::new(loaded.model.clone(), num_blocks, BLOCK_SIZE);
-    let config = SchedulerConfig {
-        block_size: BLOCK_SIZE,
-        num_blocks,
-        max_num_batched_tokens: 2048,
+    let defaults = EngineConfig::default();
+    let needed = (prompt_ids.len() + args.max_tokens as usize).min(loaded.model.config.max_context);
+    let engine_config = EngineConfig {
+        // Just enough KV for this one sequence.
+        num_blocks: needed.div_ceil(defaults.block_size) + 1,
         max_num_seqs: 1,
-        max_model_len: max_context,
         enable_prefix_caching: false,
-        hasher: BlockHasher::new(loaded.fingerprint, BLOCK_SIZE),
+        ..defaults
     };
-    let mut engine = LlmEngine::new(config, runner, tokenizer);
+    let mut engine = engine_config.llama_engine(&loaded)?;
     let params = SamplingParams {
         temperature: args.temperature,
         seed: args.seed,

@@ -9,7 +9,7 @@ use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
 use config::ServeConfig;
-use kvmesh_decode::{LocalMesh, LocalMeshConfig};
+use kvmesh_decode::LocalMesh;
 use kvmesh_router::Router;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -121,6 +121,3 @@ async fn shutdown_signal() {
         _ = term => tracing::info!("SIGTERM: shutting down"),
     }
 }
-
-/// For the mesh config type's users in this module tree.
-pub(crate) type MeshConfig = LocalMeshConfig;

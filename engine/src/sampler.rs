@@ -268,7 +268,8 @@ fn descending(logits: &[f32], a: u32, b: u32) -> Ordering {
 }
 
 /// Index of the largest logit, lowest id on ties; one pass.
-fn argmax(logits: &[f32]) -> TokenId {
+/// The index of the largest logit (the first on ties): greedy decoding.
+pub fn argmax(logits: &[f32]) -> TokenId {
     let mut best = 0;
     let mut best_logit = f32::NEG_INFINITY;
     for (i, &l) in logits.iter().enumerate() {
