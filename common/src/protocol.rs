@@ -98,8 +98,11 @@ impl NodeRole {
 pub struct NodeInfo {
     pub node_id: NodeId,
     pub role: NodeRole,
-    /// Where its control plane listens (`in-process` for the embedded mesh).
+    /// Where its control plane (gRPC) listens (`in-process` for the embedded mesh).
     pub address: String,
+    /// Where it receives KV (QUIC, UDP); empty for nodes that receive none.
+    #[serde(default)]
+    pub transfer_address: String,
     /// The model it serves; nodes only share KV with the same fingerprint.
     pub model_fingerprint: u64,
     pub kv_blocks_total: usize,

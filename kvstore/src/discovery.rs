@@ -91,6 +91,7 @@ mod tests {
             node_id: NodeId(id),
             role,
             address: "in-process".into(),
+            transfer_address: String::new(),
             model_fingerprint: 1,
             kv_blocks_total: 100,
         }

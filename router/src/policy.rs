@@ -30,6 +30,7 @@ mod tests {
                 node_id: NodeId(id),
                 role: NodeRole::Decode,
                 address: "in-process".into(),
+                transfer_address: String::new(),
                 model_fingerprint: 0,
                 kv_blocks_total: 100,
             },

@@ -36,6 +36,7 @@ impl MeshBackend {
                     node_id,
                     role,
                     address: "in-process".into(),
+                    transfer_address: String::new(),
                     model_fingerprint,
                     kv_blocks_total: load.kv_blocks_total,
                 })
