@@ -13,10 +13,12 @@
 mod config;
 mod incoming;
 mod mesh;
+mod service;
 mod worker;
 
 pub use config::DecodeConfig;
 pub use incoming::{IncomingError, IncomingTransfer};
 pub use kvmesh_engine::worker_load::WorkerLoad;
 pub use mesh::{LocalMesh, LocalMeshConfig, MeshError};
+pub use service::{DecodeService, PrefillDirectory};
 pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};

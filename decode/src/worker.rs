@@ -12,7 +12,7 @@ use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
 use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_prefill::{
-    CancelToken, KvDestination, PrefillDone, PrefillHandle, PrefillReply, PrefillRequest,
+    CancelToken, KvDestination, PrefillDone, PrefillReply, PrefillRequest, PrefillTarget,
 };
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use std::collections::HashMap;
@@ -37,7 +37,7 @@ pub enum DecodeError {
 
 struct Submission {
     request: GenerateRequest,
-    prefill: Option<PrefillHandle>,
+    prefill: Option<PrefillTarget>,
     events: UnboundedSender<GenerateEvent>,
     enqueued_at: Instant,
 }
@@ -100,7 +100,7 @@ impl DecodeHandle {
     pub fn generate(
         &self,
         request: GenerateRequest,
-        prefill: Option<PrefillHandle>,
+        prefill: Option<PrefillTarget>,
     ) -> Result<EventReceiver, WorkerError> {
         if self.shared.draining.load(Ordering::Acquire) {
             return Err(WorkerError::Unavailable(
@@ -161,6 +161,10 @@ impl DecodeHandle {
 
     pub fn load(&self) -> WorkerLoad {
         self.shared.load.get()
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Acquire)
     }
 
     /// Stops accepting requests; those accepted are finished, then the thread exits.
@@ -263,7 +267,7 @@ impl Drop for DecodeWorker {
 enum Remote {
     Local,
     /// Queued for blocks; will ask this prefill worker once it has them.
-    Queued(PrefillHandle),
+    Queued(PrefillTarget),
     Transferring(Box<Transfer>),
 }
 
@@ -471,7 +475,7 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     /// Whether `p` computes KV this node can use.
-    fn compatible(&self, p: &PrefillHandle) -> bool {
+    fn compatible(&self, p: &PrefillTarget) -> bool {
         let (a, b) = (p.kv_shape(), self.kv_shape);
         let ok = a.num_layers == b.num_layers
             && a.num_kv_heads == b.num_kv_heads

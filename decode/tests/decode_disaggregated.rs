@@ -110,7 +110,7 @@ fn a_remote_prefill_gives_the_tokens_of_a_local_one() {
     let (d, p) = (pair.decode.handle(), pair.prefill.handle());
 
     let first = request(1, prompt(1, 200), 12);
-    let (tokens, text, usage) = collect(d.generate(first.clone(), Some(p.clone())).unwrap());
+    let (tokens, text, usage) = collect(d.generate(first.clone(), Some(p.clone().into())).unwrap());
     assert!(transport.sent() > 0, "the prompt was prefilled remotely");
     assert_eq!(tokens, reference(&first));
     assert_eq!(text, loaded().tokenizer.decode(&tokens, true));
@@ -122,7 +122,7 @@ fn a_remote_prefill_gives_the_tokens_of_a_local_one() {
     long.extend(prompt(5, 100));
     let second = request(2, long, 10);
     let before = transport.sent();
-    let (tokens, _, usage) = collect(d.generate(second.clone(), Some(p.clone())).unwrap());
+    let (tokens, _, usage) = collect(d.generate(second.clone(), Some(p.clone().into())).unwrap());
     assert!(transport.sent() > before);
     assert_eq!(usage.cached_tokens, 192);
     assert_eq!(tokens, reference(&second));
@@ -130,7 +130,7 @@ fn a_remote_prefill_gives_the_tokens_of_a_local_one() {
     // Short prompts stay local even when a prefill worker is offered.
     let before = transport.sent();
     let short = request(3, prompt(9, 20), 5);
-    let (tokens, _, _) = collect(d.generate(short.clone(), Some(p)).unwrap());
+    let (tokens, _, _) = collect(d.generate(short.clone(), Some(p.into())).unwrap());
     assert_eq!(transport.sent(), before);
     assert_eq!(tokens, reference(&short));
     assert_eq!(transfers_completed(node), 2);
@@ -159,7 +159,7 @@ fn thirty_two_concurrent_requests_each_match_their_lone_run() {
         .collect();
     let streams: Vec<_> = requests
         .iter()
-        .map(|r| d.generate(r.clone(), Some(p.clone())).unwrap())
+        .map(|r| d.generate(r.clone(), Some(p.clone().into())).unwrap())
         .collect();
     let outputs: Vec<Vec<TokenId>> = streams.into_iter().map(|s| collect(s).0).collect();
     // 20 of the 32 prompts are long enough to prefill remotely.
@@ -181,7 +181,7 @@ fn dropping_the_stream_frees_the_request_blocks() {
         let mut rx = d
             .generate(
                 request(id, prompt(id as usize, len), 1_500),
-                Some(p.clone()),
+                Some(p.clone().into()),
             )
             .unwrap();
         for _ in 0..2 {
@@ -205,7 +205,7 @@ fn a_corrupt_chunk_is_recomputed_locally() {
     let (tokens, _, _) = collect(
         pair.decode
             .handle()
-            .generate(r.clone(), Some(pair.prefill.handle()))
+            .generate(r.clone(), Some(pair.prefill.handle().into()))
             .unwrap(),
     );
     assert!(transport.sent() > 3, "the corrupt chunk was sent");
@@ -223,7 +223,7 @@ fn a_lost_chunk_times_out_and_is_recomputed_locally() {
     let (tokens, _, _) = collect(
         pair.decode
             .handle()
-            .generate(r.clone(), Some(pair.prefill.handle()))
+            .generate(r.clone(), Some(pair.prefill.handle().into()))
             .unwrap(),
     );
     assert!(transport.sent() > 5);
@@ -244,7 +244,7 @@ fn a_gone_prefill_worker_means_a_local_prefill() {
     let p = prefill.handle();
     drop(prefill); // stops its thread
     let r = request(1, prompt(6, 120), 8);
-    let (tokens, _, _) = collect(decode.handle().generate(r.clone(), Some(p)).unwrap());
+    let (tokens, _, _) = collect(decode.handle().generate(r.clone(), Some(p.into())).unwrap());
     assert_eq!(transport.sent(), 0);
     assert_eq!(tokens, reference(&r));
 }
@@ -261,7 +261,7 @@ fn seeded_sampling_continues_the_same_random_stream_after_a_remote_prefill() {
     let (tokens, _, _) = collect(
         pair.decode
             .handle()
-            .generate(r.clone(), Some(pair.prefill.handle()))
+            .generate(r.clone(), Some(pair.prefill.handle().into()))
             .unwrap(),
     );
     assert_eq!(transfers_completed(node), 1);
@@ -292,7 +292,7 @@ fn a_local_mesh_serves_through_its_handles() {
         .enumerate()
         .map(|(i, r)| {
             decode[i % 2]
-                .generate(r.clone(), Some(prefill[i / 2].clone()))
+                .generate(r.clone(), Some(prefill[i / 2].clone().into()))
                 .unwrap()
         })
         .collect();

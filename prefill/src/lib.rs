@@ -9,12 +9,19 @@
 //! the compute of the layers still to go. The same messages will cross machines (gRPC for the
 //! requests, QUIC or RDMA for the KV) in the multi-process mesh.
 
+mod client;
 mod push;
+mod remote;
 mod request;
+mod service;
+mod wire;
 mod worker;
 
+pub use client::{PrefillClient, PrefillTarget};
 pub use push::KvPush;
+pub use remote::RemotePrefill;
 pub use request::{
     CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest,
 };
+pub use service::{LearnPeer, PrefillService};
 pub use worker::{PrefillConfig, PrefillHandle, PrefillWorker};

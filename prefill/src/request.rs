@@ -4,8 +4,7 @@ use crossbeam_channel::Sender;
 use kvmesh_common::{BlockId, NodeId, RequestId, SamplingParams, TokenId};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_transfer::TransportError;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
 
 /// Where the prompt's KV goes: a node and, in prompt order, the blocks there that receive
 /// the KV of the prompt's blocks from `cached_prefix_len / block_size` on.
@@ -16,9 +15,10 @@ pub struct KvDestination {
 }
 
 /// Cancels a request across workers: the decode worker keeps one clone, the prefill worker
-/// checks the other before every step.
+/// checks the other before every step, and a remote call awaits `cancelled()` to drop its RPC
+/// (which cancels on the prefill node in turn).
 #[derive(Clone, Debug, Default)]
-pub struct CancelToken(Arc<AtomicBool>);
+pub struct CancelToken(CancellationToken);
 
 impl CancelToken {
     pub fn new() -> Self {
@@ -26,11 +26,16 @@ impl CancelToken {
     }
 
     pub fn cancel(&self) {
-        self.0.store(true, Ordering::Release);
+        self.0.cancel();
     }
 
     pub fn is_cancelled(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.0.is_cancelled()
+    }
+
+    /// Completes once `cancel` was called on any clone.
+    pub async fn cancelled(&self) {
+        self.0.cancelled().await
     }
 }
 
@@ -75,6 +80,9 @@ pub enum PrefillError {
     Transfer(#[from] TransportError),
     #[error("prefill failed: {0}")]
     Engine(String),
+    /// The call to a remote prefill node failed (unreachable, reset, timed out).
+    #[error("prefill call failed: {0}")]
+    Rpc(String),
 }
 
 /// Prefill worker -> decode worker: how one request ended.

@@ -113,6 +113,10 @@ impl PrefillHandle {
         self.shared.load.get()
     }
 
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::Acquire)
+    }
+
     /// Stops accepting requests; those accepted are finished, then the thread exits.
     pub fn drain(&self) {
         self.shared.draining.store(true, Ordering::Release);

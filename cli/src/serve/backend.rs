@@ -101,7 +101,7 @@ impl kvmesh_router::Backend for MeshBackend {
         let prefill = self
             .choose(NodeRole::Prefill)
             .and_then(|id| self.prefill.get(&id))
-            .cloned();
+            .map(|h| h.clone().into());
         decode.generate(req, prefill)
     }
 

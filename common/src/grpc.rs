@@ -1,0 +1,381 @@
+//! The gRPC protocol (`proto/kvmesh.proto`) and its conversions to and from the shared
+//! types. Messages from the network are untrusted: every conversion that can meet a value
+//! the proto allows but our types do not returns a [`WireError`] instead of guessing.
+
+use crate::ids::{NodeId, RequestId, TokenId};
+use crate::protocol::{GenerateEvent, GenerateRequest, LoadReport, TokenEvent, Usage, WorkerError};
+use crate::sampling::{FinishReason, SamplingParams};
+
+/// Generated messages, clients (`decode_client`, `prefill_client`) and servers.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("kvmesh.v1");
+}
+
+/// The metadata key that carries a request id on every RPC (for logs and tracing).
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// A message that is well-formed protobuf but not a valid kvmesh message.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {message}: {reason}")]
+pub struct WireError {
+    pub message: &'static str,
+    pub reason: String,
+}
+
+impl WireError {
+    pub fn missing(message: &'static str, field: &str) -> Self {
+        WireError {
+            message,
+            reason: format!("field `{field}` is missing"),
+        }
+    }
+}
+
+impl From<WireError> for tonic::Status {
+    fn from(e: WireError) -> Self {
+        tonic::Status::invalid_argument(e.to_string())
+    }
+}
+
+/// Puts `id` into a request's metadata.
+pub fn tag_request<T>(request: &mut tonic::Request<T>, id: RequestId) {
+    if let Ok(v) = id.to_string().parse() {
+        request.metadata_mut().insert(REQUEST_ID_HEADER, v);
+    }
+}
+
+impl From<&SamplingParams> for pb::SamplingParams {
+    fn from(p: &SamplingParams) -> Self {
+        pb::SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+            repetition_penalty: p.repetition_penalty,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            logit_bias: p
+                .logit_bias
+                .iter()
+                .map(|&(token, bias)| pb::LogitBias { token, bias })
+                .collect(),
+            stop_token_ids: p.stop_token_ids.clone(),
+            stop: p.stop.clone(),
+            max_tokens: p.max_tokens,
+            min_tokens: p.min_tokens,
+            ignore_eos: p.ignore_eos,
+            logprobs: p.logprobs,
+        }
+    }
+}
+
+impl From<pb::SamplingParams> for SamplingParams {
+    /// Every field maps; ranges are checked by `SamplingParams::validate` where the request is
+    /// accepted, exactly as for a local request.
+    fn from(p: pb::SamplingParams) -> Self {
+        SamplingParams {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+            repetition_penalty: p.repetition_penalty,
+            frequency_penalty: p.frequency_penalty,
+            presence_penalty: p.presence_penalty,
+            logit_bias: p.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+            stop_token_ids: p.stop_token_ids,
+            stop: p.stop,
+            max_tokens: p.max_tokens,
+            min_tokens: p.min_tokens,
+            ignore_eos: p.ignore_eos,
+            logprobs: p.logprobs,
+        }
+    }
+}
+
+/// The parameters of a message, which must be present.
+pub fn params_from(
+    message: &'static str,
+    p: Option<pb::SamplingParams>,
+) -> Result<SamplingParams, WireError> {
+    p.map(SamplingParams::from)
+        .ok_or_else(|| WireError::missing(message, "params"))
+}
+
+/// A prefill node the decode node should use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefillTarget {
+    pub node_id: NodeId,
+    /// host:port of its control plane.
+    pub address: String,
+}
+
+/// `Generate`'s message: the request and where to prefill it (`None`: on the decode node).
+pub fn generate_request_to_pb(
+    req: &GenerateRequest,
+    prefill: Option<&PrefillTarget>,
+) -> pb::GenerateRequest {
+    pb::GenerateRequest {
+        request_id: req.request_id.0,
+        prompt: req.prompt.clone(),
+        params: Some((&req.params).into()),
+        prefill: prefill.map(|p| pb::PrefillTarget {
+            node_id: p.node_id.0,
+            address: p.address.clone(),
+        }),
+    }
+}
+
+pub fn generate_request_from_pb(
+    m: pb::GenerateRequest,
+) -> Result<(GenerateRequest, Option<PrefillTarget>), WireError> {
+    let params = params_from("GenerateRequest", m.params)?;
+    let prefill = m.prefill.map(|p| PrefillTarget {
+        node_id: NodeId(p.node_id),
+        address: p.address,
+    });
+    let req = GenerateRequest {
+        request_id: RequestId(m.request_id),
+        prompt: m.prompt,
+        params,
+    };
+    Ok((req, prefill))
+}
+
+pub fn logprobs_to_pb(top: &[(TokenId, f32)]) -> Vec<pb::TokenLogprob> {
+    top.iter()
+        .map(|&(token, logprob)| pb::TokenLogprob { token, logprob })
+        .collect()
+}
+
+pub fn logprobs_from_pb(top: &[pb::TokenLogprob]) -> Vec<(TokenId, f32)> {
+    top.iter().map(|t| (t.token, t.logprob)).collect()
+}
+
+impl From<FinishReason> for pb::FinishReason {
+    fn from(r: FinishReason) -> Self {
+        match r {
+            FinishReason::Stop => pb::FinishReason::Stop,
+            FinishReason::Length => pb::FinishReason::Length,
+            FinishReason::Cancelled => pb::FinishReason::Cancelled,
+        }
+    }
+}
+
+impl From<&WorkerError> for pb::WorkerError {
+    fn from(e: &WorkerError) -> Self {
+        let (kind, message) = match e {
+            WorkerError::InvalidRequest(m) => (pb::WorkerErrorKind::InvalidRequest, m),
+            WorkerError::Overloaded(m) => (pb::WorkerErrorKind::Overloaded, m),
+            WorkerError::Unavailable(m) => (pb::WorkerErrorKind::Unavailable, m),
+            WorkerError::Internal(m) => (pb::WorkerErrorKind::Internal, m),
+        };
+        pb::WorkerError {
+            kind: kind.into(),
+            message: message.clone(),
+        }
+    }
+}
+
+impl From<pb::WorkerError> for WorkerError {
+    fn from(e: pb::WorkerError) -> Self {
+        match pb::WorkerErrorKind::try_from(e.kind) {
+            Ok(pb::WorkerErrorKind::InvalidRequest) => WorkerError::InvalidRequest(e.message),
+            Ok(pb::WorkerErrorKind::Overloaded) => WorkerError::Overloaded(e.message),
+            Ok(pb::WorkerErrorKind::Unavailable) => WorkerError::Unavailable(e.message),
+            _ => WorkerError::Internal(e.message),
+        }
+    }
+}
+
+/// How a refusal travels as a gRPC status, so the router can still tell 400 from 429/503.
+impl From<WorkerError> for tonic::Status {
+    fn from(e: WorkerError) -> Self {
+        match e {
+            WorkerError::InvalidRequest(m) => tonic::Status::invalid_argument(m),
+            WorkerError::Overloaded(m) => tonic::Status::resource_exhausted(m),
+            WorkerError::Unavailable(m) => tonic::Status::unavailable(m),
+            WorkerError::Internal(m) => tonic::Status::internal(m),
+        }
+    }
+}
+
+/// The inverse of `From<WorkerError> for Status`; transport failures (the node is down,
+/// unreachable, or timed out) are `Unavailable`, so the router may retry elsewhere.
+pub fn worker_error_from_status(s: &tonic::Status) -> WorkerError {
+    use tonic::Code;
+    let m = s.message().to_string();
+    match s.code() {
+        Code::InvalidArgument | Code::OutOfRange => WorkerError::InvalidRequest(m),
+        Code::ResourceExhausted => WorkerError::Overloaded(m),
+        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted => {
+            WorkerError::Unavailable(m)
+        }
+        _ => WorkerError::Internal(format!("{:?}: {m}", s.code())),
+    }
+}
+
+impl From<&GenerateEvent> for pb::GenerateEvent {
+    fn from(e: &GenerateEvent) -> Self {
+        use pb::generate_event::Event;
+        let event = match e {
+            GenerateEvent::Token(t) => Event::Token(pb::TokenEvent {
+                token: t.token,
+                text: t.text.clone(),
+                logprob: t.logprob,
+                top_logprobs: logprobs_to_pb(&t.top_logprobs),
+            }),
+            GenerateEvent::Finished {
+                reason,
+                text,
+                usage,
+            } => Event::Finished(pb::Finished {
+                reason: pb::FinishReason::from(*reason).into(),
+                text: text.clone(),
+                usage: Some(pb::Usage {
+                    prompt_tokens: usage.prompt_tokens,
+                    completion_tokens: usage.completion_tokens,
+                    cached_tokens: usage.cached_tokens,
+                }),
+            }),
+            GenerateEvent::Error(e) => Event::Error(e.into()),
+        };
+        pb::GenerateEvent { event: Some(event) }
+    }
+}
+
+impl TryFrom<pb::GenerateEvent> for GenerateEvent {
+    type Error = WireError;
+
+    fn try_from(e: pb::GenerateEvent) -> Result<Self, WireError> {
+        use pb::generate_event::Event;
+        const M: &str = "GenerateEvent";
+        Ok(
+            match e.event.ok_or_else(|| WireError::missing(M, "event"))? {
+                Event::Token(t) => GenerateEvent::Token(TokenEvent {
+                    token: t.token,
+                    text: t.text,
+                    logprob: t.logprob,
+                    top_logprobs: logprobs_from_pb(&t.top_logprobs),
+                }),
+                Event::Finished(f) => {
+                    let reason = match pb::FinishReason::try_from(f.reason) {
+                        Ok(pb::FinishReason::Stop) => FinishReason::Stop,
+                        Ok(pb::FinishReason::Length) => FinishReason::Length,
+                        Ok(pb::FinishReason::Cancelled) => FinishReason::Cancelled,
+                        _ => {
+                            return Err(WireError {
+                                message: M,
+                                reason: format!("unknown finish reason {}", f.reason),
+                            })
+                        }
+                    };
+                    let u = f.usage.ok_or_else(|| WireError::missing(M, "usage"))?;
+                    GenerateEvent::Finished {
+                        reason,
+                        text: f.text,
+                        usage: Usage {
+                            prompt_tokens: u.prompt_tokens,
+                            completion_tokens: u.completion_tokens,
+                            cached_tokens: u.cached_tokens,
+                        },
+                    }
+                }
+                Event::Error(e) => GenerateEvent::Error(e.into()),
+            },
+        )
+    }
+}
+
+impl From<&LoadReport> for pb::LoadReport {
+    fn from(l: &LoadReport) -> Self {
+        pb::LoadReport {
+            running: l.running as u64,
+            waiting: l.waiting as u64,
+            kv_blocks_used: l.kv_blocks_used as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generate_requests_round_trip() {
+        let req = GenerateRequest {
+            request_id: RequestId(42),
+            prompt: vec![1, 2, 3],
+            params: SamplingParams {
+                seed: Some(7),
+                logit_bias: vec![(5, -1.5)],
+                stop: vec!["\n\n".into()],
+                logprobs: Some(2),
+                ..SamplingParams::greedy(9)
+            },
+        };
+        let target = PrefillTarget {
+            node_id: NodeId(3),
+            address: "127.0.0.2:7000".into(),
+        };
+        let wire = generate_request_to_pb(&req, Some(&target));
+        let (back, prefill) = generate_request_from_pb(wire).unwrap();
+        assert_eq!(back, req);
+        assert_eq!(prefill, Some(target));
+    }
+
+    #[test]
+    fn events_round_trip_and_bad_ones_are_refused() {
+        let events = [
+            GenerateEvent::Token(TokenEvent {
+                token: 9,
+                text: "hi".into(),
+                logprob: Some(-0.5),
+                top_logprobs: vec![(9, -0.5), (4, -1.0)],
+            }),
+            GenerateEvent::Finished {
+                reason: FinishReason::Length,
+                text: String::new(),
+                usage: Usage {
+                    prompt_tokens: 3,
+                    completion_tokens: 2,
+                    cached_tokens: 1,
+                },
+            },
+            GenerateEvent::Error(WorkerError::Overloaded("busy".into())),
+        ];
+        for e in events {
+            assert_eq!(GenerateEvent::try_from(pb::GenerateEvent::from(&e)), Ok(e));
+        }
+        assert!(GenerateEvent::try_from(pb::GenerateEvent { event: None }).is_err());
+        let bad_reason = pb::GenerateEvent {
+            event: Some(pb::generate_event::Event::Finished(pb::Finished {
+                reason: 99,
+                text: String::new(),
+                usage: Some(pb::Usage::default()),
+            })),
+        };
+        assert!(GenerateEvent::try_from(bad_reason).is_err());
+        let missing_params = pb::GenerateRequest::default();
+        assert!(generate_request_from_pb(missing_params).is_err());
+    }
+
+    #[test]
+    fn refusals_keep_their_class_across_a_status() {
+        let errors = [
+            WorkerError::InvalidRequest("a".into()),
+            WorkerError::Overloaded("b".into()),
+            WorkerError::Unavailable("c".into()),
+        ];
+        for e in errors {
+            assert_eq!(worker_error_from_status(&e.clone().into()), e);
+        }
+        let down = tonic::Status::unavailable("connection refused");
+        assert!(matches!(
+            worker_error_from_status(&down),
+            WorkerError::Unavailable(_)
+        ));
+    }
+}

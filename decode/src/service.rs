@@ -1,0 +1,135 @@
+//! The decode node's gRPC service (`kvmesh.v1.Decode`) over a local [`DecodeHandle`].
+
+use crate::worker::DecodeHandle;
+use futures::{Stream, StreamExt};
+use kvmesh_common::grpc::{self, pb};
+use kvmesh_common::NodeId;
+use kvmesh_prefill::{PrefillTarget, RemotePrefill};
+use std::collections::{HashMap, HashSet};
+use std::pin::Pin;
+use std::sync::Mutex;
+use std::time::Duration;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status};
+
+/// Connections to the prefill nodes the router names, made on first use and kept.
+pub struct PrefillDirectory {
+    /// Where this node receives KV (told to every prefill node).
+    transfer_address: String,
+    connect_timeout: Duration,
+    clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
+}
+
+impl PrefillDirectory {
+    pub fn new(transfer_address: String, connect_timeout: Duration) -> Self {
+        PrefillDirectory {
+            transfer_address,
+            connect_timeout,
+            clients: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The prefill node `target` names, or `None` (prefill locally) when it cannot be
+    /// reached.
+    pub async fn get(&self, target: &grpc::PrefillTarget) -> Option<PrefillTarget> {
+        let known = self.lock().get(&target.node_id).cloned();
+        if let Some((address, client)) = known {
+            if address == target.address {
+                return Some(std::sync::Arc::new(client));
+            }
+        }
+        let connected = RemotePrefill::connect(
+            &target.address,
+            self.transfer_address.clone(),
+            self.connect_timeout,
+        )
+        .await;
+        match connected {
+            Ok(client) if client.node_id_matches(target.node_id) => {
+                self.lock()
+                    .insert(target.node_id, (target.address.clone(), client.clone()));
+                Some(std::sync::Arc::new(client))
+            }
+            Ok(_) => {
+                tracing::warn!(node = %target.node_id, address = %target.address,
+                    "another node answers at this address; prefilling locally");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(node = %target.node_id, "{e}; prefilling locally");
+                None
+            }
+        }
+    }
+
+    /// Forgets the connections to nodes not in `alive` (they left the mesh).
+    pub fn retain(&self, alive: &HashSet<NodeId>) {
+        self.lock().retain(|id, _| alive.contains(id));
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, (String, RemotePrefill)>> {
+        self.clients.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+pub struct DecodeService {
+    handle: DecodeHandle,
+    prefill: std::sync::Arc<PrefillDirectory>,
+}
+
+impl DecodeService {
+    pub fn new(handle: DecodeHandle, prefill: std::sync::Arc<PrefillDirectory>) -> Self {
+        DecodeService { handle, prefill }
+    }
+
+    pub fn into_server(self) -> pb::decode_server::DecodeServer<Self> {
+        pb::decode_server::DecodeServer::new(self)
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::decode_server::Decode for DecodeService {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let (request, target) = grpc::generate_request_from_pb(request.into_inner())?;
+        let prefill = match &target {
+            Some(t) => self.prefill.get(t).await,
+            None => None,
+        };
+        // Dropping the stream (the router cancelled or went away) drops the receiver, which
+        // the worker takes as a cancellation.
+        let events = self.handle.generate(request, prefill)?;
+        let stream = UnboundedReceiverStream::new(events).map(|e| Ok(pb::GenerateEvent::from(&e)));
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn health(
+        &self,
+        _request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthReply>, Status> {
+        let load = self.handle.load();
+        Ok(Response::new(pb::HealthReply {
+            node_id: self.handle.node_id().0,
+            serving: !self.handle.is_draining(),
+            load: Some(pb::LoadReport {
+                running: load.running as u64,
+                waiting: load.waiting as u64,
+                kv_blocks_used: load.kv_blocks_used as u64,
+            }),
+        }))
+    }
+
+    async fn drain(
+        &self,
+        _request: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::DrainReply>, Status> {
+        self.handle.drain();
+        Ok(Response::new(pb::DrainReply {}))
+    }
+}

@@ -1,0 +1,107 @@
+//! The prefill node's gRPC service (`kvmesh.v1.Prefill`) over a local [`PrefillHandle`].
+
+use crate::wire;
+use crate::worker::PrefillHandle;
+use kvmesh_common::grpc::pb;
+use kvmesh_common::NodeId;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// Tells the KV transport where a destination node receives (learned from each request).
+pub type LearnPeer = Arc<dyn Fn(NodeId, SocketAddr) + Send + Sync>;
+
+pub struct PrefillService {
+    handle: PrefillHandle,
+    model_fingerprint: u64,
+    learn_peer: LearnPeer,
+}
+
+impl PrefillService {
+    pub fn new(handle: PrefillHandle, model_fingerprint: u64, learn_peer: LearnPeer) -> Self {
+        PrefillService {
+            handle,
+            model_fingerprint,
+            learn_peer,
+        }
+    }
+
+    pub fn into_server(self) -> pb::prefill_server::PrefillServer<Self> {
+        pb::prefill_server::PrefillServer::new(self)
+    }
+}
+
+fn health(handle: &PrefillHandle) -> pb::HealthReply {
+    let load = handle.load();
+    pb::HealthReply {
+        node_id: handle.node_id().0,
+        serving: !handle.is_draining(),
+        load: Some(pb::LoadReport {
+            running: load.running as u64,
+            waiting: load.waiting as u64,
+            kv_blocks_used: load.kv_blocks_used as u64,
+        }),
+    }
+}
+
+#[tonic::async_trait]
+impl pb::prefill_server::Prefill for PrefillService {
+    async fn prefill(
+        &self,
+        request: Request<pb::PrefillRequest>,
+    ) -> Result<Response<pb::PrefillReply>, Status> {
+        let (request, transfer_address) = wire::request_from_pb(request.into_inner())?;
+        let addr: SocketAddr = transfer_address.parse().map_err(|_| {
+            Status::invalid_argument(format!(
+                "destination transfer address {transfer_address:?} is not host:port"
+            ))
+        })?;
+        (self.learn_peer)(request.destination.node, addr);
+        let request_id = request.request_id;
+        // Dropping this call (the decode node cancelled, died or timed out) cancels the job.
+        let _cancel_on_drop = CancelOnDrop(request.cancel.clone());
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.handle.prefill(request, tx)?;
+        let reply = tokio::task::spawn_blocking(move || rx.recv())
+            .await
+            .map_err(|e| Status::internal(format!("waiting for the prefill worker: {e}")))?
+            .map_err(|_| Status::unavailable("the prefill worker stopped"))?;
+        debug_assert_eq!(reply.request_id, request_id);
+        let done = reply.result?;
+        Ok(Response::new(wire::done_to_pb(&done)))
+    }
+
+    async fn info(
+        &self,
+        _request: Request<pb::InfoRequest>,
+    ) -> Result<Response<pb::InfoReply>, Status> {
+        Ok(Response::new(pb::InfoReply {
+            node_id: self.handle.node_id().0,
+            model_fingerprint: self.model_fingerprint,
+            kv_shape: Some(wire::kv_shape_to_pb(&self.handle.kv_shape())),
+        }))
+    }
+
+    async fn health(
+        &self,
+        _request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthReply>, Status> {
+        Ok(Response::new(health(&self.handle)))
+    }
+
+    async fn drain(
+        &self,
+        _request: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::DrainReply>, Status> {
+        self.handle.drain();
+        Ok(Response::new(pb::DrainReply {}))
+    }
+}
+
+struct CancelOnDrop(crate::CancelToken);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
