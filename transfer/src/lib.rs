@@ -16,10 +16,13 @@
 //! partial or corrupt KV: a failed transfer is recomputed.
 
 mod chunk;
+pub mod codec;
 mod in_process;
+pub mod quic;
 mod transport;
 
 pub use chunk::{BlockShape, ChunkError, KvChunk, KvChunkHeader, KvDtype};
 pub use crossbeam_channel;
 pub use in_process::InProcessTransport;
+pub use quic::{QuicConfig, QuicError, QuicTransport, TlsConfig};
 pub use transport::{KvReceiver, Transport, TransportError};

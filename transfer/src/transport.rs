@@ -1,7 +1,8 @@
 //! The seam between the workers and the network: one small trait.
 
 use crate::chunk::KvChunk;
-use kvmesh_common::NodeId;
+use crate::codec::CodecError;
+use kvmesh_common::{NodeId, RequestId};
 use std::time::Instant;
 
 /// The chunks addressed to one node, in the order each sender sent them.
@@ -17,6 +18,16 @@ pub enum TransportError {
     /// The node's inbound queue stayed full until the deadline.
     #[error("timed out sending to node {0}: its queue stayed full")]
     Timeout(NodeId),
+    /// The chunk cannot be put on the wire (over the codec's limits, or another request's).
+    #[error("cannot send the chunk: {0}")]
+    Invalid(CodecError),
+    /// No connection to the node's address could be made or kept (unreachable host, TLS
+    /// handshake refused, connection lost).
+    #[error("connection to node {node} failed: {reason}")]
+    Connection { node: NodeId, reason: String },
+    /// The receiving end abandoned the transfer (it found a malformed frame); `code` says why.
+    #[error("node {node} refused the transfer (code {code})")]
+    Refused { node: NodeId, code: u64 },
 }
 
 /// Moves KV chunks between nodes.
@@ -36,4 +47,11 @@ pub trait Transport: Send + Sync {
 
     /// Delivers `chunk` to `dest`, waiting while `dest`'s queue is full, until `deadline`.
     fn send(&self, dest: NodeId, chunk: KvChunk, deadline: Instant) -> Result<(), TransportError>;
+
+    /// Says that `request` sends nothing more to `dest` (its last chunk went, or it failed).
+    /// Transports that keep per-transfer state (a QUIC stream) release it here; they also
+    /// release it after an idle timeout, so a forgotten call leaks nothing for long.
+    fn end_transfer(&self, dest: NodeId, request: RequestId) {
+        let _ = (dest, request);
+    }
 }
