@@ -185,10 +185,13 @@ fn find_binary() -> Result<PathBuf, EtcdServerError> {
         return Ok(bin.into());
     }
     let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
+    find_on(&path).ok_or(EtcdServerError::NotFound)
+}
+
+fn find_on(path: &std::ffi::OsStr) -> Option<PathBuf> {
+    std::env::split_paths(path)
         .map(|dir| dir.join("etcd"))
         .find(|p| p.is_file())
-        .ok_or(EtcdServerError::NotFound)
 }
 
 /// Two distinct free ports (both held until both are chosen).
@@ -215,4 +218,26 @@ fn log_tail(path: &Path) -> String {
     let log = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(20)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_binary_says_how_to_install_it() {
+        let empty = tempfile::tempdir().unwrap();
+        assert_eq!(find_on(empty.path().as_os_str()), None);
+        let msg = EtcdServerError::NotFound.to_string();
+        assert!(
+            msg.starts_with("etcd not found: install Debian's etcd-server"),
+            "{msg}"
+        );
+
+        std::fs::write(empty.path().join("etcd"), "").unwrap();
+        assert_eq!(
+            find_on(empty.path().as_os_str()),
+            Some(empty.path().join("etcd"))
+        );
+    }
 }

@@ -1,9 +1,12 @@
 //! EtcdDiscovery against a real etcd (Debian's etcd-server, started per test).
 
+mod support;
+
 use etcd_client::Client;
 use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer, StoreError};
 use std::time::Duration;
+use support::Proxy;
 use tokio::time::Instant;
 
 /// How fast a change must reach another process's reader.
@@ -20,9 +23,9 @@ fn info(id: u64, role: NodeRole) -> NodeInfo {
     }
 }
 
-fn config(server: &EtcdServer, lease_ttl: Duration) -> EtcdConfig {
+fn config(endpoint: String, lease_ttl: Duration) -> EtcdConfig {
     EtcdConfig {
-        endpoints: vec![server.endpoint()],
+        endpoints: vec![endpoint],
         cluster: "test".into(),
         lease_ttl,
         connect_timeout: Duration::from_secs(5),
@@ -32,7 +35,7 @@ fn config(server: &EtcdServer, lease_ttl: Duration) -> EtcdConfig {
 }
 
 async fn connect(server: &EtcdServer, lease_ttl: Duration) -> EtcdDiscovery {
-    EtcdDiscovery::connect(config(server, lease_ttl))
+    EtcdDiscovery::connect(config(server.endpoint(), lease_ttl))
         .await
         .expect("connect")
 }
@@ -325,6 +328,99 @@ async fn corrupt_values_under_the_prefix_are_skipped() {
     })
     .await;
     drop(lease);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_cut_off_from_etcd_catches_up_on_what_it_missed() {
+    let etcd = start_etcd();
+    let proxy = Proxy::start(&etcd.endpoint()).await;
+    let ttl = Duration::from_secs(10);
+    let reader = EtcdDiscovery::connect(config(proxy.endpoint(), ttl))
+        .await
+        .unwrap();
+    let writer = connect(&etcd, ttl).await;
+    let a = writer.register(info(1, NodeRole::Decode)).await.unwrap();
+    let _b = writer.register(info(2, NodeRole::Decode)).await.unwrap();
+    wait_for(&reader, PROPAGATION, "two nodes", |d| {
+        d.nodes(NodeRole::Decode).len() == 2
+    })
+    .await;
+
+    proxy.cut();
+    a.revoke().await.unwrap();
+    let _c = writer.register(info(3, NodeRole::Decode)).await.unwrap();
+    // Compacting away the missed history: only a fresh list can recover the delete.
+    let mut raw = Client::connect([etcd.endpoint()], None).await.unwrap();
+    let revision = raw
+        .get("x", None)
+        .await
+        .unwrap()
+        .header()
+        .unwrap()
+        .revision();
+    raw.compact(revision, None).await.unwrap();
+    assert!(
+        has(&reader, NodeRole::Decode, 1),
+        "the last known membership"
+    );
+    assert!(!has(&reader, NodeRole::Decode, 3));
+
+    proxy.heal();
+    let ids = |d: &dyn Discovery| -> Vec<u64> {
+        d.nodes(NodeRole::Decode)
+            .iter()
+            .map(|e| e.info.node_id.0)
+            .collect()
+    };
+    // Reconnect backoff (at most 500 ms) plus propagation.
+    wait_for(&reader, 2 * PROPAGATION, "the missed changes", |d| {
+        ids(d) == [2, 3]
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_off_longer_than_its_ttl_registers_again_when_back() {
+    let ttl = Duration::from_secs(1);
+    let etcd = start_etcd();
+    let proxy = Proxy::start(&etcd.endpoint()).await;
+    let reader = connect(&etcd, ttl).await;
+    let writer = EtcdDiscovery::connect(config(proxy.endpoint(), ttl))
+        .await
+        .unwrap();
+    let lease = writer.register(info(6, NodeRole::Prefill)).await.unwrap();
+    wait_for(&reader, PROPAGATION, "registration", |d| {
+        has(d, NodeRole::Prefill, 6)
+    })
+    .await;
+    let old = lease.lease_id();
+
+    proxy.cut();
+    wait_for(&reader, ttl + Duration::from_millis(1500), "expiry", |d| {
+        !has(d, NodeRole::Prefill, 6)
+    })
+    .await;
+    lease.report_load(LoadReport {
+        running: 2,
+        waiting: 0,
+        kv_blocks_used: 0,
+    });
+
+    proxy.heal();
+    // Noticed at the next keep-alive (TTL/3) or reconnect, then granted and put again, with
+    // the load reported while it was away.
+    wait_for(&reader, ttl + PROPAGATION, "re-registration", |d| {
+        d.nodes(NodeRole::Prefill)
+            .first()
+            .is_some_and(|e| e.load.running == 2)
+    })
+    .await;
+    assert_ne!(lease.lease_id(), old);
+    lease.revoke().await.unwrap();
+    wait_for(&reader, PROPAGATION, "removal", |d| {
+        !has(d, NodeRole::Prefill, 6)
+    })
+    .await;
 }
 
 #[tokio::test]
