@@ -424,7 +424,7 @@ async fn a_node_cut_off_longer_than_its_ttl_registers_again_when_back() {
 }
 
 #[tokio::test]
-async fn connect_reports_an_unreachable_etcd() {
+async fn connect_reports_an_unreachable_etcd_and_a_bad_endpoint() {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

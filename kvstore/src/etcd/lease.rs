@@ -18,6 +18,9 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tracing::{debug, info, warn};
 
+/// The least time between two attempts at a load write that failed.
+const RETRY_PAUSE: Duration = Duration::from_millis(100);
+
 /// A live registration. [`revoke`](NodeLease::revoke) it to drain (the key disappears at
 /// once); dropping it stops the keep-alive, so the key expires with the TTL like a crashed
 /// process's.
@@ -175,9 +178,12 @@ impl Keeper {
                     dirty = true;
                 }
                 _ = tokio::time::sleep_until(next_write), if dirty => {
-                    // On failure retry after the interval (or the next refresh re-registers).
-                    dirty = !self.write_load().await;
-                    next_write = Instant::now() + self.config.load_report_interval;
+                    let written = self.write_load().await;
+                    dirty = !written;
+                    // A failed write is retried, but never in a tight loop.
+                    let pause = if written { Duration::ZERO } else { RETRY_PAUSE };
+                    let interval = self.config.load_report_interval.max(pause);
+                    next_write = Instant::now() + interval;
                 }
             }
         }

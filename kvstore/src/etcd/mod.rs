@@ -57,17 +57,16 @@ impl EtcdDiscovery {
     /// Retries until `connect_timeout`, then fails with `Unreachable`.
     pub async fn connect(config: EtcdConfig) -> Result<Self, StoreError> {
         config.validate()?;
+        let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let options = ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
             .with_keep_alive(H2_KEEPALIVE_INTERVAL, H2_KEEPALIVE_TIMEOUT)
             .with_require_leader(true);
-        let client = bounded(&config, config.connect_timeout, async {
-            Client::connect(&config.endpoints, Some(options)).await
-        })
-        .await?;
+        // Connecting is lazy (the channel dials on first use): failures show in the list.
+        let connecting = Client::connect(&config.endpoints, Some(options));
+        let client = bounded(&config, config.connect_timeout, connecting).await?;
 
         let snapshot = Arc::new(Snapshot::default());
-        let deadline = tokio::time::Instant::now() + config.connect_timeout;
         let mut backoff = Backoff::default();
         let revision = loop {
             match watch::list(&client, &config).await {
@@ -189,6 +188,7 @@ fn classify(config: &EtcdConfig, e: etcd_client::Error) -> StoreError {
     use etcd_client::Error as E;
     use tonic::Code;
     match &e {
+        E::InvalidUri(_) | E::InvalidArgs(_) => StoreError::InvalidConfig(e.to_string()),
         E::TransportError(_) | E::IoError(_) => unreachable(config, e.to_string()),
         // The server says "requested lease not found"; the keep-alive opener "lease not found".
         E::GRpcStatus(s)
