@@ -3,6 +3,7 @@
 mod bench_engine;
 mod generate;
 mod model_args;
+mod node;
 mod serve;
 
 use anyhow::Result;
@@ -25,6 +26,12 @@ enum Command {
     FetchModel(model_args::FetchArgs),
     /// Run the whole mesh in one process behind the OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Run the OpenAI-compatible HTTP router of a multi-process mesh.
+    Router(node::router::RouterArgs),
+    /// Run a prefill node of a multi-process mesh.
+    Prefill(node::prefill::PrefillArgs),
+    /// Run a decode node of a multi-process mesh.
+    Decode(node::decode::DecodeArgs),
     /// Generate text for one prompt on this machine.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -49,6 +56,9 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::FetchModel(args) => model_args::fetch(&args),
         Command::Serve(args) => serve::run(&args),
+        Command::Router(args) => node::router::run(&args),
+        Command::Prefill(args) => node::prefill::run(&args),
+        Command::Decode(args) => node::decode::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
     }

@@ -100,7 +100,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 }
 
 /// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     let term = async {

@@ -404,6 +404,7 @@ impl<R: ModelRunner> Loop<R> {
     fn end(&mut self, seq_id: SeqId, result: Result<PrefillDone, PrefillError>) {
         if let Some(job) = self.jobs.remove(&seq_id) {
             tracing::debug!(request_id = %job.request_id, ok = result.is_ok(), "prefill ended");
+            self.transport.end_transfer(job.dest_node, job.request_id);
             self.shared.queue.give_back();
             job.reply.send(result);
         }

@@ -1,0 +1,97 @@
+//! `kvmesh decode`: a decode node. Takes Generate calls from routers, has the prefill node
+//! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
+//! continuous batching and streams tokens back.
+
+use super::{runtime, serve_lease, MeshArgs};
+use crate::model_args::{self, ModelArgs};
+use anyhow::{Context, Result};
+use clap::Args;
+use kvmesh_common::{NodeInfo, NodeRole};
+use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
+use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_kvstore::Discovery;
+use kvmesh_transfer::{QuicTransport, Transport};
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Args, Debug)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompts whose uncached part is shorter than this are prefilled here.
+    #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS")]
+    pub local_prefill_max_tokens: Option<usize>,
+}
+
+pub fn run(args: &DecodeArgs) -> Result<()> {
+    let path = args.model.prepare()?;
+    let loaded = model_args::load(&path)?;
+    let node_id = args.mesh.node_id();
+    let engine = EngineConfig::default()
+        .llama_engine(&loaded)
+        .context("building the engine")?;
+    let quic =
+        QuicTransport::start(args.mesh.quic_config(args.mesh.listen)).context("starting QUIC")?;
+    let transport: Arc<dyn Transport> = Arc::new(quic);
+    let mut config = DecodeConfig::new(node_id);
+    if let Some(n) = args.local_prefill_max_tokens {
+        config.local_prefill_max_tokens = n;
+    }
+    let worker =
+        DecodeWorker::spawn(config, engine, transport).context("starting the decode worker")?;
+    let handle = worker.handle();
+    let advertise = args.mesh.advertise().to_string();
+    let info = NodeInfo {
+        node_id,
+        role: NodeRole::Decode,
+        address: advertise.clone(),
+        transfer_address: advertise.clone(),
+        model_fingerprint: loaded.fingerprint.0,
+        kv_blocks_total: handle.load().kv_blocks_total,
+    };
+    runtime()?.block_on(async {
+        let discovery = args.mesh.connect().await?;
+        let prefill = Arc::new(PrefillDirectory::new(advertise, Duration::from_secs(1)));
+        forget_departed_prefill_nodes(&discovery, prefill.clone());
+        let service = DecodeService::new(handle.clone(), prefill);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_shutdown(args.mesh.listen, async {
+                let _ = stopped.await;
+            });
+        let server = tokio::spawn(server);
+        tracing::info!(%node_id, listen = %args.mesh.listen, "decode node serving");
+        let h = handle.clone();
+        serve_lease(&discovery, info, || h.load(), || h.is_draining()).await?;
+        handle.drain();
+        tokio::task::spawn_blocking(move || worker.join()).await?;
+        let _ = stop.send(());
+        server.await?.context("gRPC server")?;
+        anyhow::Ok(())
+    })?;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Drops connections to prefill nodes as they leave discovery.
+fn forget_departed_prefill_nodes(
+    discovery: &kvmesh_kvstore::EtcdDiscovery,
+    dir: Arc<PrefillDirectory>,
+) {
+    let discovery = discovery.clone();
+    let mut changes = discovery.subscribe();
+    tokio::spawn(async move {
+        while changes.changed().await.is_ok() {
+            let alive: HashSet<_> = discovery
+                .nodes(NodeRole::Prefill)
+                .iter()
+                .map(|n| n.info.node_id)
+                .collect();
+            dir.retain(&alive);
+        }
+    });
+}

@@ -1,0 +1,72 @@
+//! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
+//! their KV over QUIC to the decode node that asked.
+
+use super::{runtime, serve_lease, MeshArgs};
+use crate::model_args::{self, ModelArgs};
+use anyhow::{Context, Result};
+use clap::Args;
+use kvmesh_common::{NodeInfo, NodeRole};
+use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_transfer::{QuicTransport, Transport};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+#[derive(Args, Debug)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    pub mesh: MeshArgs,
+    #[command(flatten)]
+    pub model: ModelArgs,
+}
+
+pub fn run(args: &PrefillArgs) -> Result<()> {
+    let path = args.model.prepare()?;
+    let loaded = model_args::load(&path)?;
+    let node_id = args.mesh.node_id();
+    let engine = EngineConfig::default()
+        .llama_engine(&loaded)
+        .context("building the engine")?;
+    // Sends only: any UDP port on the listen address.
+    let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
+    let quic = Arc::new(
+        QuicTransport::start(args.mesh.quic_config(quic_listen)).context("starting QUIC")?,
+    );
+    let transport: Arc<dyn Transport> = quic.clone();
+    let worker = PrefillWorker::spawn(PrefillConfig::new(node_id), engine, transport)
+        .context("starting the prefill worker")?;
+    let handle = worker.handle();
+    let learn = {
+        let quic = quic.clone();
+        Arc::new(move |node, addr| quic.add_peer(node, addr))
+    };
+    let service = PrefillService::new(handle.clone(), loaded.fingerprint.0, learn);
+    let info = NodeInfo {
+        node_id,
+        role: NodeRole::Prefill,
+        address: args.mesh.advertise().to_string(),
+        transfer_address: String::new(),
+        model_fingerprint: loaded.fingerprint.0,
+        kv_blocks_total: handle.load().kv_blocks_total,
+    };
+    runtime()?.block_on(async {
+        let discovery = args.mesh.connect().await?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_shutdown(args.mesh.listen, async {
+                let _ = stopped.await;
+            });
+        let server = tokio::spawn(server);
+        tracing::info!(%node_id, listen = %args.mesh.listen, "prefill node serving");
+        let h = handle.clone();
+        serve_lease(&discovery, info, || h.load(), || h.is_draining()).await?;
+        handle.drain();
+        tokio::task::spawn_blocking(move || worker.join()).await?;
+        let _ = stop.send(());
+        server.await?.context("gRPC server")?;
+        anyhow::Ok(())
+    })?;
+    tracing::info!("stopped");
+    Ok(())
+}
