@@ -7,6 +7,7 @@ use kvmesh_common::NodeId;
 use kvmesh_prefill::{PrefillTarget, RemotePrefill};
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -75,11 +76,16 @@ impl PrefillDirectory {
 pub struct DecodeService {
     handle: DecodeHandle,
     prefill: std::sync::Arc<PrefillDirectory>,
+    accepted: AtomicU64,
 }
 
 impl DecodeService {
     pub fn new(handle: DecodeHandle, prefill: std::sync::Arc<PrefillDirectory>) -> Self {
-        DecodeService { handle, prefill }
+        DecodeService {
+            handle,
+            prefill,
+            accepted: AtomicU64::new(0),
+        }
     }
 
     pub fn into_server(self) -> pb::decode_server::DecodeServer<Self> {
@@ -105,6 +111,7 @@ impl pb::decode_server::Decode for DecodeService {
         // Dropping the stream (the router cancelled or went away) drops the receiver, which
         // the worker takes as a cancellation.
         let events = self.handle.generate(request, prefill)?;
+        self.accepted.fetch_add(1, Ordering::Relaxed);
         let stream = UnboundedReceiverStream::new(events).map(|e| Ok(pb::GenerateEvent::from(&e)));
         Ok(Response::new(Box::pin(stream)))
     }
@@ -122,6 +129,7 @@ impl pb::decode_server::Decode for DecodeService {
                 waiting: load.waiting as u64,
                 kv_blocks_used: load.kv_blocks_used as u64,
             }),
+            requests_total: self.accepted.load(Ordering::Relaxed),
         }))
     }
 

@@ -5,6 +5,7 @@ use crate::worker::PrefillHandle;
 use kvmesh_common::grpc::pb;
 use kvmesh_common::NodeId;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
@@ -15,6 +16,7 @@ pub struct PrefillService {
     handle: PrefillHandle,
     model_fingerprint: u64,
     learn_peer: LearnPeer,
+    accepted: AtomicU64,
 }
 
 impl PrefillService {
@@ -23,6 +25,7 @@ impl PrefillService {
             handle,
             model_fingerprint,
             learn_peer,
+            accepted: AtomicU64::new(0),
         }
     }
 
@@ -31,7 +34,7 @@ impl PrefillService {
     }
 }
 
-fn health(handle: &PrefillHandle) -> pb::HealthReply {
+fn health(handle: &PrefillHandle, accepted: &AtomicU64) -> pb::HealthReply {
     let load = handle.load();
     pb::HealthReply {
         node_id: handle.node_id().0,
@@ -41,6 +44,7 @@ fn health(handle: &PrefillHandle) -> pb::HealthReply {
             waiting: load.waiting as u64,
             kv_blocks_used: load.kv_blocks_used as u64,
         }),
+        requests_total: accepted.load(Ordering::Relaxed),
     }
 }
 
@@ -62,6 +66,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         let _cancel_on_drop = CancelOnDrop(request.cancel.clone());
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.handle.prefill(request, tx)?;
+        self.accepted.fetch_add(1, Ordering::Relaxed);
         let reply = tokio::task::spawn_blocking(move || rx.recv())
             .await
             .map_err(|e| Status::internal(format!("waiting for the prefill worker: {e}")))?
@@ -86,7 +91,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthReply>, Status> {
-        Ok(Response::new(health(&self.handle)))
+        Ok(Response::new(health(&self.handle, &self.accepted)))
     }
 
     async fn drain(

@@ -3,17 +3,29 @@
 
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
+use std::collections::HashMap;
 
 /// The node with the fewest requests (running + waiting), then the lowest KV usage; ties go
 /// to the lowest node id so the choice is deterministic.
 pub fn least_loaded(nodes: &[NodeEntry]) -> Option<NodeId> {
+    least_loaded_with(nodes, &HashMap::new())
+}
+
+/// [`least_loaded`], adding to each node's reported requests those this router has in
+/// flight there: reports lag by up to a load-report interval, and without this a burst would
+/// all go to the node that looked idle when it began.
+pub fn least_loaded_with(
+    nodes: &[NodeEntry],
+    in_flight: &HashMap<NodeId, usize>,
+) -> Option<NodeId> {
     nodes
         .iter()
         .min_by_key(|n| {
+            let id = n.info.node_id;
             (
-                n.load.running + n.load.waiting,
+                n.load.running + n.load.waiting + in_flight.get(&id).copied().unwrap_or(0),
                 n.load.kv_blocks_used,
-                n.info.node_id,
+                id,
             )
         })
         .map(|n| n.info.node_id)
@@ -51,5 +63,14 @@ mod tests {
         assert_eq!(least_loaded(&nodes), Some(NodeId(1)));
         let nodes = [node(5, 0, 0, 0), node(4, 0, 0, 0)];
         assert_eq!(least_loaded(&nodes), Some(NodeId(4)));
+    }
+
+    #[test]
+    fn requests_in_flight_count_until_reports_catch_up() {
+        let nodes = [node(1, 0, 0, 0), node(2, 1, 0, 0)];
+        let in_flight = HashMap::from([(NodeId(1), 2)]);
+        assert_eq!(least_loaded_with(&nodes, &in_flight), Some(NodeId(2)));
+        let in_flight = HashMap::from([(NodeId(1), 1)]);
+        assert_eq!(least_loaded_with(&nodes, &in_flight), Some(NodeId(1)));
     }
 }

@@ -8,7 +8,7 @@
 //! on the decode node and, through it, on the prefill node.
 
 use crate::backend::Backend;
-use crate::policy::least_loaded;
+use crate::policy::least_loaded_with;
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
@@ -48,7 +48,42 @@ pub struct RemoteBackend {
     config: RemoteConfig,
     clients: Mutex<HashMap<NodeId, (String, DecodeClient)>>,
     suspects: Mutex<HashMap<NodeId, Instant>>,
+    in_flight: Arc<Mutex<HashMap<NodeId, usize>>>,
     draining: AtomicBool,
+}
+
+/// Counts a request against the nodes serving it until dropped (when its stream ends).
+struct InFlight {
+    counts: Arc<Mutex<HashMap<NodeId, usize>>>,
+    nodes: Vec<NodeId>,
+}
+
+impl InFlight {
+    fn new(counts: &Arc<Mutex<HashMap<NodeId, usize>>>, nodes: Vec<NodeId>) -> Self {
+        let mut c = lock(counts);
+        for n in &nodes {
+            *c.entry(*n).or_default() += 1;
+        }
+        drop(c);
+        InFlight {
+            counts: counts.clone(),
+            nodes,
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut c = lock(&self.counts);
+        for n in &self.nodes {
+            if let Some(v) = c.get_mut(n) {
+                *v -= 1;
+                if *v == 0 {
+                    c.remove(n);
+                }
+            }
+        }
+    }
 }
 
 impl RemoteBackend {
@@ -58,6 +93,7 @@ impl RemoteBackend {
             config,
             clients: Mutex::new(HashMap::new()),
             suspects: Mutex::new(HashMap::new()),
+            in_flight: Arc::default(),
             draining: AtomicBool::new(false),
         }
     }
@@ -101,9 +137,13 @@ impl RemoteBackend {
         Ok(client)
     }
 
+    fn pick(&self, nodes: &[NodeEntry]) -> Option<NodeId> {
+        least_loaded_with(nodes, &lock(&self.in_flight))
+    }
+
     fn prefill_target(&self) -> Option<PrefillTarget> {
         let nodes = self.candidates(NodeRole::Prefill, &[]);
-        let id = least_loaded(&nodes)?;
+        let id = self.pick(&nodes)?;
         let node = nodes.into_iter().find(|n| n.info.node_id == id)?;
         Some(PrefillTarget {
             node_id: id,
@@ -131,7 +171,7 @@ impl Backend for RemoteBackend {
         let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
         while tried.len() < self.config.max_attempts {
             let nodes = self.candidates(NodeRole::Decode, &tried);
-            let Some(id) = least_loaded(&nodes) else {
+            let Some(id) = self.pick(&nodes) else {
                 break;
             };
             tried.push(id);
@@ -139,8 +179,11 @@ impl Backend for RemoteBackend {
             let mut client = self.client(node)?;
             let mut call = tonic::Request::new(message.clone());
             tag_request(&mut call, req.request_id);
+            let mut serving = vec![id];
+            serving.extend(prefill.as_ref().map(|p| p.node_id));
+            let in_flight = InFlight::new(&self.in_flight, serving);
             match client.generate(call).await {
-                Ok(stream) => return Ok(forward(stream.into_inner())),
+                Ok(stream) => return Ok(forward(stream.into_inner(), in_flight)),
                 Err(status) => {
                     let error = grpc::worker_error_from_status(&status);
                     if !matches!(error, WorkerError::Unavailable(_)) {
@@ -165,9 +208,11 @@ impl Backend for RemoteBackend {
 /// stream, or the receiver going away (which drops the stream: the RPC is cancelled).
 fn forward(
     mut stream: tonic::Streaming<pb::GenerateEvent>,
+    in_flight: InFlight,
 ) -> mpsc::UnboundedReceiver<GenerateEvent> {
     let (tx, rx) = mpsc::unbounded_channel();
     tokio::spawn(async move {
+        let _in_flight = in_flight;
         loop {
             let message = tokio::select! {
                 () = tx.closed() => return,

@@ -1,0 +1,331 @@
+//! The multi-process mesh for real: a local etcd, then `kvmesh router`, two `kvmesh prefill`
+//! and two `kvmesh decode` processes, each on its own loopback address. Requests through the
+//! router must give `kvmesh serve`'s greedy output, every node must serve traffic, and the
+//! mesh must survive a prefill node's `kill -9` and take it back when it restarts.
+
+use kvmesh_common::grpc::pb;
+use kvmesh_common::NodeRole;
+use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const LEASE_TTL: Duration = Duration::from_secs(2);
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+
+/// A free TCP port on `ip` (the node also binds UDP on it; that is free too in practice).
+fn free_addr(ip: &str) -> SocketAddr {
+    let l = TcpListener::bind((ip, 0)).expect("bind a loopback address");
+    l.local_addr().unwrap()
+}
+
+struct Node {
+    child: Child,
+    args: Vec<String>,
+    log: std::path::PathBuf,
+}
+
+impl Node {
+    fn spawn(args: Vec<String>, log: std::path::PathBuf) -> Node {
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args(&args)
+            .env("KVMESH_LOG", "info")
+            .env_remove("KVMESH_DECODE_WORKERS")
+            .env_remove("KVMESH_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .expect("kvmesh starts");
+        Node { child, args, log }
+    }
+
+    fn restart(&mut self) {
+        *self = Node::spawn(self.args.clone(), self.log.clone());
+    }
+
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// POSTs JSON over plain HTTP/1.1 and returns (status, body).
+fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).expect("connect to the router");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).expect("a response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+fn health_ok(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    r.starts_with("HTTP/1.1 200")
+}
+
+/// Waits for `addr`'s /health to answer 200.
+fn await_health(addr: SocketAddr, nodes: &[&Node]) {
+    let deadline = Instant::now() + START_TIMEOUT;
+    while !health_ok(addr) {
+        assert!(
+            Instant::now() < deadline,
+            "no healthy server at {addr}; logs:\n{}",
+            nodes
+                .iter()
+                .map(|n| n.log_tail())
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        );
+        // Polling an HTTP endpoint that gives no push signal; bounded by the deadline.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The request mix: completions and chat, short prompts (prefilled on the decode node) and
+/// long ones (prefilled on a prefill node), several lengths of output.
+fn request(i: usize) -> (&'static str, Value) {
+    let topic = ["rivers", "the moon", "bread", "chess", "volcanoes"][i % 5];
+    let long = i % 3 != 0;
+    let text = if long {
+        let sentence = format!("Here is note {i} about {topic}, written at length. ");
+        format!(
+            "{}Summarize the notes about {topic}.",
+            sentence.repeat(4 + i % 7)
+        )
+    } else {
+        format!("Tell me one fact about {topic}.")
+    };
+    let max_tokens = 4 + (i % 4) * 4;
+    if i % 2 == 0 {
+        let body = json!({"model": MODEL_NAME, "prompt": text, "max_tokens": max_tokens,
+                          "temperature": 0});
+        ("/v1/completions", body)
+    } else {
+        let body = json!({"model": MODEL_NAME, "messages": [{"role": "user", "content": text}],
+                          "max_tokens": max_tokens, "temperature": 0});
+        ("/v1/chat/completions", body)
+    }
+}
+
+fn output_text(path: &str, v: &Value) -> String {
+    let choice = &v["choices"][0];
+    let text = if path == "/v1/completions" {
+        &choice["text"]
+    } else {
+        &choice["message"]["content"]
+    };
+    text.as_str().expect("a text output").to_string()
+}
+
+/// Sends requests `ids` through `addr` on `threads` connections at once; returns the texts.
+fn run_requests(addr: SocketAddr, ids: &[usize], threads: usize) -> Vec<String> {
+    let mut out = vec![String::new(); ids.len()];
+    std::thread::scope(|s| {
+        for (t, chunk) in out.chunks_mut(ids.len().div_ceil(threads)).enumerate() {
+            let start = t * ids.len().div_ceil(threads);
+            s.spawn(move || {
+                for (k, slot) in chunk.iter_mut().enumerate() {
+                    let (path, body) = request(ids[start + k]);
+                    let (status, v) = post(addr, path, &body);
+                    assert_eq!(status, 200, "request {}: {v}", ids[start + k]);
+                    *slot = output_text(path, &v);
+                }
+            });
+        }
+    });
+    out
+}
+
+async fn requests_served(address: &str, role: NodeRole) -> u64 {
+    let url = format!("http://{address}");
+    let request = tonic::Request::new(pb::HealthRequest {});
+    let reply = match role {
+        NodeRole::Prefill => {
+            pb::prefill_client::PrefillClient::connect(url)
+                .await
+                .expect("prefill node answers")
+                .health(request)
+                .await
+        }
+        _ => {
+            pb::decode_client::DecodeClient::connect(url)
+                .await
+                .expect("decode node answers")
+                .health(request)
+                .await
+        }
+    };
+    reply.expect("health").into_inner().requests_total
+}
+
+/// Waits until discovery shows `prefill` and `decode` nodes; returns how long it took.
+async fn await_membership(
+    discovery: &EtcdDiscovery,
+    prefill: usize,
+    decode: usize,
+    within: Duration,
+) -> Duration {
+    let start = Instant::now();
+    let mut changes = discovery.subscribe();
+    loop {
+        let (p, d) = (
+            discovery.nodes(NodeRole::Prefill).len(),
+            discovery.nodes(NodeRole::Decode).len(),
+        );
+        if p == prefill && d == decode {
+            return start.elapsed();
+        }
+        let left = within.saturating_sub(start.elapsed());
+        let changed = tokio::time::timeout(left, changes.changed()).await;
+        assert!(
+            matches!(changed, Ok(Ok(()))),
+            "membership stayed at {p} prefill / {d} decode; wanted {prefill} / {decode}"
+        );
+    }
+}
+
+#[test]
+fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
+    let etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
+    // Kept after the run for a look at what each process said.
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("mesh_cluster");
+    std::fs::create_dir_all(&logs).unwrap();
+    let log = |name: &str| logs.join(format!("{name}.log"));
+    let mesh_args = |role: &str, addr: SocketAddr| -> Vec<String> {
+        let mut a: Vec<String> = [role, "--etcd", &etcd.endpoint(), "--listen"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        a.push(addr.to_string());
+        a.extend(
+            [
+                "--cluster",
+                "meshtest",
+                "--threads",
+                "1",
+                "--lease-ttl",
+                "2s",
+            ]
+            .map(String::from),
+        );
+        a
+    };
+    let router_addr = free_addr("127.0.0.2");
+    let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
+    let decode_addrs = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
+    let mut prefill: Vec<Node> = prefill_addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| Node::spawn(mesh_args("prefill", *a), log(&format!("prefill{i}"))))
+        .collect();
+    let decode: Vec<Node> = decode_addrs
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let mut args = mesh_args("decode", *a);
+            // Disaggregate every prompt of 32 tokens or more.
+            args.extend(["--local-prefill-max-tokens".into(), "32".into()]);
+            Node::spawn(args, log(&format!("decode{i}")))
+        })
+        .collect();
+    let router = Node::spawn(mesh_args("router", router_addr), log("router"));
+    // The reference: the whole mesh in one process.
+    let serve_addr = free_addr("127.0.0.7");
+    let serve = Node::spawn(
+        [
+            "serve",
+            "--listen",
+            &serve_addr.to_string(),
+            "--threads",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec(),
+        log("serve"),
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let discovery = rt
+        .block_on(EtcdDiscovery::connect(EtcdConfig {
+            endpoints: vec![etcd.endpoint()],
+            cluster: "meshtest".into(),
+            ..EtcdConfig::default()
+        }))
+        .expect("the test's own etcd client");
+    rt.block_on(await_membership(&discovery, 2, 2, START_TIMEOUT));
+    let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
+    await_health(router_addr, &all);
+    await_health(serve_addr, &[&serve]);
+
+    // 100 mixed requests, 4 at a time, through both systems.
+    let ids: Vec<usize> = (0..100).collect();
+    let mesh = run_requests(router_addr, &ids, 4);
+    let reference = run_requests(serve_addr, &ids, 4);
+    for (i, (m, r)) in mesh.iter().zip(&reference).enumerate() {
+        assert_eq!(m, r, "request {i}: the mesh and `kvmesh serve` disagree");
+    }
+    rt.block_on(async {
+        for a in prefill_addrs {
+            let n = requests_served(&a.to_string(), NodeRole::Prefill).await;
+            assert!(n > 0, "prefill node {a} served nothing");
+        }
+        for a in decode_addrs {
+            let n = requests_served(&a.to_string(), NodeRole::Decode).await;
+            assert!(n > 0, "decode node {a} served nothing");
+        }
+    });
+
+    // kill -9 a prefill node: it leaves routing within the lease TTL, requests keep working.
+    prefill[0].child.kill().unwrap();
+    prefill[0].child.wait().unwrap();
+    let long_ids: Vec<usize> = (100..124).filter(|i| i % 3 != 0).collect();
+    let during = run_requests(router_addr, &long_ids, 4);
+    assert!(during.iter().all(|t| !t.is_empty()));
+    let gone = rt.block_on(await_membership(&discovery, 1, 2, LEASE_TTL * 3));
+    assert!(gone <= LEASE_TTL + Duration::from_secs(2), "took {gone:?}");
+    let after = run_requests(router_addr, &long_ids, 4);
+    assert_eq!(after, during, "greedy output changed with one prefill node");
+
+    // Restarted, it rejoins and serves again (new prompts: the decode nodes have the old ones
+    // cached and would not ask for a prefill).
+    prefill[0].restart();
+    rt.block_on(await_membership(&discovery, 2, 2, START_TIMEOUT));
+    let new_ids: Vec<usize> = (124..148).filter(|i| i % 3 != 0).collect();
+    let again = run_requests(router_addr, &new_ids, 4);
+    assert_eq!(again, run_requests(serve_addr, &new_ids, 4));
+    let served = rt.block_on(requests_served(
+        &prefill_addrs[0].to_string(),
+        NodeRole::Prefill,
+    ));
+    assert!(served > 0, "the restarted prefill node served nothing");
+}
