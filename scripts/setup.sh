@@ -8,6 +8,10 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
+# The `rdma` feature (ibverbs bindings are generated with bindgen and built with cmake).
+for pkg in libibverbs-dev cmake pkg-config libclang-dev; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
 
 if ((${#need[@]})); then
   echo "setup: installing ${need[*]}" >&2

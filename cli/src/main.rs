@@ -1,6 +1,8 @@
 //! `kvmesh`: the one binary. Each subcommand lives in its own module.
 
 mod bench_engine;
+mod bench_transfer;
+mod bench_ttft;
 mod generate;
 mod model_args;
 mod node;
@@ -43,6 +45,11 @@ enum Command {
 enum BenchCommand {
     /// Prefill and decode throughput of the engine on the real model.
     Engine(bench_engine::BenchEngineArgs),
+    /// KV transfer rates (QUIC, TCP, memcpy) and disaggregated vs local TTFT.
+    Transfer(bench_ttft::BenchTransferCommand),
+    /// Internal: the prefill process of `bench transfer`.
+    #[command(hide = true)]
+    PrefillNode(bench_ttft::PrefillNodeArgs),
 }
 
 fn main() -> Result<()> {
@@ -61,5 +68,7 @@ fn main() -> Result<()> {
         Command::Decode(args) => node::decode::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
+        Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),
+        Command::Bench(BenchCommand::PrefillNode(args)) => bench_ttft::prefill_node(&args),
     }
 }
