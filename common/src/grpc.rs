@@ -45,6 +45,27 @@ pub fn tag_request<T>(request: &mut tonic::Request<T>, id: RequestId) {
     }
 }
 
+/// The time left to a call, from its `grpc-timeout` header (gRPC's wire format: up to 8
+/// digits and a unit, `H`, `M`, `S`, `m`, `u` or `n`); `None` when absent or malformed.
+pub fn timeout_of(metadata: &tonic::metadata::MetadataMap) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let value = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at(value.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n * 3600),
+        "M" => Duration::from_secs(n * 60),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 impl From<&SamplingParams> for pb::SamplingParams {
     fn from(p: &SamplingParams) -> Self {
         pb::SamplingParams {
@@ -360,6 +381,21 @@ mod tests {
         assert!(GenerateEvent::try_from(bad_reason).is_err());
         let missing_params = pb::GenerateRequest::default();
         assert!(generate_request_from_pb(missing_params).is_err());
+    }
+
+    #[test]
+    fn grpc_timeouts_parse_and_bad_ones_are_ignored() {
+        use std::time::Duration;
+        let mut request = tonic::Request::new(());
+        assert_eq!(timeout_of(request.metadata()), None);
+        request.set_timeout(Duration::from_millis(1500));
+        let t = timeout_of(request.metadata()).unwrap();
+        assert!(t >= Duration::from_millis(1499) && t <= Duration::from_millis(1500), "{t:?}");
+        for bad in ["", "S", "123456789S", "12x", "-1S"] {
+            let mut m = tonic::metadata::MetadataMap::new();
+            m.insert("grpc-timeout", bad.parse().unwrap());
+            assert_eq!(timeout_of(&m), None, "{bad:?}");
+        }
     }
 
     #[test]

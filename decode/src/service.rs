@@ -95,6 +95,30 @@ impl DecodeService {
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateEvent, Status>> + Send>>;
 
+/// The events until the call's deadline; then `DEADLINE_EXCEEDED`, and the receiver is
+/// dropped, which cancels the request here and, through its cancel token, on the prefill node.
+fn until_deadline(
+    mut events: crate::EventReceiver,
+    deadline: tokio::time::Instant,
+) -> impl Stream<Item = Result<pb::GenerateEvent, Status>> + Send {
+    async_stream::stream! {
+        let expired = tokio::time::sleep_until(deadline);
+        tokio::pin!(expired);
+        loop {
+            tokio::select! {
+                event = events.recv() => match event {
+                    Some(e) => yield Ok(pb::GenerateEvent::from(&e)),
+                    None => break,
+                },
+                () = &mut expired => {
+                    yield Err(Status::deadline_exceeded("the request's deadline passed"));
+                    break;
+                }
+            }
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl pb::decode_server::Decode for DecodeService {
     type GenerateStream = EventStream;
@@ -103,6 +127,7 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
+        let timeout = grpc::timeout_of(request.metadata());
         let (request, target) = grpc::generate_request_from_pb(request.into_inner())?;
         let prefill = match &target {
             Some(t) => self.prefill.get(t).await,
@@ -112,8 +137,13 @@ impl pb::decode_server::Decode for DecodeService {
         // the worker takes as a cancellation.
         let events = self.handle.generate(request, prefill)?;
         self.accepted.fetch_add(1, Ordering::Relaxed);
-        let stream = UnboundedReceiverStream::new(events).map(|e| Ok(pb::GenerateEvent::from(&e)));
-        Ok(Response::new(Box::pin(stream)))
+        let stream: EventStream = match timeout {
+            None => Box::pin(
+                UnboundedReceiverStream::new(events).map(|e| Ok(pb::GenerateEvent::from(&e))),
+            ),
+            Some(t) => Box::pin(until_deadline(events, tokio::time::Instant::now() + t)),
+        };
+        Ok(Response::new(stream))
     }
 
     async fn health(

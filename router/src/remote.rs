@@ -31,6 +31,9 @@ pub struct RemoteConfig {
     pub suspect_for: Duration,
     /// Decode nodes tried per request before giving up with 503.
     pub max_attempts: usize,
+    /// Each request's deadline, sent with it (`grpc-timeout`): past it the decode node ends
+    /// the request and cancels its prefill.
+    pub request_timeout: Duration,
 }
 
 impl Default for RemoteConfig {
@@ -39,6 +42,7 @@ impl Default for RemoteConfig {
             connect_timeout: Duration::from_secs(1),
             suspect_for: Duration::from_secs(3),
             max_attempts: 3,
+            request_timeout: Duration::from_secs(600),
         }
     }
 }
@@ -179,6 +183,7 @@ impl Backend for RemoteBackend {
             let mut client = self.client(node)?;
             let mut call = tonic::Request::new(message.clone());
             tag_request(&mut call, req.request_id);
+            call.set_timeout(self.config.request_timeout);
             let mut serving = vec![id];
             serving.extend(prefill.as_ref().map(|p| p.node_id));
             let in_flight = InFlight::new(&self.in_flight, serving);

@@ -1,0 +1,168 @@
+//! The decode and prefill services over real gRPC and KV over real QUIC, in one process:
+//! disaggregated output equals a lone local run, a call's deadline ends it and frees its
+//! blocks, and dropping the call cancels it.
+
+mod common;
+
+use common::*;
+use kvmesh_common::grpc::{self, pb, PrefillTarget};
+use kvmesh_common::{GenerateEvent, NodeId};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_transfer::{QuicConfig, QuicTransport, Transport};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_stream::wrappers::TcpListenerStream;
+
+const LOOPBACK: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
+
+struct Mesh {
+    _prefill: PrefillWorker,
+    _decode: DecodeWorker,
+    decode: DecodeHandle,
+    decode_addr: SocketAddr,
+    prefill: PrefillTarget,
+}
+
+async fn serve<S>(service: S) -> SocketAddr
+where
+    S: tonic::server::NamedService
+        + tower::Service<
+            http::Request<tonic::body::Body>,
+            Response = http::Response<tonic::body::Body>,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + Sync
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    addr
+}
+
+async fn mesh() -> Mesh {
+    let quic = |queue_chunks| QuicConfig {
+        listen: LOOPBACK,
+        queue_chunks,
+        ..QuicConfig::default()
+    };
+    let prefill_quic = Arc::new(QuicTransport::start(quic(256)).unwrap());
+    let decode_quic = QuicTransport::start(quic(256)).unwrap();
+    let transfer_address = decode_quic.local_addr().to_string();
+    let prefill_transport: Arc<dyn Transport> = prefill_quic.clone();
+    let prefill = PrefillWorker::spawn(
+        PrefillConfig::new(NodeId(0x100)),
+        engine(),
+        prefill_transport,
+    )
+    .unwrap();
+    let learn = Arc::new(move |node, addr| prefill_quic.add_peer(node, addr));
+    let service = PrefillService::new(prefill.handle(), loaded().fingerprint.0, learn);
+    let prefill_addr = serve(service.into_server()).await;
+
+    let mut config = DecodeConfig::new(NodeId(0x200));
+    config.local_prefill_max_tokens = 32;
+    let decode = DecodeWorker::spawn(config, engine(), Arc::new(decode_quic)).unwrap();
+    let directory = Arc::new(PrefillDirectory::new(
+        transfer_address,
+        Duration::from_secs(2),
+    ));
+    let service = DecodeService::new(decode.handle(), directory);
+    let decode_addr = serve(service.into_server()).await;
+    Mesh {
+        decode: decode.handle(),
+        _prefill: prefill,
+        _decode: decode,
+        decode_addr,
+        prefill: PrefillTarget {
+            node_id: NodeId(0x100),
+            address: prefill_addr.to_string(),
+        },
+    }
+}
+
+async fn client(addr: SocketAddr) -> pb::decode_client::DecodeClient<tonic::transport::Channel> {
+    pb::decode_client::DecodeClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_prefill_over_grpc_and_quic_matches_a_local_run() {
+    let m = mesh().await;
+    let mut c = client(m.decode_addr).await;
+    for (id, len) in [(1, 200), (2, 20), (3, 300)] {
+        let req = request(id, prompt(id as usize, len), 12);
+        let want = tokio::task::spawn_blocking({
+            let req = req.clone();
+            move || reference(&req)
+        })
+        .await
+        .unwrap();
+        let call = grpc::generate_request_to_pb(&req, Some(&m.prefill));
+        let mut stream = c.generate(call).await.unwrap().into_inner();
+        let mut got = Vec::new();
+        while let Some(e) = stream.message().await.unwrap() {
+            match GenerateEvent::try_from(e).unwrap() {
+                GenerateEvent::Token(t) => got.push(t.token),
+                GenerateEvent::Finished { .. } => break,
+                GenerateEvent::Error(e) => panic!("{e}"),
+            }
+        }
+        assert_eq!(got, want, "prompt of {len} tokens");
+    }
+    let prefill_served = transfers_completed(NodeId(0x200));
+    assert!(prefill_served >= 2, "{prefill_served} remote prefills");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_ends_the_call_and_frees_its_blocks() {
+    let m = mesh().await;
+    let mut c = client(m.decode_addr).await;
+    let req = request(7, prompt(7, 100), 100_000);
+    let mut call = tonic::Request::new(grpc::generate_request_to_pb(&req, Some(&m.prefill)));
+    call.set_timeout(Duration::from_millis(1500));
+    let mut stream = c.generate(call).await.unwrap().into_inner();
+    let status = loop {
+        match stream.message().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without its deadline"),
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::DeadlineExceeded, "{status:?}");
+    let d = m.decode.clone();
+    tokio::task::spawn_blocking(move || wait_until_idle(|| d.load(), Duration::from_secs(10)))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_call_cancels_the_request() {
+    let m = mesh().await;
+    let mut c = client(m.decode_addr).await;
+    let req = request(8, prompt(8, 100), 100_000);
+    let call = grpc::generate_request_to_pb(&req, Some(&m.prefill));
+    let mut stream = c.generate(call).await.unwrap().into_inner();
+    for _ in 0..3 {
+        let e = stream.message().await.unwrap().expect("a token");
+        assert!(matches!(
+            GenerateEvent::try_from(e).unwrap(),
+            GenerateEvent::Token(_)
+        ));
+    }
+    drop(stream);
+    let d = m.decode.clone();
+    tokio::task::spawn_blocking(move || wait_until_idle(|| d.load(), Duration::from_secs(10)))
+        .await
+        .unwrap();
+}
