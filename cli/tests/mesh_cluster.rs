@@ -308,7 +308,9 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     // kill -9 a prefill node: it leaves routing within the lease TTL, requests keep working.
     prefill[0].child.kill().unwrap();
     prefill[0].child.wait().unwrap();
-    let long_ids: Vec<usize> = (100..124).filter(|i: &usize| !i.is_multiple_of(3)).collect();
+    let long_ids: Vec<usize> = (100..124)
+        .filter(|i: &usize| !i.is_multiple_of(3))
+        .collect();
     let during = run_requests(router_addr, &long_ids, 4);
     assert!(during.iter().all(|t| !t.is_empty()));
     let gone = rt.block_on(await_membership(&discovery, 1, 2, LEASE_TTL * 3));
@@ -320,7 +322,9 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     // cached and would not ask for a prefill).
     prefill[0].restart();
     rt.block_on(await_membership(&discovery, 2, 2, START_TIMEOUT));
-    let new_ids: Vec<usize> = (124..148).filter(|i: &usize| !i.is_multiple_of(3)).collect();
+    let new_ids: Vec<usize> = (124..148)
+        .filter(|i: &usize| !i.is_multiple_of(3))
+        .collect();
     let again = run_requests(router_addr, &new_ids, 4);
     assert_eq!(again, run_requests(serve_addr, &new_ids, 4));
     let served = rt.block_on(requests_served(
