@@ -25,8 +25,11 @@ pub enum TlsConfig {
 }
 
 /// Settings of a [`QuicTransport`](super::QuicTransport). The defaults are tuned for
-/// megabyte chunks: windows big enough for several gigabytes per second at sub-millisecond
-/// RTTs, and the largest datagrams a loopback path carries.
+/// megabyte chunks inside a data centre: flow-control windows that cover several GB/s at
+/// sub-millisecond RTTs yet fit the UDP socket buffer (so a slow receiver stalls its sender
+/// instead of dropping datagrams), and the largest datagrams a loopback path carries. Raise
+/// the windows together with `socket_buffer_bytes` (and the kernel's rmem_max) for long
+/// fat paths.
 #[derive(Clone, Debug)]
 pub struct QuicConfig {
     /// UDP address to listen on (port 0: any free port); also the source of outbound traffic.
@@ -46,10 +49,12 @@ pub struct QuicConfig {
     pub receive_window: u64,
     /// Unacknowledged bytes a sender keeps per connection.
     pub send_window: u64,
-    /// First datagram size to peers on loopback addresses (loopback's MTU is 65536);
-    /// peers elsewhere start at QUIC's safe 1200 bytes and discover their path MTU.
+    /// Datagram size to peers on loopback addresses (loopback's MTU is 65536).
     pub loopback_mtu: u16,
-    /// Largest datagram this endpoint accepts and MTU discovery probes up to.
+    /// Peers elsewhere start at QUIC's safe 1200 bytes and MTU discovery probes up to this
+    /// (1452: Ethernet; raise for jumbo frames).
+    pub remote_max_mtu: u16,
+    /// Largest datagram this endpoint accepts.
     pub max_udp_payload: u16,
     /// SO_SNDBUF / SO_RCVBUF requested for the UDP socket (the kernel may cap it).
     pub socket_buffer_bytes: usize,
@@ -70,10 +75,11 @@ impl Default for QuicConfig {
             queue_chunks: 256,
             limits: CodecLimits::default(),
             runtime_threads: 2,
-            stream_receive_window: 16 << 20,
-            receive_window: 64 << 20,
-            send_window: 64 << 20,
+            stream_receive_window: 4 << 20,
+            receive_window: 8 << 20,
+            send_window: 16 << 20,
             loopback_mtu: 65_000,
+            remote_max_mtu: 1452,
             max_udp_payload: 65_000,
             socket_buffer_bytes: 8 << 20,
             stream_idle_timeout: Duration::from_secs(30),

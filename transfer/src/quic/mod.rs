@@ -70,17 +70,18 @@ impl QuicTransport {
         let server_crypto =
             QuicServerConfig::try_from(tls.server).map_err(|e| QuicError::Config(e.to_string()))?;
         let mut server = ServerConfig::with_crypto(Arc::new(server_crypto));
-        server.transport_config(Arc::new(transport_config(&config, 1200)?));
+        // Receivers mostly send acknowledgements: small datagrams.
+        server.transport_config(Arc::new(transport_config(&config, 1200, 1452)?));
         let client_crypto = Arc::new(
             QuicClientConfig::try_from(tls.client).map_err(|e| QuicError::Config(e.to_string()))?,
         );
-        let client = |mtu| -> Result<ClientConfig, QuicError> {
+        let client = |initial_mtu, max_mtu| -> Result<ClientConfig, QuicError> {
             let mut c = ClientConfig::new(client_crypto.clone());
-            c.transport_config(Arc::new(transport_config(&config, mtu)?));
+            c.transport_config(Arc::new(transport_config(&config, initial_mtu, max_mtu)?));
             Ok(c)
         };
-        let loopback_client = client(config.loopback_mtu)?;
-        let remote_client = client(1200)?;
+        let loopback_client = client(config.loopback_mtu, config.loopback_mtu)?;
+        let remote_client = client(1200, config.remote_max_mtu)?;
 
         let socket = bind_udp(&config)?;
         let mut endpoint_config = EndpointConfig::default();
@@ -223,10 +224,21 @@ async fn reap_idle_streams(outbound: std::sync::Weak<Outbound>, idle: Duration) 
     }
 }
 
-fn transport_config(config: &QuicConfig, initial_mtu: u16) -> Result<TransportConfig, QuicError> {
+/// quinn sends at most this many datagrams in one GSO batch (quinn's MAX_TRANSMIT_SEGMENTS).
+const GSO_BATCH: usize = 10;
+
+/// Transport parameters for connections whose datagrams start at `initial_mtu` and may grow
+/// to `max_mtu` by MTU discovery.
+fn transport_config(
+    config: &QuicConfig,
+    initial_mtu: u16,
+    max_mtu: u16,
+) -> Result<TransportConfig, QuicError> {
     let varint = |what: &str, v: u64| {
         VarInt::from_u64(v).map_err(|_| QuicError::Config(format!("{what} {v} is too large")))
     };
+    let max_mtu = max_mtu.clamp(1200, config.max_udp_payload);
+    let initial_mtu = initial_mtu.clamp(1200, max_mtu);
     let mut t = TransportConfig::default();
     t.stream_receive_window(varint(
         "stream_receive_window",
@@ -241,16 +253,20 @@ fn transport_config(config: &QuicConfig, initial_mtu: u16) -> Result<TransportCo
             .map_err(|_| QuicError::Config("connection_idle_timeout is too large".into()))?,
     ))
     .keep_alive_interval(Some(config.connection_idle_timeout / 3))
-    .initial_mtu(initial_mtu.min(config.max_udp_payload));
+    .initial_mtu(initial_mtu)
+    // A GSO batch is one UDP send of at most 64 KiB; quinn-udp silently drops a larger one
+    // (EMSGSIZE), which looks like loss and sends black-hole detection down to 1200 bytes.
+    // Large datagrams need no batching anyway.
+    .enable_segmentation_offload(usize::from(max_mtu) * GSO_BATCH <= 65_000);
     // quinn's default first congestion window (14720 bytes) is smaller than one large
     // loopback datagram and would stall the handshake; RFC 9002's formula scales it.
-    let mtu = u64::from(initial_mtu.min(config.max_udp_payload).max(1200));
+    let mtu = u64::from(initial_mtu);
     let mut cubic = quinn::congestion::CubicConfig::default();
     cubic.initial_window((10 * mtu).min((2 * mtu).max(14_720)));
     t.congestion_controller_factory(Arc::new(cubic));
-    let mut mtu = MtuDiscoveryConfig::default();
-    mtu.upper_bound(config.max_udp_payload);
-    t.mtu_discovery_config(Some(mtu));
+    let mut mtud = MtuDiscoveryConfig::default();
+    mtud.upper_bound(max_mtu);
+    t.mtu_discovery_config(Some(mtud));
     Ok(t)
 }
 
