@@ -12,7 +12,7 @@ pub mod router;
 use anyhow::{Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
-use kvmesh_common::{LoadReport, NodeId, NodeInfo};
+use kvmesh_common::{NodeId, NodeInfo};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, NodeLease};
 use kvmesh_transfer::{QuicConfig, TlsConfig};
@@ -102,14 +102,6 @@ impl MeshArgs {
     }
 }
 
-pub fn load_report(load: WorkerLoad) -> LoadReport {
-    LoadReport {
-        running: load.running,
-        waiting: load.waiting,
-        kv_blocks_used: load.kv_blocks_used,
-    }
-}
-
 /// Registers the node, then reports its load every `interval` until a signal arrives or
 /// `draining()` turns true; then revokes the lease (leaving routing at once).
 pub async fn serve_lease(
@@ -132,7 +124,7 @@ pub async fn serve_lease(
         tokio::select! {
             () = &mut signal => break,
             _ = tick.tick() => {
-                lease.report_load(load_report(load()));
+                lease.report_load(load().into());
                 if draining() {
                     tracing::info!("drain requested");
                     break;
@@ -145,6 +137,37 @@ pub async fn serve_lease(
     }
     tracing::info!(%node, "left the mesh; draining");
     Ok(())
+}
+
+/// A worker as the node process drives it.
+pub trait NodeWorker: Send + 'static {
+    fn load(&self) -> WorkerLoad;
+    fn is_draining(&self) -> bool;
+    /// Stops taking requests and waits until those accepted are done (blocking).
+    fn drain_and_join(self);
+}
+
+/// The life of a node: serves `routes` (gRPC) on `--listen`, registers `info`, reports load
+/// until a signal or a `Drain` RPC, leaves the mesh, drains the worker, stops the server.
+pub async fn run_node(
+    args: &MeshArgs,
+    discovery: &EtcdDiscovery,
+    routes: tonic::service::Routes,
+    info: NodeInfo,
+    worker: impl NodeWorker,
+) -> Result<()> {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .add_routes(routes)
+        .serve_with_shutdown(args.listen, async {
+            let _ = stopped.await;
+        });
+    let server = tokio::spawn(server);
+    tracing::info!(node = %info.node_id, role = info.role.as_str(), listen = %args.listen, "serving");
+    serve_lease(discovery, info, || worker.load(), || worker.is_draining()).await?;
+    tokio::task::spawn_blocking(move || worker.drain_and_join()).await?;
+    let _ = stop.send(());
+    server.await?.context("gRPC server")
 }
 
 /// The async runtime of a node process (its compute runs on its own threads).

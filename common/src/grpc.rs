@@ -310,6 +310,21 @@ impl TryFrom<pb::GenerateEvent> for GenerateEvent {
     }
 }
 
+/// A node's answer to `Health`.
+pub fn health_reply(
+    node: NodeId,
+    serving: bool,
+    load: LoadReport,
+    requests_total: u64,
+) -> pb::HealthReply {
+    pb::HealthReply {
+        node_id: node.0,
+        serving,
+        load: Some((&load).into()),
+        requests_total,
+    }
+}
+
 impl From<&LoadReport> for pb::LoadReport {
     fn from(l: &LoadReport) -> Self {
         pb::LoadReport {

@@ -150,17 +150,13 @@ impl pb::decode_server::Decode for DecodeService {
         &self,
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthReply>, Status> {
-        let load = self.handle.load();
-        Ok(Response::new(pb::HealthReply {
-            node_id: self.handle.node_id().0,
-            serving: !self.handle.is_draining(),
-            load: Some(pb::LoadReport {
-                running: load.running as u64,
-                waiting: load.waiting as u64,
-                kv_blocks_used: load.kv_blocks_used as u64,
-            }),
-            requests_total: self.accepted.load(Ordering::Relaxed),
-        }))
+        let h = &self.handle;
+        Ok(Response::new(grpc::health_reply(
+            h.node_id(),
+            !h.is_draining(),
+            h.load().into(),
+            self.accepted.load(Ordering::Relaxed),
+        )))
     }
 
     async fn drain(

@@ -24,6 +24,17 @@ impl WorkerLoad {
     }
 }
 
+impl From<WorkerLoad> for kvmesh_common::LoadReport {
+    /// What a node publishes to discovery (the pool size is in its `NodeInfo`).
+    fn from(l: WorkerLoad) -> Self {
+        kvmesh_common::LoadReport {
+            running: l.running,
+            waiting: l.waiting,
+            kv_blocks_used: l.kv_blocks_used,
+        }
+    }
+}
+
 /// Where the engine thread publishes its [`WorkerLoad`]; each field is read atomically, the
 /// snapshot as a whole may mix two publications.
 #[derive(Debug, Default)]

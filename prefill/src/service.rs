@@ -2,7 +2,7 @@
 
 use crate::wire;
 use crate::worker::PrefillHandle;
-use kvmesh_common::grpc::pb;
+use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::NodeId;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,20 +31,6 @@ impl PrefillService {
 
     pub fn into_server(self) -> pb::prefill_server::PrefillServer<Self> {
         pb::prefill_server::PrefillServer::new(self)
-    }
-}
-
-fn health(handle: &PrefillHandle, accepted: &AtomicU64) -> pb::HealthReply {
-    let load = handle.load();
-    pb::HealthReply {
-        node_id: handle.node_id().0,
-        serving: !handle.is_draining(),
-        load: Some(pb::LoadReport {
-            running: load.running as u64,
-            waiting: load.waiting as u64,
-            kv_blocks_used: load.kv_blocks_used as u64,
-        }),
-        requests_total: accepted.load(Ordering::Relaxed),
     }
 }
 
@@ -91,7 +77,13 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthReply>, Status> {
-        Ok(Response::new(health(&self.handle, &self.accepted)))
+        let h = &self.handle;
+        Ok(Response::new(grpc::health_reply(
+            h.node_id(),
+            !h.is_draining(),
+            h.load().into(),
+            self.accepted.load(Ordering::Relaxed),
+        )))
     }
 
     async fn drain(

@@ -2,7 +2,7 @@
 //! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
 //! continuous batching and streams tokens back.
 
-use super::{runtime, serve_lease, MeshArgs};
+use super::{run_node, runtime, MeshArgs, NodeWorker};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -56,22 +56,8 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         let discovery = args.mesh.connect().await?;
         let prefill = Arc::new(PrefillDirectory::new(advertise, Duration::from_secs(1)));
         forget_departed_prefill_nodes(&discovery, prefill.clone());
-        let service = DecodeService::new(handle.clone(), prefill);
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tonic::transport::Server::builder()
-            .add_service(service.into_server())
-            .serve_with_shutdown(args.mesh.listen, async {
-                let _ = stopped.await;
-            });
-        let server = tokio::spawn(server);
-        tracing::info!(%node_id, listen = %args.mesh.listen, "decode node serving");
-        let h = handle.clone();
-        serve_lease(&discovery, info, || h.load(), || h.is_draining()).await?;
-        handle.drain();
-        tokio::task::spawn_blocking(move || worker.join()).await?;
-        let _ = stop.send(());
-        server.await?.context("gRPC server")?;
-        anyhow::Ok(())
+        let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server());
+        run_node(&args.mesh, &discovery, routes, info, worker).await
     })?;
     tracing::info!("stopped");
     Ok(())
@@ -94,4 +80,19 @@ fn forget_departed_prefill_nodes(
             dir.retain(&alive);
         }
     });
+}
+
+impl NodeWorker for DecodeWorker {
+    fn load(&self) -> kvmesh_engine::worker_load::WorkerLoad {
+        self.handle().load()
+    }
+
+    fn is_draining(&self) -> bool {
+        self.handle().is_draining()
+    }
+
+    fn drain_and_join(self) {
+        self.handle().drain();
+        self.join();
+    }
 }

@@ -1,7 +1,7 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
 //! their KV over QUIC to the decode node that asked.
 
-use super::{runtime, serve_lease, MeshArgs};
+use super::{run_node, runtime, MeshArgs, NodeWorker};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -51,22 +51,24 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tonic::transport::Server::builder()
-            .add_service(service.into_server())
-            .serve_with_shutdown(args.mesh.listen, async {
-                let _ = stopped.await;
-            });
-        let server = tokio::spawn(server);
-        tracing::info!(%node_id, listen = %args.mesh.listen, "prefill node serving");
-        let h = handle.clone();
-        serve_lease(&discovery, info, || h.load(), || h.is_draining()).await?;
-        handle.drain();
-        tokio::task::spawn_blocking(move || worker.join()).await?;
-        let _ = stop.send(());
-        server.await?.context("gRPC server")?;
-        anyhow::Ok(())
+        let routes = tonic::service::Routes::new(service.into_server());
+        run_node(&args.mesh, &discovery, routes, info, worker).await
     })?;
     tracing::info!("stopped");
     Ok(())
+}
+
+impl NodeWorker for PrefillWorker {
+    fn load(&self) -> kvmesh_engine::worker_load::WorkerLoad {
+        self.handle().load()
+    }
+
+    fn is_draining(&self) -> bool {
+        self.handle().is_draining()
+    }
+
+    fn drain_and_join(self) {
+        self.handle().drain();
+        self.join();
+    }
 }

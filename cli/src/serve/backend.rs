@@ -2,7 +2,7 @@
 //! discovery, refreshes their load on each request and routes with the router's policy.
 
 use kvmesh_common::WorkerError;
-use kvmesh_common::{GenerateEvent, GenerateRequest, LoadReport, NodeId, NodeInfo, NodeRole};
+use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeHandle, LocalMesh};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
@@ -17,14 +17,6 @@ pub struct MeshBackend {
     decode: HashMap<NodeId, DecodeHandle>,
     prefill: HashMap<NodeId, PrefillHandle>,
     ready: AtomicBool,
-}
-
-fn report(load: WorkerLoad) -> LoadReport {
-    LoadReport {
-        running: load.running,
-        waiting: load.waiting,
-        kv_blocks_used: load.kv_blocks_used,
-    }
 }
 
 impl MeshBackend {
@@ -79,7 +71,7 @@ impl MeshBackend {
         };
         for (id, load) in loads {
             // Registered in `new` and never removed while the backend lives.
-            let _ = self.discovery.report_load(id, report(load));
+            let _ = self.discovery.report_load(id, load.into());
         }
         least_loaded(&self.discovery.nodes(role))
     }
