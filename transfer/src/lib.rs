@@ -6,23 +6,31 @@
 //!   payload bytes in the *transfer layout* (per layer, per block: K then V, each
 //!   `[num_kv_heads, block_size, head_dim]` little-endian f16). The engine's runners produce
 //!   and consume that layout (`kvmesh_engine::kv_blocks`); this crate checks sizes and
-//!   checksums and never looks inside. The versioned wire framing (and its fuzzing) comes with
-//!   the cross-host transports; the header holds everything it will need.
+//!   checksums and never looks inside.
+//! - [`codec`]: the versioned wire format, sans-IO (bytes in, verified chunks out), bounded
+//!   before it allocates; property-tested here and fuzzed under `transfer/fuzz`.
 //! - [`Transport`]: send a chunk to a node, with backpressure; receive the chunks addressed to
-//!   this node on a queue. [`InProcessTransport`] connects the workers of one process (`kvmesh
-//!   serve`, tests); QUIC and RDMA implementations come with the multi-process mesh.
+//!   this node on a queue; end a transfer. [`InProcessTransport`] connects the workers of one
+//!   process (`kvmesh serve`, tests); [`QuicTransport`] (quinn, rustls on ring) connects
+//!   processes and hosts; [`RdmaTransport`] (feature `rdma`) writes one-sided into the
+//!   receiver's registered memory. [`select`] picks RDMA where it can, else QUIC.
 //!
-//! A receiver verifies every chunk (`KvChunk::verify`) before using it, and never decodes on
-//! partial or corrupt KV: a failed transfer is recomputed.
+//! A receiver verifies every chunk (`KvChunk::verify`; the network transports do it in the
+//! codec) before using it, and never decodes on partial or corrupt KV: a failed transfer is
+//! recomputed.
 
 mod chunk;
 pub mod codec;
 mod in_process;
 pub mod quic;
+pub mod rdma;
+mod select;
 mod transport;
 
 pub use chunk::{BlockShape, ChunkError, KvChunk, KvChunkHeader, KvDtype};
 pub use crossbeam_channel;
 pub use in_process::InProcessTransport;
 pub use quic::{QuicConfig, QuicError, QuicTransport, TlsConfig};
+pub use rdma::{RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion, RdmaTransport};
+pub use select::{select, NetworkTransport, TransportKind};
 pub use transport::{KvReceiver, Transport, TransportError};

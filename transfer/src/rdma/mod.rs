@@ -1,0 +1,100 @@
+//! KV transfer by one-sided RDMA writes (ibverbs, cargo feature `rdma`).
+//!
+//! Each pair of nodes shares one reliable-connected queue pair, and each side registers a
+//! receive ring for the other. The control plane carries the [`RdmaPeerInfo`] of both sides
+//! (`prepare_peer` on each, then `connect_peer` with the other's). A sender encodes every
+//! chunk as a self-contained codec stream (preamble + one frame), writes it straight into
+//! the receiver's ring with RDMA WRITE_WITH_IMM (the immediate carries its length), and the
+//! receiver, woken by that completion, decodes and verifies it exactly as the QUIC transport
+//! does, queues the chunk, and hands the ring space back with a zero-length SEND_WITH_IMM
+//! (the immediate carries the bytes freed). Both sides place messages by the same rule, so
+//! offsets never travel: a message goes at the ring's head, or at its start when it would
+//! run past the end.
+//!
+//! Without the feature, or on a machine without an RDMA device, [`RdmaTransport::open`]
+//! says so and the node uses QUIC (see [`select`](crate::select)).
+
+#[cfg(feature = "rdma")]
+mod verbs;
+#[cfg(feature = "rdma")]
+pub use verbs::RdmaTransport;
+
+#[cfg(not(feature = "rdma"))]
+mod stub;
+#[cfg(not(feature = "rdma"))]
+pub use stub::RdmaTransport;
+
+use crate::codec::CodecLimits;
+use kvmesh_common::NodeId;
+use serde::{Deserialize, Serialize};
+
+/// A registered memory region a peer may write into.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaRegion {
+    pub addr: u64,
+    pub rkey: u32,
+    pub len: u64,
+}
+
+/// The address of a queue pair (InfiniBand LID, or RoCE GID).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaEndpoint {
+    pub qp_num: u32,
+    pub lid: u16,
+    pub gid: [u8; 16],
+    /// First packet sequence number this side sends with.
+    pub psn: u32,
+}
+
+/// What one node tells another (through the control plane) to receive its KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaPeerInfo {
+    pub endpoint: RdmaEndpoint,
+    /// The ring the other node writes into.
+    pub region: RdmaRegion,
+}
+
+#[derive(Clone, Debug)]
+pub struct RdmaConfig {
+    /// Device name (`mlx5_0`); the first device when `None`.
+    pub device: Option<String>,
+    /// Physical port (from 1).
+    pub port: u8,
+    /// GID table index for RoCE (global routing); `None` for InfiniBand LID routing.
+    pub gid_index: Option<u8>,
+    /// Bytes of the receive ring registered per peer; bounds one message (chunk + headers).
+    pub ring_bytes: usize,
+    /// Chunks held per bound node before the completion poller waits (backpressure).
+    pub queue_chunks: usize,
+    pub limits: CodecLimits,
+}
+
+impl Default for RdmaConfig {
+    fn default() -> Self {
+        RdmaConfig {
+            device: None,
+            port: 1,
+            gid_index: None,
+            ring_bytes: 128 << 20,
+            queue_chunks: 256,
+            limits: CodecLimits::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RdmaError {
+    #[error("RDMA support is not compiled in (build with feature `rdma`); falling back to QUIC")]
+    NotCompiled,
+    #[error("no RDMA device found ({0}); falling back to QUIC")]
+    NoDevice(String),
+    #[error("RDMA {op} failed: {source}")]
+    Verbs {
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("no queue pair prepared for node {0}: call prepare_peer first")]
+    NotPrepared(NodeId),
+    #[error("invalid setting: {0}")]
+    Config(String),
+}
