@@ -1,6 +1,7 @@
 //! A decode worker's own settings (its engine is configured where it is built).
 
 use kvmesh_common::NodeId;
+use kvmesh_engine::kv_events::KvEventSink;
 use std::time::Duration;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,6 +21,8 @@ pub struct DecodeConfig {
     /// from each KV chunk that arrives) before its blocks are released and the prompt is
     /// prefilled here.
     pub remote_prefill_timeout: Duration,
+    /// Where this node announces its prefix-cache changes (none: not announced).
+    pub kv_events: Option<KvEventSink>,
 }
 
 impl DecodeConfig {
@@ -29,6 +32,7 @@ impl DecodeConfig {
             local_prefill_max_tokens: 256,
             max_queued_requests: 256,
             remote_prefill_timeout: Duration::from_secs(10),
+            kv_events: None,
         }
     }
 }

@@ -186,9 +186,10 @@ impl DecodeWorker {
     /// starts the thread.
     pub fn spawn<R: ModelRunner + 'static>(
         config: DecodeConfig,
-        engine: LlmEngine<R>,
+        mut engine: LlmEngine<R>,
         transport: Arc<dyn Transport>,
     ) -> Result<DecodeWorker, DecodeError> {
+        engine.set_record_kv_events(config.kv_events.is_some());
         let sc = engine.scheduler().config();
         let limits = Limits {
             max_model_len: sc.max_model_len,
@@ -767,6 +768,12 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn publish_load(&mut self) {
+        if let Some(sink) = &self.config.kv_events {
+            let events = self.engine.drain_kv_events();
+            if !events.is_empty() {
+                sink.send(self.config.node_id, events);
+            }
+        }
         let s = self.engine.scheduler();
         let load = WorkerLoad {
             running: s.num_running() + s.num_awaiting_kv(),

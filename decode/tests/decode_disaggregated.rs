@@ -305,3 +305,32 @@ fn a_local_mesh_serves_through_its_handles() {
     mesh.shutdown();
     assert!(decode[0].generate(requests[0].clone(), None).is_err());
 }
+
+#[test]
+fn a_worker_announces_the_prefixes_it_caches() {
+    use kvmesh_common::{BlockHasher, KvEvent};
+    use kvmesh_engine::kv_events::KvEventSink;
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let mut config = DecodeConfig::new(NodeId(0x2ff));
+    config.kv_events = Some(KvEventSink::new(move |node, events| {
+        let _ = tx.send((node, events));
+    }));
+    let worker =
+        DecodeWorker::spawn(config, engine(), Arc::new(InProcessTransport::new(16))).unwrap();
+    let req = request(51, prompt(51, 40), 4);
+    collect(worker.handle().generate(req.clone(), None).unwrap());
+    let hasher = BlockHasher::new(loaded().fingerprint, engine_config().block_size);
+    let mut missing = hasher.sequence_hashes(&req.prompt);
+    assert_eq!(missing.len(), 2, "two full blocks in a 40-token prompt");
+    while !missing.is_empty() {
+        let (node, events) = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the prompt's blocks are announced");
+        assert_eq!(node, NodeId(0x2ff));
+        for e in events {
+            if let KvEvent::Stored(h) = e {
+                missing.retain(|m| *m != h);
+            }
+        }
+    }
+}

@@ -180,6 +180,16 @@ impl<R: ModelRunner> LlmEngine<R> {
         &self.runner
     }
 
+    /// Starts or stops recording prefix-cache changes (off by default).
+    pub fn set_record_kv_events(&mut self, on: bool) {
+        self.scheduler.set_record_kv_events(on);
+    }
+
+    /// Prefix-cache changes since the last call.
+    pub fn drain_kv_events(&mut self) -> Vec<kvmesh_common::KvEvent> {
+        self.scheduler.drain_kv_events()
+    }
+
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
     }

@@ -7,6 +7,7 @@ use crate::request::{
 use crate::PrefillReply;
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use kvmesh_common::{NodeId, RequestId};
+use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
@@ -28,6 +29,8 @@ pub struct PrefillConfig {
     /// How long one chunk may wait for room in the destination's queue before the transfer
     /// counts as failed.
     pub send_timeout: Duration,
+    /// Where this node announces its prefix-cache changes (none: not announced).
+    pub kv_events: Option<KvEventSink>,
 }
 
 impl PrefillConfig {
@@ -36,6 +39,7 @@ impl PrefillConfig {
             node_id,
             max_queued_requests: 256,
             send_timeout: Duration::from_secs(5),
+            kv_events: None,
         }
     }
 }
@@ -136,9 +140,10 @@ impl PrefillWorker {
     /// the decode workers'.
     pub fn spawn<R: ModelRunner + 'static>(
         config: PrefillConfig,
-        engine: LlmEngine<R>,
+        mut engine: LlmEngine<R>,
         transport: Arc<dyn Transport>,
     ) -> std::io::Result<PrefillWorker> {
+        engine.set_record_kv_events(config.kv_events.is_some());
         // The inbox is far larger than the queue bound, so a `try_send` fails only when the
         // thread is gone.
         let (tx, rx) =
@@ -433,6 +438,12 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn publish_load(&mut self) {
+        if let Some(sink) = &self.config.kv_events {
+            let events = self.engine.drain_kv_events();
+            if !events.is_empty() {
+                sink.send(self.config.node_id, events);
+            }
+        }
         let s = self.engine.scheduler();
         let load = WorkerLoad {
             running: s.num_running() + s.num_awaiting_kv(),
