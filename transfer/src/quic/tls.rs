@@ -18,7 +18,13 @@ pub(super) struct TlsPair {
 }
 
 pub(super) fn build(tls: &TlsConfig, server_name: &str) -> Result<TlsPair, QuicError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    // AES-128-GCM first: QUIC encrypts every packet with the negotiated suite, and it is
+    // the cheapest per byte (fewer AES rounds than AES-256) on CPUs with AES instructions.
+    let mut provider = rustls::crypto::ring::default_provider();
+    provider
+        .cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    let provider = Arc::new(provider);
     let versions = [&rustls::version::TLS13];
     let mut pair = match tls {
         TlsConfig::SelfSigned => {
