@@ -305,3 +305,86 @@ proptest! {
         }
     }
 }
+
+/// A stream whose only frame header is `header` (checksummed, as a hostile peer would).
+fn with_header(header: FrameHeader) -> Vec<u8> {
+    let mut out = Vec::new();
+    Preamble {
+        dest: DEST,
+        request: REQ,
+    }
+    .write(&mut out);
+    header.write(&mut out);
+    out
+}
+
+#[test]
+fn inconsistent_headers_are_invalid_fields() {
+    let good = FrameHeader {
+        seq: 0,
+        first_layer: 0,
+        num_layers: 1,
+        num_blocks: 1,
+        shape: shape(),
+        payload_len: 256,
+        payload_checksum: 0,
+        blocks_checksum: 0,
+    };
+    let cases = [
+        (
+            FrameHeader {
+                num_layers: 0,
+                ..good
+            },
+            "num_layers (zero)",
+        ),
+        (
+            FrameHeader {
+                num_blocks: 0,
+                ..good
+            },
+            "num_blocks (zero)",
+        ),
+        (
+            FrameHeader {
+                payload_len: 255,
+                ..good
+            },
+            "payload_len (does not match the shape)",
+        ),
+        (
+            FrameHeader {
+                first_layer: u32::MAX,
+                ..good
+            },
+            "layer range (overflows)",
+        ),
+        (
+            FrameHeader {
+                shape: BlockShape {
+                    head_dim: 0,
+                    ..shape()
+                },
+                payload_len: 0,
+                ..good
+            },
+            "shape (zero dimension)",
+        ),
+    ];
+    for (header, field) in cases {
+        let mut dec = FrameDecoder::default();
+        dec.push(&with_header(header));
+        assert_eq!(dec.next_chunk(), Err(CodecError::InvalidField(field)));
+    }
+    // An unknown dtype or reserved bits, behind a correct header checksum.
+    for (at, field) in [(16, "dtype"), (18, "reserved header bytes")] {
+        let mut bytes = with_header(good);
+        let h = PREAMBLE_LEN;
+        bytes[h + at] = 9;
+        let sum = xxh3_64_with_seed(&bytes[h..h + 56], HEADER_SEED);
+        bytes[h + 56..h + 64].copy_from_slice(&sum.to_le_bytes());
+        let mut dec = FrameDecoder::default();
+        dec.push(&bytes);
+        assert_eq!(dec.next_chunk(), Err(CodecError::InvalidField(field)));
+    }
+}
