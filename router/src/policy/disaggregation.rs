@@ -1,0 +1,99 @@
+//! Conditional disaggregation: whether a prompt is worth a prefill node. A short uncached
+//! part prefills on the decode node faster than the KV could be shipped, and queuing behind
+//! busy prefill nodes costs more time than prefilling locally.
+
+use crate::ConfigError;
+use kvmesh_common::NodeId;
+use kvmesh_kvstore::NodeEntry;
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DisaggConfig {
+    /// Prompts with at most this many tokens not cached on the decode node prefill there.
+    pub local_prefill_max_tokens: usize,
+    /// A prefill node with this many requests queued (waiting + this router's in flight)
+    /// counts as busy. At least 1.
+    pub prefill_busy_threshold: usize,
+}
+
+impl Default for DisaggConfig {
+    fn default() -> Self {
+        DisaggConfig {
+            local_prefill_max_tokens: 256,
+            prefill_busy_threshold: 8,
+        }
+    }
+}
+
+impl DisaggConfig {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.prefill_busy_threshold == 0 {
+            return Err(ConfigError {
+                field: "disaggregation.prefill_busy_threshold",
+                reason: "must be at least 1",
+            });
+        }
+        Ok(())
+    }
+}
+
+/// True when the request should prefill on a prefill node: the part of the prompt the
+/// chosen decode node has not cached (`uncached_tokens`) is long, and some prefill node is
+/// not busy. `in_flight` counts requests this router sent to a node that its last report
+/// may not show yet (missing = 0).
+pub fn should_prefill_remotely(
+    uncached_tokens: usize,
+    prefill_nodes: &[NodeEntry],
+    in_flight: &HashMap<NodeId, usize>,
+    config: &DisaggConfig,
+) -> bool {
+    if uncached_tokens <= config.local_prefill_max_tokens {
+        return false;
+    }
+    prefill_nodes.iter().any(|n| {
+        let queued = n.load.waiting + in_flight.get(&n.info.node_id).copied().unwrap_or(0);
+        queued < config.prefill_busy_threshold
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testing::node;
+
+    fn remote(uncached: usize, nodes: &[NodeEntry], in_flight: &[(u64, usize)]) -> bool {
+        let in_flight = in_flight.iter().map(|&(id, n)| (NodeId(id), n)).collect();
+        should_prefill_remotely(uncached, nodes, &in_flight, &DisaggConfig::default())
+    }
+
+    #[test]
+    fn short_uncached_part_prefills_locally() {
+        let idle = [node(1, 0, 0, 0)];
+        assert!(!remote(0, &idle, &[]));
+        assert!(!remote(256, &idle, &[]));
+        assert!(remote(257, &idle, &[]));
+    }
+
+    #[test]
+    fn local_when_every_prefill_node_is_busy_or_none_exists() {
+        assert!(!remote(4096, &[], &[]));
+        // Running requests are the prefill batch; only the queue behind it counts.
+        let nodes = [node(1, 30, 8, 0), node(2, 4, 7, 0)];
+        assert!(remote(4096, &nodes, &[]));
+        assert!(!remote(4096, &nodes, &[(2, 1)]));
+        assert!(!remote(4096, &[node(1, 0, 9, 0)], &[]));
+    }
+
+    #[test]
+    fn threshold_must_be_positive() {
+        DisaggConfig::default().validate().unwrap();
+        let c = DisaggConfig {
+            prefill_busy_threshold: 0,
+            ..DisaggConfig::default()
+        };
+        assert!(c.validate().is_err());
+        assert!(serde_json::from_str::<DisaggConfig>(r#"{"local_prefill_max": 1}"#).is_err());
+    }
+}
