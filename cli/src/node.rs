@@ -15,7 +15,7 @@ use humantime_serde::re::humantime;
 use kvmesh_common::{NodeId, NodeInfo};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, NodeLease};
-use kvmesh_transfer::{QuicConfig, TlsConfig};
+use kvmesh_transfer::{QuicConfig, QuicTransport, RdmaConfig, RdmaError, RdmaTransport, TlsConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -78,7 +78,7 @@ impl MeshArgs {
         }
     }
 
-    /// The KV transport on `listen` (UDP).
+    /// QUIC settings on `listen` (UDP).
     pub fn quic_config(&self, listen: SocketAddr) -> QuicConfig {
         let tls = match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
             (Some(ca), Some(cert), Some(key)) => TlsConfig::Files {
@@ -93,6 +93,24 @@ impl MeshArgs {
             tls,
             ..QuicConfig::default()
         }
+    }
+
+    /// The KV transport on `listen` (UDP). RDMA is probed first so that a node on RDMA
+    /// hardware says at start-up why it does not use it; KV goes over QUIC until the control
+    /// plane exchanges RDMA memory keys between nodes.
+    pub fn kv_transport(&self, listen: SocketAddr) -> Result<QuicTransport> {
+        match RdmaTransport::open(RdmaConfig::default()) {
+            Err(RdmaError::NotCompiled) => {
+                tracing::info!("KV transfer over QUIC (built without the `rdma` feature)")
+            }
+            Err(e) => tracing::warn!("{e}"),
+            Ok(t) => tracing::warn!(
+                device = t.device_name(),
+                "RDMA device found, but nodes do not exchange RDMA memory keys yet; \
+                 KV transfer over QUIC"
+            ),
+        }
+        QuicTransport::start(self.quic_config(listen)).context("starting the QUIC transport")
     }
 
     pub async fn connect(&self) -> Result<EtcdDiscovery> {

@@ -10,7 +10,7 @@ use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_kvstore::Discovery;
-use kvmesh_transfer::{QuicTransport, Transport};
+use kvmesh_transfer::Transport;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,8 +33,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let engine = EngineConfig::default()
         .llama_engine(&loaded)
         .context("building the engine")?;
-    let quic =
-        QuicTransport::start(args.mesh.quic_config(args.mesh.listen)).context("starting QUIC")?;
+    let quic = args.mesh.kv_transport(args.mesh.listen)?;
     let transport: Arc<dyn Transport> = Arc::new(quic);
     let mut config = DecodeConfig::new(node_id);
     if let Some(n) = args.local_prefill_max_tokens {

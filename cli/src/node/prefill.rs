@@ -8,7 +8,7 @@ use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
-use kvmesh_transfer::{QuicTransport, Transport};
+use kvmesh_transfer::Transport;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -29,9 +29,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         .context("building the engine")?;
     // Sends only: any UDP port on the listen address.
     let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
-    let quic = Arc::new(
-        QuicTransport::start(args.mesh.quic_config(quic_listen)).context("starting QUIC")?,
-    );
+    let quic = Arc::new(args.mesh.kv_transport(quic_listen)?);
     let transport: Arc<dyn Transport> = quic.clone();
     let worker = PrefillWorker::spawn(PrefillConfig::new(node_id), engine, transport)
         .context("starting the prefill worker")?;
