@@ -1,5 +1,18 @@
 //! Load generation, trace replay, SLO sweeps and the discrete-event simulator.
 //!
+//! Trace replay: [`trace`] reads a Mooncake trace and scales it to a small model;
+//! [`replay::replay`] sends the requests to a running router, open loop, and reports TTFT,
+//! latency, throughput and the prefix-cache hit rate against the trace's ideal.
+//!
 //! The engine benchmark (`kvmesh bench engine`) lives in the CLI for now; the comparison with
-//! llama.cpp is `bench/engine_vs_llamacpp.sh`. Load generation and trace replay arrive with
-//! `kvmesh serve`.
+//! llama.cpp is `bench/engine_vs_llamacpp.sh`.
+
+pub mod replay;
+pub mod stats;
+pub mod trace;
+
+pub use replay::{replay, ReplayError, ReplayOptions, ReplayReport};
+pub use trace::{
+    ideal_hit_rate, load_trace, read_trace, scale_trace, Pacing, ScaleConfig, ScaledRequest,
+    TraceError, TraceRecord,
+};

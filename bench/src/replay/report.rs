@@ -1,0 +1,290 @@
+//! What a replay measured, summarized.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::client::{Failure, Measured};
+use crate::stats::{percentile, sorted};
+
+/// One request's fate.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    /// It found the concurrency cap full.
+    pub(crate) waited: bool,
+    /// When it ended, from the start of the replay.
+    pub(crate) finished: Duration,
+    pub(crate) result: Result<Measured, Failure>,
+}
+
+/// The client's view of a replay. Times are in seconds; a percentile is `null` when no
+/// request completed.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ReplayReport {
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests whose stream ended with `[DONE]`.
+    pub completed: usize,
+    /// Failed requests by cause: an HTTP status (`"429"`), or `connect`, `http`,
+    /// `timeout`, `stream_error` (an error event mid-stream), `bad_event`, `truncated`.
+    pub errors: BTreeMap<String, usize>,
+    /// The first message seen for each cause in `errors`.
+    pub error_examples: BTreeMap<String, String>,
+    /// Requests that found `max_concurrency` requests in flight and waited.
+    pub waited_for_concurrency: usize,
+    /// How late the latest request left its schedule (the sender's own lag).
+    pub max_send_lateness_s: f64,
+    /// Summed over completed requests that reported usage.
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub output_tokens: u64,
+    /// `cached_tokens / prompt_tokens`: the prefix-cache hit rate the router reported.
+    pub prefix_hit_rate: f64,
+    /// The trace's best case: the fraction of prompt blocks seen in an earlier request.
+    pub ideal_hit_rate: f64,
+    pub ttft_p50_s: Option<f64>,
+    pub ttft_p90_s: Option<f64>,
+    pub ttft_p99_s: Option<f64>,
+    pub e2e_p50_s: Option<f64>,
+    pub e2e_p99_s: Option<f64>,
+    /// Output tokens of completed requests per second of the run.
+    pub output_tokens_per_s: f64,
+    /// Completed requests per second of the run.
+    pub request_rate: f64,
+    /// The schedule's rate: (requests - 1) / (last send time - first send time).
+    pub offered_rate: f64,
+    /// From the start to the end of the last request.
+    pub duration_s: f64,
+}
+
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        0.0
+    }
+}
+
+pub(crate) fn summarize(
+    outcomes: &[Outcome],
+    ideal_hit_rate: f64,
+    offered_span: Duration,
+    max_lateness: Duration,
+) -> ReplayReport {
+    let mut errors = BTreeMap::new();
+    let mut error_examples = BTreeMap::new();
+    let (mut prompt_tokens, mut cached_tokens, mut output_tokens) = (0, 0, 0);
+    let (mut ttfts, mut e2es) = (Vec::new(), Vec::new());
+    for o in outcomes {
+        match &o.result {
+            Ok(m) => {
+                ttfts.extend(m.ttft.map(|t| t.as_secs_f64()));
+                e2es.push(m.e2e.as_secs_f64());
+                output_tokens += m.output_tokens;
+                if let Some((prompt, cached)) = m.usage {
+                    prompt_tokens += prompt;
+                    cached_tokens += cached.min(prompt);
+                }
+            }
+            Err(f) => {
+                *errors.entry(f.label.clone()).or_insert(0) += 1;
+                error_examples
+                    .entry(f.label.clone())
+                    .or_insert_with(|| f.message.clone());
+            }
+        }
+    }
+    let completed = e2es.len();
+    let duration = outcomes
+        .iter()
+        .map(|o| o.finished)
+        .max()
+        .unwrap_or_default()
+        .as_secs_f64();
+    let (ttfts, e2es) = (sorted(ttfts), sorted(e2es));
+    ReplayReport {
+        requests: outcomes.len(),
+        completed,
+        errors,
+        error_examples,
+        waited_for_concurrency: outcomes.iter().filter(|o| o.waited).count(),
+        max_send_lateness_s: max_lateness.as_secs_f64(),
+        prompt_tokens,
+        cached_tokens,
+        output_tokens,
+        prefix_hit_rate: ratio(cached_tokens as f64, prompt_tokens as f64),
+        ideal_hit_rate,
+        ttft_p50_s: percentile(&ttfts, 50.0),
+        ttft_p90_s: percentile(&ttfts, 90.0),
+        ttft_p99_s: percentile(&ttfts, 99.0),
+        e2e_p50_s: percentile(&e2es, 50.0),
+        e2e_p99_s: percentile(&e2es, 99.0),
+        output_tokens_per_s: ratio(output_tokens as f64, duration),
+        request_rate: ratio(completed as f64, duration),
+        offered_rate: ratio(
+            outcomes.len().saturating_sub(1) as f64,
+            offered_span.as_secs_f64(),
+        ),
+        duration_s: duration,
+    }
+}
+
+/// Milliseconds, or `-` for no value.
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |s| format!("{:.1} ms", s * 1000.0))
+}
+
+impl ReplayReport {
+    /// Failed requests, all causes together.
+    pub fn failed(&self) -> usize {
+        self.errors.values().sum()
+    }
+}
+
+/// A two-column table for people.
+impl fmt::Display for ReplayReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rows: Vec<(&str, String)> = vec![
+            (
+                "requests",
+                format!(
+                    "{} sent, {} completed, {} failed",
+                    self.requests,
+                    self.completed,
+                    self.failed()
+                ),
+            ),
+            (
+                "rate",
+                format!(
+                    "{:.2} req/s offered, {:.2} req/s completed",
+                    self.offered_rate, self.request_rate
+                ),
+            ),
+            ("duration", format!("{:.2} s", self.duration_s)),
+            (
+                "TTFT p50 / p90 / p99",
+                format!(
+                    "{} / {} / {}",
+                    ms(self.ttft_p50_s),
+                    ms(self.ttft_p90_s),
+                    ms(self.ttft_p99_s)
+                ),
+            ),
+            (
+                "end-to-end p50 / p99",
+                format!("{} / {}", ms(self.e2e_p50_s), ms(self.e2e_p99_s)),
+            ),
+            (
+                "output",
+                format!(
+                    "{} tokens, {:.1} tok/s",
+                    self.output_tokens, self.output_tokens_per_s
+                ),
+            ),
+            (
+                "prefix hit rate",
+                format!(
+                    "{:.1}% ({} of {} prompt tokens cached; trace ideal {:.1}%)",
+                    self.prefix_hit_rate * 100.0,
+                    self.cached_tokens,
+                    self.prompt_tokens,
+                    self.ideal_hit_rate * 100.0
+                ),
+            ),
+            (
+                "waited for the concurrency cap",
+                self.waited_for_concurrency.to_string(),
+            ),
+            (
+                "max send lateness",
+                format!("{:.1} ms", self.max_send_lateness_s * 1000.0),
+            ),
+        ];
+        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        for (key, value) in rows {
+            writeln!(f, "{key:<width$}  {value}")?;
+        }
+        for (cause, count) in &self.errors {
+            let example = self.error_examples.get(cause).map_or("", String::as_str);
+            let example: String = example.chars().take(120).collect();
+            writeln!(
+                f,
+                "{:<width$}  {count}  {example}",
+                format!("error {cause}")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(ttft_ms: u64, e2e_ms: u64, out: u64, usage: Option<(u64, u64)>) -> Outcome {
+        Outcome {
+            waited: false,
+            finished: Duration::from_millis(e2e_ms),
+            result: Ok(Measured {
+                ttft: Some(Duration::from_millis(ttft_ms)),
+                e2e: Duration::from_millis(e2e_ms),
+                output_tokens: out,
+                usage,
+            }),
+        }
+    }
+
+    #[test]
+    fn summarizes_successes_and_failures() {
+        let outcomes = vec![
+            ok(100, 1000, 10, Some((100, 50))),
+            ok(300, 2000, 30, Some((100, 0))),
+            ok(200, 500, 20, None),
+            Outcome {
+                waited: true,
+                finished: Duration::from_millis(10),
+                result: Err(Failure::new("429", "busy")),
+            },
+            Outcome {
+                waited: false,
+                finished: Duration::from_millis(20),
+                result: Err(Failure::new("429", "still busy")),
+            },
+        ];
+        let r = summarize(&outcomes, 0.25, Duration::from_secs(2), Duration::ZERO);
+        assert_eq!((r.requests, r.completed, r.failed()), (5, 3, 2));
+        assert_eq!(r.errors, BTreeMap::from([("429".to_string(), 2)]));
+        assert_eq!(r.error_examples["429"], "busy");
+        assert_eq!(r.waited_for_concurrency, 1);
+        assert_eq!(
+            (r.prompt_tokens, r.cached_tokens, r.output_tokens),
+            (200, 50, 60)
+        );
+        assert_eq!(r.prefix_hit_rate, 0.25);
+        assert_eq!(r.ttft_p50_s, Some(0.2));
+        assert_eq!(r.e2e_p50_s, Some(1.0));
+        assert_eq!(r.duration_s, 2.0);
+        assert_eq!(r.output_tokens_per_s, 30.0);
+        assert_eq!(r.request_rate, 1.5);
+        assert_eq!(r.offered_rate, 2.0);
+        let table = r.to_string();
+        assert!(table.contains("25.0% (50 of 200"), "{table}");
+        assert!(table.contains("error 429"), "{table}");
+        let json = serde_json::to_value(&r).unwrap();
+        assert_eq!(json["errors"]["429"], 2);
+    }
+
+    #[test]
+    fn nothing_completed() {
+        let r = summarize(&[], 0.0, Duration::ZERO, Duration::ZERO);
+        assert_eq!(r.ttft_p99_s, None);
+        assert_eq!(
+            (r.prefix_hit_rate, r.request_rate, r.offered_rate),
+            (0.0, 0.0, 0.0)
+        );
+        assert!(r.to_string().contains("TTFT p50 / p90 / p99"));
+    }
+}

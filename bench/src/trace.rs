@@ -1,0 +1,498 @@
+//! Mooncake traces (FAST'25) and their scaling to a small model.
+//!
+//! A trace is JSON Lines, one request per line:
+//! `{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [..]}`,
+//! where each hash id names one 512-token block of the prompt and a repeated id is a shared
+//! prefix. Scaling by `s` turns every block into a fixed pseudo-random run of `512 / s` token
+//! ids (the same run wherever the id appears), so prompts shrink by `s` but share exactly
+//! the prefixes the trace shares.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader};
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Tokens behind one hash id in the trace.
+pub const TRACE_BLOCK_TOKENS: u32 = 512;
+
+/// Where the conversation trace lives, relative to the repository root.
+pub const DEFAULT_TRACE_PATH: &str = "../shared/traces/mooncake_conversation_trace.jsonl";
+
+/// A longer line is an error, not a reason to buffer without bound.
+const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Token ids drawn for prompts by default: clear of the special and byte tokens at the low
+/// end of the vocabulary and inside SmolLM2's 49,152.
+pub const DEFAULT_TOKEN_IDS: Range<u32> = 1000..40_000;
+
+/// One line of a trace.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct TraceRecord {
+    /// Arrival time, milliseconds from an arbitrary origin.
+    pub timestamp: u64,
+    pub input_length: u64,
+    pub output_length: u64,
+    /// One id per 512-token block of the prompt; the last block may be partial.
+    pub hash_ids: Vec<u64>,
+}
+
+/// Why a trace could not be read or scaled.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    #[error("opening trace {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("trace line {line}: {source}")]
+    Read { line: usize, source: std::io::Error },
+    #[error("trace line {line}: longer than {max} bytes")]
+    LineTooLong { line: usize, max: usize },
+    #[error("trace line {line}: {message}")]
+    Malformed { line: usize, message: String },
+    #[error("trace line {line}: {reason}")]
+    Invalid { line: usize, reason: String },
+    #[error("the trace holds no requests")]
+    Empty,
+    #[error("scale {0} must divide {TRACE_BLOCK_TOKENS} (1, 2, 4, ... 512)")]
+    BadScale(u32),
+    #[error("{0}")]
+    BadConfig(String),
+}
+
+/// Reads at most `limit` requests (all with `None`) from the trace at `path`.
+pub fn read_trace(path: &Path, limit: Option<usize>) -> Result<Vec<TraceRecord>, TraceError> {
+    let file = File::open(path).map_err(|source| TraceError::Open {
+        path: path.to_owned(),
+        source,
+    })?;
+    parse_trace(BufReader::new(file), limit)
+}
+
+/// Parses at most `limit` requests from JSON Lines; blank lines are skipped, and errors
+/// name the (1-based) line.
+pub fn parse_trace<R: BufRead>(
+    mut reader: R,
+    limit: Option<usize>,
+) -> Result<Vec<TraceRecord>, TraceError> {
+    let limit = limit.unwrap_or(usize::MAX);
+    let mut records = Vec::new();
+    let mut buf = Vec::new();
+    let mut line = 0;
+    while records.len() < limit {
+        line += 1;
+        buf.clear();
+        let read = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64 + 1)
+            .read_until(b'\n', &mut buf)
+            .map_err(|source| TraceError::Read { line, source })?;
+        if read == 0 {
+            break;
+        }
+        if buf.len() > MAX_LINE_BYTES {
+            return Err(TraceError::LineTooLong {
+                line,
+                max: MAX_LINE_BYTES,
+            });
+        }
+        if buf.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let record: TraceRecord =
+            serde_json::from_slice(&buf).map_err(|e| TraceError::Malformed {
+                line,
+                message: e.to_string(),
+            })?;
+        validate(&record).map_err(|reason| TraceError::Invalid { line, reason })?;
+        records.push(record);
+    }
+    Ok(records)
+}
+
+fn validate(r: &TraceRecord) -> Result<(), String> {
+    if r.input_length == 0 {
+        return Err("input_length must be positive".into());
+    }
+    let blocks = r.input_length.div_ceil(u64::from(TRACE_BLOCK_TOKENS));
+    if blocks != r.hash_ids.len() as u64 {
+        return Err(format!(
+            "input_length {} needs {blocks} hash_ids (one per {TRACE_BLOCK_TOKENS} tokens), got {}",
+            r.input_length,
+            r.hash_ids.len()
+        ));
+    }
+    Ok(())
+}
+
+/// How arrival times are compressed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Pacing {
+    /// Every gap between arrivals divided by this factor (1 = the trace's own pace).
+    Speedup(f64),
+    /// Gaps scaled so the requests arrive at this mean rate (per second), keeping the
+    /// trace's burstiness.
+    RequestsPerSecond(f64),
+}
+
+/// How a trace becomes requests for a small model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ScaleConfig {
+    /// Prompt and output lengths are divided by this; must divide 512.
+    pub scale: u32,
+    pub pacing: Pacing,
+    /// Cap on each request's `max_tokens` (after scaling).
+    pub max_output_tokens: u32,
+    /// Prompts longer than this (after scaling) are cut, dropping their trailing blocks.
+    pub max_prompt_tokens: Option<usize>,
+    /// Prompt token ids are drawn from this range.
+    pub token_ids: Range<u32>,
+}
+
+impl Default for ScaleConfig {
+    fn default() -> Self {
+        ScaleConfig {
+            scale: 16,
+            pacing: Pacing::Speedup(1.0),
+            max_output_tokens: 32,
+            max_prompt_tokens: None,
+            token_ids: DEFAULT_TOKEN_IDS,
+        }
+    }
+}
+
+impl ScaleConfig {
+    /// Prompt tokens behind one hash id.
+    pub fn block_tokens(&self) -> u32 {
+        TRACE_BLOCK_TOKENS / self.scale.max(1)
+    }
+
+    fn check(&self) -> Result<(), TraceError> {
+        if self.scale == 0 || !TRACE_BLOCK_TOKENS.is_multiple_of(self.scale) {
+            return Err(TraceError::BadScale(self.scale));
+        }
+        let pace = match self.pacing {
+            Pacing::Speedup(f) | Pacing::RequestsPerSecond(f) => f,
+        };
+        if !(pace.is_finite() && pace > 0.0) {
+            return Err(TraceError::BadConfig(format!(
+                "the pacing ({pace}) must be a positive number"
+            )));
+        }
+        if self.max_output_tokens == 0 {
+            return Err(TraceError::BadConfig(
+                "max_output_tokens must be positive".into(),
+            ));
+        }
+        if self.max_prompt_tokens == Some(0) {
+            return Err(TraceError::BadConfig(
+                "max_prompt_tokens must be positive".into(),
+            ));
+        }
+        if self.token_ids.is_empty() {
+            return Err(TraceError::BadConfig(format!(
+                "the token id range {:?} is empty",
+                self.token_ids
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One request ready to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScaledRequest {
+    /// When to send it, from the start of the replay.
+    pub at: Duration,
+    pub prompt_tokens: Vec<u32>,
+    pub max_tokens: u32,
+    /// The trace's block ids behind the prompt (fewer when `max_prompt_tokens` cut it).
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads at most `limit` requests from `path` and scales them.
+pub fn load_trace(
+    path: &Path,
+    limit: Option<usize>,
+    config: &ScaleConfig,
+) -> Result<Vec<ScaledRequest>, TraceError> {
+    scale_trace(&read_trace(path, limit)?, config)
+}
+
+/// Scales `records` by `config`, in order of arrival.
+pub fn scale_trace(
+    records: &[TraceRecord],
+    config: &ScaleConfig,
+) -> Result<Vec<ScaledRequest>, TraceError> {
+    config.check()?;
+    // Arrival order (stable, so ties keep the trace's order).
+    let mut records: Vec<&TraceRecord> = records.iter().collect();
+    records.sort_by_key(|r| r.timestamp);
+    let (Some(first), Some(last)) = (records.first(), records.last()) else {
+        return Err(TraceError::Empty);
+    };
+    let span_ms = (last.timestamp - first.timestamp) as f64;
+    let block = config.block_tokens() as usize;
+    let scale = u64::from(config.scale);
+    Ok(records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let offset_ms = (r.timestamp - first.timestamp) as f64;
+            let at_s = match config.pacing {
+                Pacing::Speedup(f) => offset_ms / 1000.0 / f,
+                Pacing::RequestsPerSecond(rate) => {
+                    let target_span_s = (records.len() - 1) as f64 / rate;
+                    if span_ms > 0.0 {
+                        offset_ms / span_ms * target_span_s
+                    } else {
+                        i as f64 / rate
+                    }
+                }
+            };
+            let mut len = r.input_length.div_ceil(scale) as usize;
+            if let Some(max) = config.max_prompt_tokens {
+                len = len.min(max);
+            }
+            let hash_ids = r.hash_ids[..len.div_ceil(block)].to_vec();
+            let prompt_tokens = hash_ids
+                .iter()
+                .zip((0..len).step_by(block))
+                .flat_map(|(&id, start)| {
+                    block_token_ids(id, (len - start).min(block), &config.token_ids)
+                })
+                .collect();
+            let max_tokens = r
+                .output_length
+                .div_ceil(scale)
+                .clamp(1, u64::from(config.max_output_tokens)) as u32;
+            ScaledRequest {
+                at: Duration::from_secs_f64(at_s),
+                prompt_tokens,
+                max_tokens,
+                hash_ids,
+            }
+        })
+        .collect())
+}
+
+/// The first `len` token ids of the block named `hash_id`: a fixed pseudo-random sequence
+/// (splitmix64, so it never changes with a dependency's version) drawn from `ids`.
+pub fn block_token_ids(hash_id: u64, len: usize, ids: &Range<u32>) -> impl Iterator<Item = u32> {
+    let span = u64::from(ids.end.saturating_sub(ids.start)).max(1);
+    let start = ids.start;
+    let mut state = hash_id ^ 0x6b76_6d65_7368_0001;
+    (0..len).map(move |_| {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        start + (z % span) as u32
+    })
+}
+
+/// The best prefix-cache hit rate the requests allow: the fraction of prompt blocks whose
+/// hash id appeared in an earlier request (0 when there are no blocks). It counts blocks,
+/// not tokens, so a partial last block weighs as much as a full one.
+pub fn ideal_hit_rate<'a>(requests: impl IntoIterator<Item = &'a ScaledRequest>) -> f64 {
+    let mut seen = std::collections::HashSet::new();
+    let (mut blocks, mut hits) = (0usize, 0usize);
+    for r in requests {
+        blocks += r.hash_ids.len();
+        hits += r.hash_ids.iter().filter(|id| seen.contains(*id)).count();
+        seen.extend(r.hash_ids.iter().copied());
+    }
+    if blocks == 0 {
+        0.0
+    } else {
+        hits as f64 / blocks as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(timestamp: u64, input_length: u64, output_length: u64, ids: &[u64]) -> TraceRecord {
+        TraceRecord {
+            timestamp,
+            input_length,
+            output_length,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    const GOOD: &str = r#"{"timestamp": 0, "input_length": 1000, "output_length": 500, "hash_ids": [0, 1]}
+{"timestamp": 0, "input_length": 600, "output_length": 8, "hash_ids": [0, 2]}
+
+{"timestamp": 3000, "input_length": 1536, "output_length": 100, "hash_ids": [0, 1, 3]}
+"#;
+
+    #[test]
+    fn parses_good_lines_and_skips_blank_ones() {
+        let records = parse_trace(GOOD.as_bytes(), None).unwrap();
+        assert_eq!(
+            records,
+            vec![
+                record(0, 1000, 500, &[0, 1]),
+                record(0, 600, 8, &[0, 2]),
+                record(3000, 1536, 100, &[0, 1, 3]),
+            ]
+        );
+        assert_eq!(parse_trace(GOOD.as_bytes(), Some(2)).unwrap().len(), 2);
+        assert!(parse_trace("".as_bytes(), None).unwrap().is_empty());
+    }
+
+    #[test]
+    fn malformed_lines_are_named() {
+        let text = format!(
+            "{}\n{{\"timestamp\": 1, \"input_length\": \n",
+            GOOD.trim_end()
+        );
+        match parse_trace(text.as_bytes(), None) {
+            Err(TraceError::Malformed { line: 5, message }) => assert!(!message.is_empty()),
+            other => panic!("{other:?}"),
+        }
+        let missing = r#"{"timestamp": 1, "input_length": 10, "hash_ids": [1]}"#;
+        let err = parse_trace(missing.as_bytes(), None).unwrap_err();
+        assert!(
+            matches!(err, TraceError::Malformed { line: 1, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("output_length"), "{err}");
+        let mismatch =
+            r#"{"timestamp": 1, "input_length": 513, "output_length": 1, "hash_ids": [1]}"#;
+        let err = parse_trace(mismatch.as_bytes(), None).unwrap_err();
+        assert!(matches!(err, TraceError::Invalid { line: 1, .. }), "{err}");
+        assert!(err
+            .to_string()
+            .starts_with("trace line 1: input_length 513 needs 2 hash_ids"));
+    }
+
+    #[test]
+    fn overlong_lines_are_refused() {
+        let long = format!("{}\n", " ".repeat(MAX_LINE_BYTES + 10));
+        assert!(matches!(
+            parse_trace(long.as_bytes(), None),
+            Err(TraceError::LineTooLong { line: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn scaling_lengths() {
+        let records = parse_trace(GOOD.as_bytes(), None).unwrap();
+        let config = ScaleConfig::default(); // 32 tokens per block, output <= 32
+        let reqs = scale_trace(&records, &config).unwrap();
+        let lens: Vec<_> = reqs.iter().map(|r| r.prompt_tokens.len()).collect();
+        assert_eq!(lens, [63, 38, 96]); // ceil(1000/16), ceil(600/16), 1536/16
+        let outs: Vec<_> = reqs.iter().map(|r| r.max_tokens).collect();
+        assert_eq!(outs, [32, 1, 7]);
+        let ats: Vec<_> = reqs.iter().map(|r| r.at).collect();
+        assert_eq!(
+            ats,
+            [Duration::ZERO, Duration::ZERO, Duration::from_secs(3)]
+        );
+        assert!(reqs
+            .iter()
+            .flat_map(|r| &r.prompt_tokens)
+            .all(|t| DEFAULT_TOKEN_IDS.contains(t)));
+
+        let cut = ScaleConfig {
+            max_prompt_tokens: Some(40),
+            pacing: Pacing::Speedup(2.0),
+            ..ScaleConfig::default()
+        };
+        let reqs = scale_trace(&records, &cut).unwrap();
+        assert_eq!(reqs[0].prompt_tokens.len(), 40);
+        assert_eq!(reqs[0].hash_ids, [0, 1]);
+        assert_eq!(reqs[1].prompt_tokens.len(), 38);
+        assert_eq!(reqs[2].hash_ids, [0, 1]);
+        assert_eq!(reqs[2].at, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn pacing_by_request_rate_keeps_the_shape() {
+        let records = vec![
+            record(0, 10, 1, &[0]),
+            record(1000, 10, 1, &[1]),
+            record(4000, 10, 1, &[2]),
+        ];
+        let config = ScaleConfig {
+            pacing: Pacing::RequestsPerSecond(2.0),
+            ..ScaleConfig::default()
+        };
+        let ats: Vec<_> = scale_trace(&records, &config)
+            .unwrap()
+            .iter()
+            .map(|r| r.at)
+            .collect();
+        assert_eq!(ats, [0.0, 0.25, 1.0].map(Duration::from_secs_f64));
+        // All at once: spread evenly at the rate.
+        let burst = vec![record(5, 10, 1, &[0]), record(5, 10, 1, &[1])];
+        let ats: Vec<_> = scale_trace(&burst, &config)
+            .unwrap()
+            .iter()
+            .map(|r| r.at)
+            .collect();
+        assert_eq!(ats, [Duration::ZERO, Duration::from_millis(500)]);
+    }
+
+    #[test]
+    fn shared_hash_ids_give_identical_blocks() {
+        let records = parse_trace(GOOD.as_bytes(), None).unwrap();
+        let config = ScaleConfig::default();
+        let a = scale_trace(&records, &config).unwrap();
+        let b = scale_trace(&records, &config).unwrap();
+        assert_eq!(a, b, "scaling is deterministic");
+        // Block 0 is shared by all three prompts, block 1 by the first and third (where
+        // the first cuts it short at 31 tokens).
+        assert_eq!(a[0].prompt_tokens[..32], a[1].prompt_tokens[..32]);
+        assert_eq!(a[0].prompt_tokens[..32], a[2].prompt_tokens[..32]);
+        assert_eq!(a[0].prompt_tokens[32..], a[2].prompt_tokens[32..63]);
+        assert_ne!(a[1].prompt_tokens[32..], a[2].prompt_tokens[32..38]);
+        assert_ne!(a[2].prompt_tokens[32..64], a[2].prompt_tokens[64..]);
+        let first: Vec<u32> = block_token_ids(7, 10, &DEFAULT_TOKEN_IDS).collect();
+        let longer: Vec<u32> = block_token_ids(7, 20, &DEFAULT_TOKEN_IDS).collect();
+        assert_eq!(first, longer[..10]);
+    }
+
+    #[test]
+    fn ideal_hit_rate_counts_repeated_blocks() {
+        let records = parse_trace(GOOD.as_bytes(), None).unwrap();
+        let reqs = scale_trace(&records, &ScaleConfig::default()).unwrap();
+        // Blocks [0 1] [0 2] [0 1 3]: hits 0, 1, 2 of 7.
+        assert!((ideal_hit_rate(&reqs) - 3.0 / 7.0).abs() < 1e-12);
+        assert_eq!(ideal_hit_rate(&reqs[..1]), 0.0);
+        assert_eq!(ideal_hit_rate(&[]), 0.0);
+        assert_eq!(ideal_hit_rate(reqs[1..].iter().rev()), 1.0 / 5.0);
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let records = vec![record(0, 10, 1, &[0])];
+        let bad = |config: ScaleConfig| scale_trace(&records, &config).unwrap_err();
+        assert!(matches!(
+            bad(ScaleConfig {
+                scale: 3,
+                ..ScaleConfig::default()
+            }),
+            TraceError::BadScale(3)
+        ));
+        assert!(matches!(
+            bad(ScaleConfig {
+                pacing: Pacing::RequestsPerSecond(0.0),
+                ..ScaleConfig::default()
+            }),
+            TraceError::BadConfig(_)
+        ));
+        assert!(matches!(
+            scale_trace(&[], &ScaleConfig::default()),
+            Err(TraceError::Empty)
+        ));
+        let backwards = vec![record(5, 10, 1, &[0]), record(4, 10, 1, &[1])];
+        let sorted = scale_trace(&backwards, &ScaleConfig::default()).unwrap();
+        assert_eq!(sorted[0].hash_ids, [1]);
+    }
+}
