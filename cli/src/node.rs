@@ -13,11 +13,13 @@ use anyhow::{Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
 use kvmesh_common::{NodeId, NodeInfo};
+use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, NodeLease};
+use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease, TieredKvEvent};
 use kvmesh_transfer::{QuicConfig, QuicTransport, RdmaConfig, RdmaError, RdmaTransport, TlsConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 /// Flags every mesh node takes.
@@ -120,11 +122,26 @@ impl MeshArgs {
     }
 }
 
+/// Where a node's workers announce prefix-cache changes: the etcd publisher, once the node
+/// is registered (it publishes under the node's lease).
+pub type KvPublisherSlot = Arc<OnceLock<KvEventPublisher>>;
+
+/// A worker's event sink that forwards to the node's publisher.
+pub fn kv_event_sink(slot: &KvPublisherSlot) -> KvEventSink {
+    let slot = slot.clone();
+    KvEventSink::new(move |_node, events| {
+        if let Some(publisher) = slot.get() {
+            publisher.publish(events.into_iter().map(TieredKvEvent::from).collect());
+        }
+    })
+}
+
 /// Registers the node, then reports its load every `interval` until a signal arrives or
 /// `draining()` turns true; then revokes the lease (leaving routing at once).
 pub async fn serve_lease(
     discovery: &EtcdDiscovery,
     info: NodeInfo,
+    kv_events: &KvPublisherSlot,
     mut load: impl FnMut() -> WorkerLoad,
     draining: impl Fn() -> bool,
 ) -> Result<()> {
@@ -135,6 +152,8 @@ pub async fn serve_lease(
         .await
         .with_context(|| format!("registering {} node {node}", role.as_str()))?;
     tracing::info!(%node, role = role.as_str(), "registered");
+    // The pool is empty until the first request, which comes only after registration.
+    let _ = kv_events.set(KvEventPublisher::start(&lease));
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let signal = crate::serve::shutdown_signal();
     tokio::pin!(signal);
@@ -172,6 +191,7 @@ pub async fn run_node(
     discovery: &EtcdDiscovery,
     routes: tonic::service::Routes,
     info: NodeInfo,
+    kv_events: &KvPublisherSlot,
     worker: impl NodeWorker,
 ) -> Result<()> {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -182,7 +202,14 @@ pub async fn run_node(
         });
     let server = tokio::spawn(server);
     tracing::info!(node = %info.node_id, role = info.role.as_str(), listen = %args.listen, "serving");
-    serve_lease(discovery, info, || worker.load(), || worker.is_draining()).await?;
+    serve_lease(
+        discovery,
+        info,
+        kv_events,
+        || worker.load(),
+        || worker.is_draining(),
+    )
+    .await?;
     tokio::task::spawn_blocking(move || worker.drain_and_join()).await?;
     let _ = stop.send(());
     server.await?.context("gRPC server")

@@ -9,7 +9,11 @@ use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
 use config::ServeConfig;
+use kvmesh_common::BlockHasher;
 use kvmesh_decode::LocalMesh;
+use kvmesh_engine::kv_events::KvEventSink;
+use kvmesh_kvstore::InMemoryPrefixIndex;
+use kvmesh_router::routing::Routing;
 use kvmesh_router::Router;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -57,7 +61,15 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         .context("locating the model")?;
     let loaded = model_args::load(&path)?;
 
-    let mesh_config = config.mesh_config();
+    // The workers announce what they cache straight into the router's prefix index.
+    let index = Arc::new(InMemoryPrefixIndex::new());
+    let mut mesh_config = config.mesh_config();
+    let sink = {
+        let index = index.clone();
+        KvEventSink::new(move |node, events| index.apply(node, &events))
+    };
+    mesh_config.decode.kv_events = Some(sink.clone());
+    mesh_config.prefill.kv_events = Some(sink);
     let mesh = LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?;
     tracing::info!(
         prefill_workers = mesh_config.prefill_workers,
@@ -65,7 +77,14 @@ pub fn run(args: &ServeArgs) -> Result<()> {
         kv_blocks_per_worker = mesh_config.decode_engine.num_blocks,
         "workers started"
     );
-    let backend = Arc::new(MeshBackend::new(&mesh, loaded.fingerprint.0));
+    let hasher = BlockHasher::new(loaded.fingerprint, mesh_config.decode_engine.block_size);
+    let routing = Routing::new(
+        config.routing.build(),
+        config.disaggregation(),
+        index,
+        hasher,
+    );
+    let backend = Arc::new(MeshBackend::new(&mesh, loaded.fingerprint.0, routing));
     let mut router_config = config.router.clone();
     router_config.max_context = router_config
         .max_context

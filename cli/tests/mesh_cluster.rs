@@ -5,7 +5,9 @@
 
 use kvmesh_common::grpc::pb;
 use kvmesh_common::NodeRole;
-use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
+use kvmesh_kvstore::{
+    Discovery, EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer, PrefixIndex,
+};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -214,6 +216,76 @@ async fn await_membership(
     }
 }
 
+/// Token ids of a long prompt: `prefix` shared, then a tail of its own.
+fn shared_prefix_prompt(tail: u32) -> Vec<u32> {
+    (0..1000u32)
+        .map(|i| 1000 + (i * 7919) % 30000)
+        .chain((0..24).map(|i| 2000 + tail * 100 + i))
+        .collect()
+}
+
+async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) {
+    let index = EtcdPrefixIndex::connect(EtcdConfig {
+        endpoints: vec![etcd.to_string()],
+        cluster: "meshtest".into(),
+        ..EtcdConfig::default()
+    })
+    .await
+    .expect("the test's own index");
+    let served = |addrs: Vec<SocketAddr>| async move {
+        let mut v = Vec::new();
+        for a in addrs {
+            v.push(requests_served(&a.to_string(), NodeRole::Decode).await);
+        }
+        v
+    };
+    let completion = |prompt: Vec<u32>| {
+        let body = json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 4,
+                          "temperature": 0});
+        tokio::task::spawn_blocking(move || post(router, "/v1/completions", &body))
+    };
+    let first = shared_prefix_prompt(1);
+    let before = served(decode.to_vec()).await;
+    let (status, _) = completion(first.clone()).await.unwrap();
+    assert_eq!(status, 200);
+    let after_first = served(decode.to_vec()).await;
+    let holder = (0..decode.len())
+        .find(|&i| after_first[i] > before[i])
+        .expect("one decode node served it");
+    // Wait until the cluster's index shows the prefix (what the router reads too).
+    let hasher = kvmesh_common::BlockHasher::new(
+        kvmesh_engine::load(&kvmesh_engine::model_fetch::default_model_path().unwrap())
+            .unwrap()
+            .fingerprint,
+        16,
+    );
+    let hashes = hasher.sequence_hashes(&first[..1000]);
+    let mut changes = index.subscribe();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while index.overlap(&hashes).values().all(|&n| n < hashes.len()) {
+        let left = deadline.saturating_duration_since(Instant::now());
+        assert!(
+            matches!(
+                tokio::time::timeout(left, changes.changed()).await,
+                Ok(Ok(()))
+            ),
+            "the prefix never showed up in the index"
+        );
+    }
+    let (status, v) = completion(shared_prefix_prompt(2)).await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 992, "only {cached} cached tokens: {v}");
+    let after_second = served(decode.to_vec()).await;
+    assert_eq!(
+        after_second[holder],
+        after_first[holder] + 1,
+        "the second request went elsewhere"
+    );
+}
+
 #[test]
 fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     let etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
@@ -258,7 +330,9 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
             Node::spawn(args, log(&format!("decode{i}")))
         })
         .collect();
-    let router = Node::spawn(mesh_args("router", router_addr), log("router"));
+    let mut args = mesh_args("router", router_addr);
+    args.extend(["--local-prefill-max-tokens".into(), "32".into()]);
+    let router = Node::spawn(args, log("router"));
     // The reference: the whole mesh in one process.
     let serve_addr = free_addr("127.0.0.7");
     let serve = Node::spawn(
@@ -304,6 +378,10 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
             assert!(n > 0, "decode node {a} served nothing");
         }
     });
+
+    // Prefix reuse: a second prompt sharing a 1,000-token prefix goes to the decode node that
+    // holds it and is served from its cache.
+    rt.block_on(prefix_reuse(&etcd.endpoint(), router_addr, &decode_addrs));
 
     // kill -9 a prefill node: it leaves routing within the lease TTL, requests keep working.
     prefill[0].child.kill().unwrap();

@@ -26,6 +26,7 @@ mod openai;
 pub mod policy;
 mod prompt;
 mod remote;
+pub mod routing;
 mod request_id;
 mod server;
 mod sse;

@@ -8,7 +8,7 @@
 //! on the decode node and, through it, on the prefill node.
 
 use crate::backend::Backend;
-use crate::policy::least_loaded_with;
+use crate::routing::{InFlight, Routing};
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
@@ -52,52 +52,18 @@ pub struct RemoteBackend {
     config: RemoteConfig,
     clients: Mutex<HashMap<NodeId, (String, DecodeClient)>>,
     suspects: Mutex<HashMap<NodeId, Instant>>,
-    in_flight: Arc<Mutex<HashMap<NodeId, usize>>>,
+    routing: Routing,
     draining: AtomicBool,
 }
 
-/// Counts a request against the nodes serving it until dropped (when its stream ends).
-struct InFlight {
-    counts: Arc<Mutex<HashMap<NodeId, usize>>>,
-    nodes: Vec<NodeId>,
-}
-
-impl InFlight {
-    fn new(counts: &Arc<Mutex<HashMap<NodeId, usize>>>, nodes: Vec<NodeId>) -> Self {
-        let mut c = lock(counts);
-        for n in &nodes {
-            *c.entry(*n).or_default() += 1;
-        }
-        drop(c);
-        InFlight {
-            counts: counts.clone(),
-            nodes,
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut c = lock(&self.counts);
-        for n in &self.nodes {
-            if let Some(v) = c.get_mut(n) {
-                *v -= 1;
-                if *v == 0 {
-                    c.remove(n);
-                }
-            }
-        }
-    }
-}
-
 impl RemoteBackend {
-    pub fn new(discovery: Arc<dyn Discovery>, config: RemoteConfig) -> Self {
+    pub fn new(discovery: Arc<dyn Discovery>, config: RemoteConfig, routing: Routing) -> Self {
         RemoteBackend {
             discovery,
             config,
             clients: Mutex::new(HashMap::new()),
             suspects: Mutex::new(HashMap::new()),
-            in_flight: Arc::default(),
+            routing,
             draining: AtomicBool::new(false),
         }
     }
@@ -141,14 +107,12 @@ impl RemoteBackend {
         Ok(client)
     }
 
-    fn pick(&self, nodes: &[NodeEntry]) -> Option<NodeId> {
-        least_loaded_with(nodes, &lock(&self.in_flight))
-    }
-
-    fn prefill_target(&self) -> Option<PrefillTarget> {
-        let nodes = self.candidates(NodeRole::Prefill, &[]);
-        let id = self.pick(&nodes)?;
-        let node = nodes.into_iter().find(|n| n.info.node_id == id)?;
+    fn prefill_target(&self, id: NodeId) -> Option<PrefillTarget> {
+        let node = self
+            .discovery
+            .nodes(NodeRole::Prefill)
+            .into_iter()
+            .find(|n| n.info.node_id == id)?;
         Some(PrefillTarget {
             node_id: id,
             address: node.info.address,
@@ -169,24 +133,24 @@ impl Backend for RemoteBackend {
         if self.draining.load(Ordering::Acquire) {
             return Err(WorkerError::Unavailable("the router is draining".into()));
         }
-        let prefill = self.prefill_target();
-        let message = grpc::generate_request_to_pb(&req, prefill.as_ref());
         let mut tried = Vec::new();
         let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
         while tried.len() < self.config.max_attempts {
-            let nodes = self.candidates(NodeRole::Decode, &tried);
-            let Some(id) = self.pick(&nodes) else {
+            let decode = self.candidates(NodeRole::Decode, &tried);
+            let prefill = self.candidates(NodeRole::Prefill, &[]);
+            let Some(route) = self.routing.route(&req.prompt, &decode, &prefill) else {
                 break;
             };
+            let id = route.decode;
             tried.push(id);
-            let node = nodes.iter().find(|n| n.info.node_id == id).expect("chosen");
-            let mut client = self.client(node)?;
-            let mut call = tonic::Request::new(message.clone());
+            let node = decode.iter().find(|n| n.info.node_id == id).expect("chosen");
+            let target = route.prefill.and_then(|p| self.prefill_target(p));
+            let mut call =
+                tonic::Request::new(grpc::generate_request_to_pb(&req, target.as_ref()));
             tag_request(&mut call, req.request_id);
             call.set_timeout(self.config.request_timeout);
-            let mut serving = vec![id];
-            serving.extend(prefill.as_ref().map(|p| p.node_id));
-            let in_flight = InFlight::new(&self.in_flight, serving);
+            let in_flight = self.routing.track(id);
+            let mut client = self.client(node)?;
             match client.generate(call).await {
                 Ok(stream) => return Ok(forward(stream.into_inner(), in_flight)),
                 Err(status) => {

@@ -2,7 +2,7 @@
 //! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
 //! continuous batching and streams tokens back.
 
-use super::{run_node, runtime, MeshArgs, NodeWorker};
+use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, NodeWorker};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -35,7 +35,9 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         .context("building the engine")?;
     let quic = args.mesh.kv_transport(args.mesh.listen)?;
     let transport: Arc<dyn Transport> = Arc::new(quic);
+    let kv_events = KvPublisherSlot::default();
     let mut config = DecodeConfig::new(node_id);
+    config.kv_events = Some(kv_event_sink(&kv_events));
     if let Some(n) = args.local_prefill_max_tokens {
         config.local_prefill_max_tokens = n;
     }
@@ -56,7 +58,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         let prefill = Arc::new(PrefillDirectory::new(advertise, Duration::from_secs(1)));
         forget_departed_prefill_nodes(&discovery, prefill.clone());
         let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server());
-        run_node(&args.mesh, &discovery, routes, info, worker).await
+        run_node(&args.mesh, &discovery, routes, info, &kv_events, worker).await
     })?;
     tracing::info!("stopped");
     Ok(())

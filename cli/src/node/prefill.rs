@@ -1,7 +1,7 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
 //! their KV over QUIC to the decode node that asked.
 
-use super::{run_node, runtime, MeshArgs, NodeWorker};
+use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, NodeWorker};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -31,8 +31,13 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
     let quic = Arc::new(args.mesh.kv_transport(quic_listen)?);
     let transport: Arc<dyn Transport> = quic.clone();
-    let worker = PrefillWorker::spawn(PrefillConfig::new(node_id), engine, transport)
-        .context("starting the prefill worker")?;
+    let kv_events = KvPublisherSlot::default();
+    let config = PrefillConfig {
+        kv_events: Some(kv_event_sink(&kv_events)),
+        ..PrefillConfig::new(node_id)
+    };
+    let worker =
+        PrefillWorker::spawn(config, engine, transport).context("starting the prefill worker")?;
     let handle = worker.handle();
     let learn = {
         let quic = quic.clone();
@@ -50,7 +55,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let routes = tonic::service::Routes::new(service.into_server());
-        run_node(&args.mesh, &discovery, routes, info, worker).await
+        run_node(&args.mesh, &discovery, routes, info, &kv_events, worker).await
     })?;
     tracing::info!("stopped");
     Ok(())

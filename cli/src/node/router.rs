@@ -4,7 +4,11 @@ use super::{runtime, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvmesh_kvstore::Discovery;
+use kvmesh_common::BlockHasher;
+use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
+use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_router::routing::Routing;
 use kvmesh_router::{RemoteBackend, RemoteConfig, Router, RouterConfig};
 use std::sync::Arc;
 
@@ -23,6 +27,13 @@ pub struct RouterArgs {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<String>>,
+    /// How to pick nodes: kv_aware (default), least_loaded, round_robin, random, power_of_two.
+    #[arg(long, env = "KVMESH_ROUTING_POLICY", default_value = "kv_aware")]
+    pub routing_policy: RoutingConfig,
+    /// Prompts whose uncached part (on the chosen decode node) is shorter than this are
+    /// prefilled there, without a prefill node.
+    #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS", default_value_t = DisaggConfig::default().local_prefill_max_tokens)]
+    pub local_prefill_max_tokens: usize,
 }
 
 pub fn run(args: &RouterArgs) -> Result<()> {
@@ -39,7 +50,25 @@ pub fn run(args: &RouterArgs) -> Result<()> {
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let discovery: Arc<dyn Discovery> = Arc::new(discovery);
-        let backend = Arc::new(RemoteBackend::new(discovery, RemoteConfig::default()));
+        let index = EtcdPrefixIndex::connect(args.mesh.etcd_config())
+            .await
+            .context("watching the prefix index in etcd")?;
+        let hasher = BlockHasher::new(loaded.fingerprint, EngineConfig::default().block_size);
+        let routing = Routing::new(
+            args.routing_policy.build(),
+            DisaggConfig {
+                local_prefill_max_tokens: args.local_prefill_max_tokens,
+                ..DisaggConfig::default()
+            },
+            Arc::new(index),
+            hasher,
+        );
+        tracing::info!(policy = routing.policy_name(), "routing");
+        let backend = Arc::new(RemoteBackend::new(
+            discovery,
+            RemoteConfig::default(),
+            routing,
+        ));
         let router = Router::new(config, backend.clone(), loaded.tokenizer.clone())
             .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
         let listener = tokio::net::TcpListener::bind(args.mesh.listen)

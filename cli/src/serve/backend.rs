@@ -1,5 +1,6 @@
 //! The router's `Backend` over the in-process workers: registers them in the in-memory
-//! discovery, refreshes their load on each request and routes with the router's policy.
+//! discovery, refreshes their load on each request and routes with the router's policy over
+//! the in-memory prefix index the workers feed.
 
 use kvmesh_common::WorkerError;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
@@ -7,7 +8,7 @@ use kvmesh_decode::{DecodeHandle, LocalMesh};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
 use kvmesh_prefill::PrefillHandle;
-use kvmesh_router::policy::least_loaded;
+use kvmesh_router::routing::Routing;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -16,11 +17,12 @@ pub struct MeshBackend {
     discovery: InMemoryDiscovery,
     decode: HashMap<NodeId, DecodeHandle>,
     prefill: HashMap<NodeId, PrefillHandle>,
+    routing: Routing,
     ready: AtomicBool,
 }
 
 impl MeshBackend {
-    pub fn new(mesh: &LocalMesh, model_fingerprint: u64) -> Self {
+    pub fn new(mesh: &LocalMesh, model_fingerprint: u64, routing: Routing) -> Self {
         let discovery = InMemoryDiscovery::new();
         let register = |node_id, role, load: WorkerLoad| {
             discovery
@@ -54,6 +56,7 @@ impl MeshBackend {
             discovery,
             decode,
             prefill,
+            routing,
             ready: AtomicBool::new(true),
         }
     }
@@ -62,18 +65,14 @@ impl MeshBackend {
         self.ready.store(ready, Ordering::Release);
     }
 
-    /// Refreshes the load reports (atomics published by each worker thread) and picks.
-    fn choose(&self, role: NodeRole) -> Option<NodeId> {
-        let loads: Vec<(NodeId, WorkerLoad)> = match role {
-            NodeRole::Decode => self.decode.iter().map(|(i, h)| (*i, h.load())).collect(),
-            NodeRole::Prefill => self.prefill.iter().map(|(i, h)| (*i, h.load())).collect(),
-            NodeRole::Router => Vec::new(),
-        };
-        for (id, load) in loads {
+    /// Refreshes the load reports (atomics published by each worker thread).
+    fn refresh_loads(&self) {
+        let decode = self.decode.iter().map(|(i, h)| (*i, h.load()));
+        let prefill = self.prefill.iter().map(|(i, h)| (*i, h.load()));
+        for (id, load) in decode.chain(prefill) {
             // Registered in `new` and never removed while the backend lives.
             let _ = self.discovery.report_load(id, load.into());
         }
-        least_loaded(&self.discovery.nodes(role))
     }
 }
 
@@ -86,12 +85,16 @@ impl kvmesh_router::Backend for MeshBackend {
         if !self.is_ready() {
             return Err(WorkerError::Unavailable("the mesh is shutting down".into()));
         }
-        let decode = self
-            .choose(NodeRole::Decode)
-            .and_then(|id| self.decode.get(&id))
+        self.refresh_loads();
+        let decode_nodes = self.discovery.nodes(NodeRole::Decode);
+        let prefill_nodes = self.discovery.nodes(NodeRole::Prefill);
+        let route = self
+            .routing
+            .route(&req.prompt, &decode_nodes, &prefill_nodes)
             .ok_or_else(|| WorkerError::Unavailable("no decode worker".into()))?;
-        let prefill = self
-            .choose(NodeRole::Prefill)
+        let decode = &self.decode[&route.decode];
+        let prefill = route
+            .prefill
             .and_then(|id| self.prefill.get(&id))
             .map(|h| h.clone().into());
         decode.generate(req, prefill)

@@ -4,6 +4,7 @@ use super::ServeArgs;
 use anyhow::{bail, Context, Result};
 use kvmesh_decode::LocalMeshConfig as MeshConfig;
 use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::RouterConfig;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ pub struct ServeConfig {
     /// prefills locally instead.
     #[serde(with = "humantime_serde")]
     pub remote_prefill_timeout: Duration,
+    /// How the router picks a decode (and prefill) worker.
+    pub routing: RoutingConfig,
     /// KV pool and batching of every worker.
     pub engine: EngineConfig,
     pub router: RouterConfig,
@@ -40,6 +43,7 @@ impl Default for ServeConfig {
             local_prefill_max_tokens: mesh.decode.local_prefill_max_tokens,
             max_queued_requests: mesh.decode.max_queued_requests,
             remote_prefill_timeout: mesh.decode.remote_prefill_timeout,
+            routing: RoutingConfig::default(),
             engine: EngineConfig::default(),
             router: RouterConfig::default(),
         }
@@ -100,6 +104,9 @@ impl ServeConfig {
         self.router
             .validate()
             .map_err(|e| anyhow::anyhow!("router: {e}"))?;
+        self.routing
+            .validate()
+            .map_err(|e| anyhow::anyhow!("routing: {e}"))?;
         Ok(())
     }
 
@@ -116,6 +123,14 @@ impl ServeConfig {
         m.decode.remote_prefill_timeout = self.remote_prefill_timeout;
         m.prefill.max_queued_requests = self.max_queued_requests;
         m
+    }
+
+    /// The router's disaggregation rule, in step with the decode workers' own threshold.
+    pub fn disaggregation(&self) -> DisaggConfig {
+        DisaggConfig {
+            local_prefill_max_tokens: self.local_prefill_max_tokens,
+            ..DisaggConfig::default()
+        }
     }
 
     /// TOML of this config with API keys masked.
