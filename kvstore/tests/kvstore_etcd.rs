@@ -31,6 +31,7 @@ fn config(endpoint: String, lease_ttl: Duration) -> EtcdConfig {
         connect_timeout: Duration::from_secs(5),
         request_timeout: Duration::from_secs(1),
         load_report_interval: Duration::from_millis(50),
+        kv_flush_interval: Duration::from_millis(50),
     }
 }
 

@@ -28,6 +28,10 @@ pub struct EtcdConfig {
     /// bounded however fast the load changes.
     #[serde(with = "humantime_serde")]
     pub load_report_interval: Duration,
+    /// Minimum time between two prefix-index writes of one node (a log batch, or a
+    /// snapshot), so etcd write load stays bounded however fast blocks are cached.
+    #[serde(with = "humantime_serde")]
+    pub kv_flush_interval: Duration,
 }
 
 impl Default for EtcdConfig {
@@ -39,6 +43,7 @@ impl Default for EtcdConfig {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(2),
             load_report_interval: Duration::from_millis(250),
+            kv_flush_interval: Duration::from_millis(200),
         }
     }
 }
@@ -59,6 +64,9 @@ impl EtcdConfig {
         if self.connect_timeout.is_zero() || self.request_timeout.is_zero() {
             return bad("timeouts must be positive");
         }
+        if self.kv_flush_interval.is_zero() {
+            return bad("kv_flush_interval must be positive");
+        }
         Ok(())
     }
 
@@ -70,6 +78,11 @@ impl EtcdConfig {
     /// `/{cluster}/nodes/`: everything discovery watches.
     pub(crate) fn nodes_prefix(&self) -> String {
         format!("/{}/nodes/", self.cluster.trim_matches('/'))
+    }
+
+    /// `/{cluster}/kv/`: everything the prefix index watches.
+    pub(crate) fn kv_prefix(&self) -> String {
+        format!("/{}/kv/", self.cluster.trim_matches('/'))
     }
 
     /// `/{cluster}/nodes/{role}/{node_id}`.
@@ -96,6 +109,7 @@ mod tests {
             "/mesh/nodes/decode/ff"
         );
         assert_eq!(c.lease_ttl_secs(), 2);
+        assert_eq!(c.kv_prefix(), "/mesh/kv/");
         let bad = EtcdConfig {
             cluster: "a/b".into(),
             ..EtcdConfig::default()
@@ -106,11 +120,12 @@ mod tests {
     #[test]
     fn parses_humane_durations_and_rejects_unknown_fields() {
         let c: EtcdConfig = serde_json::from_str(
-            r#"{"cluster":"x","lease_ttl":"2s","load_report_interval":"100ms"}"#,
+            r#"{"cluster":"x","lease_ttl":"2s","load_report_interval":"100ms","kv_flush_interval":"150ms"}"#,
         )
         .unwrap();
         assert_eq!(c.lease_ttl, Duration::from_secs(2));
         assert_eq!(c.load_report_interval, Duration::from_millis(100));
+        assert_eq!(c.kv_flush_interval, Duration::from_millis(150));
         assert!(serde_json::from_str::<EtcdConfig>(r#"{"ttl":"2s"}"#).is_err());
     }
 }

@@ -100,6 +100,24 @@ impl NodeLease {
         self.lease_id.load(Ordering::Acquire)
     }
 
+    pub(crate) fn client(&self) -> &Client {
+        &self.client
+    }
+
+    pub(crate) fn config(&self) -> &EtcdConfig {
+        &self.config
+    }
+
+    /// The live lease id, shared with the lease task that replaces it.
+    pub(crate) fn lease_cell(&self) -> Arc<AtomicI64> {
+        self.lease_id.clone()
+    }
+
+    /// Cancelled when the lease is revoked or dropped: work under the lease stops with it.
+    pub(crate) fn stopped(&self) -> CancellationToken {
+        self.stop.clone()
+    }
+
     /// Hands the latest load to the lease task; never blocks. Reports that arrive faster
     /// than `load_report_interval` are coalesced: only the latest is written.
     pub fn report_load(&self, load: LoadReport) {

@@ -12,7 +12,7 @@ mod watch;
 pub use config::EtcdConfig;
 pub use lease::NodeLease;
 
-use crate::{Discovery, NodeEntry, StoreError};
+use crate::{Discovery, EtcdPrefixIndex, NodeEntry, StoreError};
 use etcd_client::{Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp};
 use kvmesh_common::{LoadReport, NodeInfo, NodeRole};
 use std::future::Future;
@@ -56,16 +56,8 @@ impl EtcdDiscovery {
     /// Connects, loads the current membership and starts the watch that keeps it current.
     /// Retries until `connect_timeout`, then fails with `Unreachable`.
     pub async fn connect(config: EtcdConfig) -> Result<Self, StoreError> {
-        config.validate()?;
         let deadline = tokio::time::Instant::now() + config.connect_timeout;
-        let options = ConnectOptions::new()
-            .with_connect_timeout(config.connect_timeout)
-            .with_keep_alive(H2_KEEPALIVE_INTERVAL, H2_KEEPALIVE_TIMEOUT)
-            .with_require_leader(true);
-        // Connecting is lazy (the channel dials on first use): failures show in the list.
-        let connecting = Client::connect(&config.endpoints, Some(options));
-        let client = bounded(&config, config.connect_timeout, connecting).await?;
-
+        let client = connect_client(&config).await?;
         let snapshot = Arc::new(Snapshot::default());
         let mut backoff = Backoff::default();
         let revision = loop {
@@ -107,6 +99,24 @@ impl EtcdDiscovery {
     pub async fn register(&self, info: NodeInfo) -> Result<NodeLease, StoreError> {
         NodeLease::start(self.inner.client.clone(), self.inner.config.clone(), info).await
     }
+
+    /// A prefix index over this connection: loads every node's published KV state, then
+    /// keeps it current from a watch (see [`EtcdPrefixIndex::connect`]).
+    pub async fn prefix_index(&self) -> Result<EtcdPrefixIndex, StoreError> {
+        EtcdPrefixIndex::start(self.inner.client.clone(), self.inner.config.clone()).await
+    }
+}
+
+/// Validates `config` and opens a client. Connecting is lazy (the channel dials on first
+/// use), so an unreachable etcd shows in the first request, not here.
+pub(crate) async fn connect_client(config: &EtcdConfig) -> Result<Client, StoreError> {
+    config.validate()?;
+    let options = ConnectOptions::new()
+        .with_connect_timeout(config.connect_timeout)
+        .with_keep_alive(H2_KEEPALIVE_INTERVAL, H2_KEEPALIVE_TIMEOUT)
+        .with_require_leader(true);
+    let connecting = Client::connect(&config.endpoints, Some(options));
+    bounded(config, config.connect_timeout, connecting).await
 }
 
 impl Discovery for EtcdDiscovery {
@@ -165,7 +175,7 @@ fn decode(config: &EtcdConfig, key: &[u8], value: &[u8]) -> Result<NodeEntry, St
 }
 
 /// Runs one etcd call with a deadline, mapping failures to `StoreError`.
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     config: &EtcdConfig,
     limit: Duration,
     call: impl Future<Output = Result<T, etcd_client::Error>>,
@@ -184,7 +194,7 @@ fn unreachable(config: &EtcdConfig, reason: String) -> StoreError {
 }
 
 /// Transport trouble is `Unreachable` (retry later); anything etcd itself rejected is `Etcd`.
-fn classify(config: &EtcdConfig, e: etcd_client::Error) -> StoreError {
+pub(crate) fn classify(config: &EtcdConfig, e: etcd_client::Error) -> StoreError {
     use etcd_client::Error as E;
     use tonic::Code;
     match &e {
@@ -212,7 +222,7 @@ fn classify(config: &EtcdConfig, e: etcd_client::Error) -> StoreError {
 /// Exponential backoff between reconnect attempts: 50 ms doubling to 500 ms, so a returning
 /// etcd is noticed within half a second.
 #[derive(Debug)]
-struct Backoff {
+pub(crate) struct Backoff {
     next: Duration,
 }
 
@@ -226,13 +236,13 @@ impl Backoff {
     const FIRST: Duration = Duration::from_millis(50);
     const MAX: Duration = Duration::from_millis(500);
 
-    fn next(&mut self) -> Duration {
+    pub(crate) fn next(&mut self) -> Duration {
         let d = self.next;
         self.next = (d * 2).min(Self::MAX);
         d
     }
 
-    fn reset(&mut self) {
+    pub(crate) fn reset(&mut self) {
         self.next = Self::FIRST;
     }
 }

@@ -1,0 +1,634 @@
+//! The in-memory index: block -> holders, each with its tiers.
+//!
+//! A flat hash map keyed by sequence hash. Chained hashes already name a whole prefix, so a
+//! lookup is a walk from the first block that stops when no node holds the next one. A trie
+//! (children keyed by hash) needs each block's parent, which `KvEvent` does not carry, and
+//! even given parents it was no faster where it matters (`benches/prefix_index.rs`: 1,000
+//! nodes, 100k blocks; lookups of cached prompts 10-30% slower, misses 14 ns faster).
+//!
+//! Holders are a vector sorted by node, so a walk intersects them with the still-matching
+//! nodes by a merge instead of hashing every node at every step, and counts tiers with a table
+//! (both halved lookup time). Each holder is packed into 4 bytes: a dense slot number the
+//! index gives each node, and the tier bits. A second map, node -> its blocks, makes a node's
+//! removal and snapshot replacement cost that node's blocks, not the whole index.
+
+use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
+use kvmesh_common::{NodeId, SequenceHash};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::RwLock;
+use tokio::sync::watch;
+
+/// For keys that are one u64. Sequence hashes are xxh3 outputs already, and node ids are not
+/// chosen by clients; one multiply spreads small numbers over hashbrown's top bits. SipHash
+/// would cost more than the rest of a lookup step.
+#[derive(Default)]
+pub(crate) struct U64Hasher(u64);
+
+impl Hasher for U64Hasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by sequence hash.
+pub(crate) type SeqMap<V> = HashMap<SequenceHash, V, BuildHasherDefault<U64Hasher>>;
+
+/// Which nodes hold which blocks, in which tiers; one process's own copy.
+///
+/// Written directly in a single-process mesh (`kvmesh serve`), or kept current from etcd by
+/// [`crate::EtcdPrefixIndex`].
+#[derive(Debug)]
+pub struct InMemoryPrefixIndex {
+    state: RwLock<State>,
+    generation: watch::Sender<u64>,
+}
+
+/// One holder of one block: the node's slot in the high bits, its tiers in the low three.
+/// Ordered by slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder(u32);
+
+impl Holder {
+    const TIER_BITS: u32 = 3;
+
+    fn new(slot: u32, tiers: TierSet) -> Self {
+        Holder(slot << Self::TIER_BITS | u32::from(tiers.bits()))
+    }
+
+    fn slot(self) -> u32 {
+        self.0 >> Self::TIER_BITS
+    }
+
+    fn tier_bits(self) -> u32 {
+        self.0 & ((1 << Self::TIER_BITS) - 1)
+    }
+
+    /// The index in [`Counts`] of the fastest tier it holds the block in: a table lookup,
+    /// as this runs once per matching node per block of a lookup.
+    fn fastest(self) -> usize {
+        // By tier bits (device 1, host 2, disk 4); no bits (never stored) counts nowhere.
+        const FASTEST: [usize; 8] = [3, 0, 1, 0, 2, 0, 1, 0];
+        FASTEST[self.tier_bits() as usize]
+    }
+}
+
+/// Leading blocks by fastest tier (device, host, disk), during a lookup.
+type Counts = [u32; 4];
+
+#[derive(Debug, Default)]
+struct State {
+    /// Block -> holders sorted by slot.
+    holders: SeqMap<Vec<Holder>>,
+    /// Node -> its slot, while it holds at least one block.
+    slots: HashMap<NodeId, u32, BuildHasherDefault<U64Hasher>>,
+    /// Slot -> its node and the blocks it holds.
+    nodes: Vec<NodeBlocks>,
+    /// Slots of nodes that left, for reuse.
+    free: Vec<u32>,
+    /// (block, node) pairs.
+    entries: usize,
+}
+
+#[derive(Debug)]
+struct NodeBlocks {
+    node: NodeId,
+    blocks: SeqMap<TierSet>,
+}
+
+impl Default for InMemoryPrefixIndex {
+    fn default() -> Self {
+        InMemoryPrefixIndex {
+            state: RwLock::default(),
+            generation: watch::Sender::new(0),
+        }
+    }
+}
+
+impl InMemoryPrefixIndex {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Applies a node's stored/removed events, in order. Plain `KvEvent`s (the engine's main
+    /// pool) are accepted as [`Tier::Device`](super::Tier::Device) events.
+    pub fn apply<E: Copy + Into<TieredKvEvent>>(&self, node: NodeId, events: &[E]) {
+        let mut state = self.state.write().expect("prefix index lock");
+        let slot = state.claim(node);
+        let mut changed = false;
+        for &event in events {
+            let event = event.into();
+            let hash = event.hash();
+            let old = state.nodes[slot as usize].blocks.get(&hash);
+            let tiers = old.copied().unwrap_or_default().after(event);
+            changed |= state.set(slot, hash, tiers);
+        }
+        state.release_if_empty(slot);
+        drop(state);
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Sets the tiers `node` holds each listed block in (empty: not held).
+    pub(crate) fn set_tiers(&self, node: NodeId, blocks: &[(SequenceHash, TierSet)]) {
+        let mut state = self.state.write().expect("prefix index lock");
+        let slot = state.claim(node);
+        let mut changed = false;
+        for &(hash, tiers) in blocks {
+            changed |= state.set(slot, hash, tiers);
+        }
+        state.release_if_empty(slot);
+        drop(state);
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Replaces everything `node` holds with `blocks` (a snapshot of the node). Costs the
+    /// node's old and new blocks, not the index.
+    pub fn replace_node(
+        &self,
+        node: NodeId,
+        blocks: impl IntoIterator<Item = (SequenceHash, TierSet)>,
+    ) {
+        let new: SeqMap<TierSet> = blocks.into_iter().filter(|(_, t)| !t.is_empty()).collect();
+        let mut state = self.state.write().expect("prefix index lock");
+        let slot = state.claim(node);
+        let old = std::mem::take(&mut state.nodes[slot as usize].blocks);
+        let mut changed = false;
+        for hash in old.keys() {
+            if !new.contains_key(hash) {
+                state.unhold(slot, *hash);
+                changed = true;
+            }
+        }
+        for (&hash, &tiers) in &new {
+            if old.get(&hash) != Some(&tiers) {
+                state.hold(slot, hash, tiers);
+                changed = true;
+            }
+        }
+        state.nodes[slot as usize].blocks = new;
+        state.release_if_empty(slot);
+        drop(state);
+        if changed {
+            self.bump();
+        }
+    }
+
+    /// Forgets everything a node published (it left, or its lease expired).
+    pub fn remove_node(&self, node: NodeId) {
+        self.replace_node(node, []);
+    }
+
+    /// Nodes holding at least one block, in id order.
+    pub fn nodes(&self) -> Vec<NodeId> {
+        let state = self.state.read().expect("prefix index lock");
+        let mut nodes: Vec<NodeId> = state.slots.keys().copied().collect();
+        nodes.sort_unstable();
+        nodes
+    }
+
+    /// How many blocks `node` holds (in any tier).
+    pub fn node_blocks(&self, node: NodeId) -> usize {
+        let state = self.state.read().expect("prefix index lock");
+        state.blocks(node).map_or(0, HashMap::len)
+    }
+
+    /// What `node` holds, sorted by hash.
+    #[cfg(test)]
+    pub(crate) fn node_entries(&self, node: NodeId) -> Vec<(SequenceHash, TierSet)> {
+        let state = self.state.read().expect("prefix index lock");
+        let mut entries: Vec<_> = state
+            .blocks(node)
+            .map(|blocks| blocks.iter().map(|(&h, &t)| (h, t)).collect())
+            .unwrap_or_default();
+        entries.sort_unstable_by_key(|&(h, _)| h);
+        entries
+    }
+
+    fn bump(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+impl State {
+    fn blocks(&self, node: NodeId) -> Option<&SeqMap<TierSet>> {
+        let slot = *self.slots.get(&node)?;
+        Some(&self.nodes[slot as usize].blocks)
+    }
+
+    /// The node's slot, given one if it has none.
+    fn claim(&mut self, node: NodeId) -> u32 {
+        if let Some(&slot) = self.slots.get(&node) {
+            return slot;
+        }
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => {
+                self.nodes.push(NodeBlocks {
+                    node,
+                    blocks: SeqMap::default(),
+                });
+                let slot = u32::try_from(self.nodes.len() - 1).expect("fewer nodes than u32");
+                assert!(
+                    slot < u32::MAX >> Holder::TIER_BITS,
+                    "too many nodes for a slot"
+                );
+                slot
+            }
+        };
+        self.nodes[slot as usize].node = node;
+        self.slots.insert(node, slot);
+        slot
+    }
+
+    /// A node that holds nothing gives its slot back (no holder names it any more).
+    fn release_if_empty(&mut self, slot: u32) {
+        let entry = &mut self.nodes[slot as usize];
+        if entry.blocks.is_empty() {
+            entry.blocks = SeqMap::default(); // free its table
+            self.slots.remove(&entry.node);
+            self.free.push(slot);
+        }
+    }
+
+    /// Sets one entry of a claimed slot (release it after, if it may be left empty); returns
+    /// whether it changed.
+    fn set(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) -> bool {
+        let blocks = &mut self.nodes[slot as usize].blocks;
+        let old = if tiers.is_empty() {
+            blocks.remove(&hash)
+        } else {
+            blocks.insert(hash, tiers)
+        };
+        if old.unwrap_or_default() == tiers {
+            return false;
+        }
+        if tiers.is_empty() {
+            self.unhold(slot, hash);
+        } else {
+            self.hold(slot, hash, tiers);
+        }
+        true
+    }
+
+    /// Inserts or updates a holder of the block (the holders side only).
+    fn hold(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) {
+        let holders = self.holders.entry(hash).or_default();
+        match holders.binary_search_by_key(&slot, |h| h.slot()) {
+            Ok(i) => holders[i] = Holder::new(slot, tiers),
+            Err(i) => {
+                holders.insert(i, Holder::new(slot, tiers));
+                self.entries += 1;
+            }
+        }
+    }
+
+    /// Removes a holder of the block (the holders side only).
+    fn unhold(&mut self, slot: u32, hash: SequenceHash) {
+        let Some(holders) = self.holders.get_mut(&hash) else {
+            return;
+        };
+        if let Ok(i) = holders.binary_search_by_key(&slot, |h| h.slot()) {
+            holders.remove(i);
+            self.entries -= 1;
+            if holders.is_empty() {
+                self.holders.remove(&hash);
+            }
+        }
+    }
+}
+
+impl InMemoryPrefixIndex {
+    /// The lookup behind both overlaps: `finish` turns a node's counts into its answer.
+    fn walk<T>(
+        &self,
+        hashes: &[SequenceHash],
+        finish: impl Fn(&Counts) -> T,
+    ) -> HashMap<NodeId, T> {
+        let state = self.state.read().expect("prefix index lock");
+        let mut result = HashMap::new();
+        let Some((first, rest)) = hashes.split_first() else {
+            return result;
+        };
+        let Some(holders) = state.holders.get(first) else {
+            return result;
+        };
+        // Slots of the nodes that hold every block so far, in slot order like every holders
+        // vector, with their leading blocks counted by fastest tier.
+        let mut matching: Vec<(u32, Counts)> = holders
+            .iter()
+            .map(|h| {
+                let mut counts = Counts::default();
+                counts[h.fastest()] += 1;
+                (h.slot(), counts)
+            })
+            .collect();
+        let node = |slot: u32| state.nodes[slot as usize].node;
+        for hash in rest {
+            let Some(holders) = state.holders.get(hash) else {
+                break;
+            };
+            let mut at = 0;
+            matching.retain_mut(|(slot, counts)| {
+                at = seek(holders, at, *slot);
+                match holders.get(at) {
+                    Some(h) if h.slot() == *slot => {
+                        counts[h.fastest()] += 1;
+                        true
+                    }
+                    // Its prefix ends here: the count is final.
+                    _ => {
+                        result.insert(node(*slot), finish(counts));
+                        false
+                    }
+                }
+            });
+            if matching.is_empty() {
+                break;
+            }
+        }
+        result.extend(
+            matching
+                .into_iter()
+                .map(|(slot, counts)| (node(slot), finish(&counts))),
+        );
+        result
+    }
+}
+
+impl PrefixIndex for InMemoryPrefixIndex {
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
+        self.walk(hashes, |c| TieredOverlap {
+            device: c[0] as usize,
+            host: c[1] as usize,
+            disk: c[2] as usize,
+        })
+    }
+
+    fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, usize> {
+        self.walk(hashes, |c| (c[0] + c[1] + c[2]) as usize)
+    }
+
+    fn len(&self) -> usize {
+        self.state.read().expect("prefix index lock").entries
+    }
+
+    fn subscribe(&self) -> watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+}
+
+/// The first position at or after `from` whose slot is not below `slot`: a few linear steps
+/// (holders and matching nodes usually move together), then a binary search.
+fn seek(holders: &[Holder], mut from: usize, slot: u32) -> usize {
+    for _ in 0..4 {
+        match holders.get(from) {
+            Some(h) if h.slot() < slot => from += 1,
+            _ => return from,
+        }
+    }
+    from + holders[from..].partition_point(|h| h.slot() < slot)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prefix::Tier;
+    use kvmesh_common::KvEvent;
+
+    fn h(i: u64) -> SequenceHash {
+        SequenceHash(i)
+    }
+
+    #[test]
+    fn overlap_counts_leading_blocks_per_node() {
+        let idx = InMemoryPrefixIndex::new();
+        idx.apply(
+            NodeId(1),
+            &[
+                KvEvent::Stored(h(1)),
+                KvEvent::Stored(h(2)),
+                KvEvent::Stored(h(3)),
+            ],
+        );
+        idx.apply(NodeId(2), &[KvEvent::Stored(h(1)), KvEvent::Stored(h(3))]);
+        let o = idx.overlap(&[h(1), h(2), h(3), h(4)]);
+        assert_eq!(o[&NodeId(1)], 3);
+        // Node 2 lacks block 2, so block 3 cannot be a prefix hit there.
+        assert_eq!(o[&NodeId(2)], 1);
+        assert_eq!(idx.len(), 5);
+        assert!(idx.overlap(&[h(2)]).contains_key(&NodeId(1)));
+        assert!(idx.overlap(&[h(9), h(1)]).is_empty());
+        assert!(idx.overlap(&[]).is_empty());
+    }
+
+    #[test]
+    fn removal_and_node_loss_forget_entries() {
+        let idx = InMemoryPrefixIndex::new();
+        idx.apply(NodeId(1), &[KvEvent::Stored(h(1)), KvEvent::Stored(h(2))]);
+        idx.apply(NodeId(1), &[KvEvent::Removed(h(2))]);
+        assert_eq!(idx.overlap(&[h(1), h(2)])[&NodeId(1)], 1);
+        idx.remove_node(NodeId(1));
+        assert!(idx.overlap(&[h(1)]).is_empty());
+        assert!(idx.is_empty());
+        assert!(idx.nodes().is_empty());
+    }
+
+    #[test]
+    fn tiers_are_tracked_per_node_and_block() {
+        let idx = InMemoryPrefixIndex::new();
+        let n = NodeId(7);
+        idx.apply(
+            n,
+            &[
+                TieredKvEvent::stored(Tier::Device, h(1)),
+                TieredKvEvent::stored(Tier::Host, h(1)),
+                TieredKvEvent::stored(Tier::Host, h(2)),
+                TieredKvEvent::stored(Tier::Disk, h(3)),
+            ],
+        );
+        let o = idx.overlap_tiered(&[h(1), h(2), h(3)])[&n];
+        assert_eq!((o.device, o.host, o.disk), (1, 1, 1));
+        // Evicted from the device but still in host memory: still a hit, a slower one.
+        idx.apply(n, &[TieredKvEvent::removed(Tier::Device, h(1))]);
+        let o = idx.overlap_tiered(&[h(1), h(2), h(3)])[&n];
+        assert_eq!((o.device, o.host, o.disk), (0, 2, 1));
+        assert_eq!(
+            idx.len(),
+            3,
+            "one entry per (block, node), whatever its tiers"
+        );
+        idx.apply(n, &[TieredKvEvent::removed(Tier::Host, h(1))]);
+        assert!(idx.overlap_tiered(&[h(1)]).is_empty());
+        assert_eq!(idx.node_blocks(n), 2);
+    }
+
+    #[test]
+    fn replace_node_swaps_one_nodes_blocks_and_signals_only_changes() {
+        let idx = InMemoryPrefixIndex::new();
+        let dev = TierSet::only(Tier::Device);
+        idx.apply(NodeId(1), &[KvEvent::Stored(h(1)), KvEvent::Stored(h(2))]);
+        idx.apply(NodeId(2), &[KvEvent::Stored(h(1))]);
+        let mut changes = idx.subscribe();
+        changes.mark_unchanged();
+        idx.replace_node(NodeId(1), [(h(1), dev), (h(2), dev)]);
+        assert!(
+            !changes.has_changed().unwrap(),
+            "the same blocks are no change"
+        );
+        idx.replace_node(NodeId(1), [(h(2), dev), (h(3), TierSet::only(Tier::Disk))]);
+        assert!(changes.has_changed().unwrap());
+        assert_eq!(
+            idx.overlap(&[h(1)]).keys().collect::<Vec<_>>(),
+            [&NodeId(2)]
+        );
+        assert_eq!(idx.overlap(&[h(2), h(3)])[&NodeId(1)], 2);
+        assert_eq!(idx.len(), 3);
+        assert_eq!(idx.nodes(), [NodeId(1), NodeId(2)]);
+    }
+
+    #[test]
+    fn seek_finds_the_first_position_not_below() {
+        let t = TierSet::only(Tier::Host);
+        let v: Vec<Holder> = (0..100).map(|i| Holder::new(i * 2, t)).collect();
+        assert_eq!(
+            (v[3].slot(), v[3].tier_bits(), v[3].fastest()),
+            (6, 0b10, 1)
+        );
+        for bits in 1..8 {
+            let tiers = TierSet::from_bits(bits).unwrap();
+            let fastest = Tier::ALL.iter().position(|&t| Some(t) == tiers.fastest());
+            assert_eq!(Some(Holder::new(1, tiers).fastest()), fastest);
+        }
+        for from in [0, 3, 50] {
+            for slot in 0..210 {
+                let at = seek(&v, from, slot);
+                let want = from + v[from..].partition_point(|h| h.slot() < slot);
+                assert_eq!(at, want, "from {from} slot {slot}");
+            }
+        }
+    }
+
+    mod model {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// The obvious index: per node, its blocks; overlap walks every node.
+        #[derive(Default)]
+        struct Model(HashMap<NodeId, HashMap<SequenceHash, TierSet>>);
+
+        impl Model {
+            fn apply(&mut self, node: NodeId, events: &[TieredKvEvent]) {
+                let blocks = self.0.entry(node).or_default();
+                for &e in events {
+                    let t = blocks.get(&e.hash()).copied().unwrap_or_default().after(e);
+                    if t.is_empty() {
+                        blocks.remove(&e.hash());
+                    } else {
+                        blocks.insert(e.hash(), t);
+                    }
+                }
+            }
+
+            fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
+                let mut out = HashMap::new();
+                for (&node, blocks) in &self.0 {
+                    let mut o = TieredOverlap::default();
+                    for h in hashes {
+                        match blocks.get(h) {
+                            Some(&t) => o.push(t),
+                            None => break,
+                        }
+                    }
+                    if o.total() > 0 {
+                        out.insert(node, o);
+                    }
+                }
+                out
+            }
+
+            fn len(&self) -> usize {
+                self.0.values().map(HashMap::len).sum()
+            }
+        }
+
+        #[derive(Clone, Debug)]
+        enum Op {
+            Apply(u64, Vec<TieredKvEvent>),
+            Remove(u64),
+            Replace(u64, Vec<(u64, u8)>),
+        }
+
+        fn event() -> impl Strategy<Value = TieredKvEvent> {
+            (0..10u64, 0..3usize, any::<bool>()).prop_map(|(h, t, stored)| {
+                let tier = Tier::ALL[t];
+                if stored {
+                    TieredKvEvent::stored(tier, SequenceHash(h))
+                } else {
+                    TieredKvEvent::removed(tier, SequenceHash(h))
+                }
+            })
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            prop_oneof![
+                8 => (0..5u64, proptest::collection::vec(event(), 0..12))
+                    .prop_map(|(n, e)| Op::Apply(n, e)),
+                1 => (0..5u64).prop_map(Op::Remove),
+                1 => (0..5u64, proptest::collection::vec((0..10u64, 0..8u8), 0..8))
+                    .prop_map(|(n, e)| Op::Replace(n, e)),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn overlap_matches_a_naive_model(
+                ops in proptest::collection::vec(op(), 1..40),
+                prompts in proptest::collection::vec(proptest::collection::vec(0..10u64, 0..8), 1..10),
+            ) {
+                let index = InMemoryPrefixIndex::new();
+                let mut model = Model::default();
+                for op in ops {
+                    match op {
+                        Op::Apply(n, events) => {
+                            index.apply(NodeId(n), &events);
+                            model.apply(NodeId(n), &events);
+                        }
+                        Op::Remove(n) => {
+                            index.remove_node(NodeId(n));
+                            model.0.remove(&NodeId(n));
+                        }
+                        Op::Replace(n, entries) => {
+                            let entries: Vec<(SequenceHash, TierSet)> = entries
+                                .into_iter()
+                                .map(|(h, t)| (SequenceHash(h), TierSet::from_bits(t).unwrap()))
+                                .collect();
+                            index.replace_node(NodeId(n), entries.iter().copied());
+                            let blocks: HashMap<_, _> =
+                                entries.into_iter().filter(|(_, t)| !t.is_empty()).collect();
+                            model.0.insert(NodeId(n), blocks);
+                        }
+                    }
+                    prop_assert_eq!(index.len(), model.len());
+                    for prompt in &prompts {
+                        let hashes: Vec<SequenceHash> = prompt.iter().copied().map(SequenceHash).collect();
+                        prop_assert_eq!(index.overlap_tiered(&hashes), model.overlap(&hashes));
+                    }
+                }
+            }
+        }
+    }
+}

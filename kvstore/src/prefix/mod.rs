@@ -1,0 +1,81 @@
+//! Which nodes hold which cached prefixes, in which tier.
+//!
+//! - [`PrefixIndex`] is the read side every router and prefill node needs: "how many leading
+//!   blocks of this prompt does each node hold, and where". Reads never touch a remote store.
+//! - [`InMemoryPrefixIndex`] is the index itself, written directly in a single-process mesh.
+//! - [`KvEventPublisher`] is one node's writer to etcd: events are batched into at most one
+//!   log key per `kv_flush_interval`, compacted into a snapshot as the log grows, all under
+//!   the node's lease. [`EtcdPrefixIndex`] watches those keys into an in-memory index.
+//! - [`KvEventSink`] is what a node publishes into, whichever of the two meshes it runs in.
+
+mod codec;
+mod index;
+mod journal;
+#[cfg(test)]
+mod pipeline_tests;
+mod publisher;
+mod replica;
+mod tier;
+mod watcher;
+
+pub use index::InMemoryPrefixIndex;
+pub use publisher::{KvEventPublisher, PublisherStats};
+pub use tier::{Tier, TierSet, TieredKvEvent, TieredOverlap};
+pub use watcher::{EtcdPrefixIndex, WatcherStats};
+
+use kvmesh_common::{NodeId, SequenceHash};
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio::sync::watch;
+
+/// The read side of the prefix index.
+pub trait PrefixIndex: Send + Sync {
+    /// For each node holding the first of `hashes` (a prompt's chained sequence hashes): how
+    /// many leading blocks it holds, each counted in the fastest tier it holds it in.
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap>;
+
+    /// For each node holding the first of `hashes`: how many leading blocks it holds, in any
+    /// tier.
+    fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, usize> {
+        self.overlap_tiered(hashes)
+            .into_iter()
+            .map(|(node, o)| (node, o.total()))
+            .collect()
+    }
+
+    /// Number of (block, node) entries: the index's size.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A generation counter bumped whenever the index changes; await `changed()` on it to
+    /// react instead of polling.
+    fn subscribe(&self) -> watch::Receiver<u64>;
+}
+
+/// Where a node sends its KV events (from `BlockPool::drain_events`, tagged with a tier).
+/// Never blocks.
+pub trait KvEventSink: Send + Sync {
+    fn publish(&self, events: Vec<TieredKvEvent>);
+}
+
+/// A node's sink in a single-process mesh: straight into the shared index.
+#[derive(Clone, Debug)]
+pub struct InMemoryKvSink {
+    pub index: Arc<InMemoryPrefixIndex>,
+    pub node: NodeId,
+}
+
+impl KvEventSink for InMemoryKvSink {
+    fn publish(&self, events: Vec<TieredKvEvent>) {
+        self.index.apply(self.node, &events);
+    }
+}
+
+impl KvEventSink for KvEventPublisher {
+    fn publish(&self, events: Vec<TieredKvEvent>) {
+        KvEventPublisher::publish(self, events);
+    }
+}

@@ -1,0 +1,190 @@
+//! Where a cached block lives on its node, and the events that say so.
+
+use kvmesh_common::{KvEvent, SequenceHash};
+use serde::{Deserialize, Serialize};
+
+/// A KV storage tier of one node, fastest first: a block in a faster tier is cheaper to reuse.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Tier {
+    /// The node's main KV pool (the engine's BlockPool): reusable as is.
+    Device,
+    /// Host memory: copied into the main pool before use.
+    Host,
+    /// Local disk: read, then copied.
+    Disk,
+}
+
+impl Tier {
+    /// Every tier, fastest first.
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+}
+
+/// The tiers one node holds one block in. A block can sit in several at once (kept on the
+/// device and also spilled to host memory), so this is a set, not a single tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TierSet(u8);
+
+impl TierSet {
+    pub const EMPTY: TierSet = TierSet(0);
+
+    /// The set with exactly these bits (bit `i` is `Tier::ALL[i]`); `None` for unknown bits.
+    pub fn from_bits(bits: u8) -> Option<TierSet> {
+        (bits < 1 << Tier::ALL.len()).then_some(TierSet(bits))
+    }
+
+    pub fn bits(self) -> u8 {
+        self.0
+    }
+
+    pub fn only(tier: Tier) -> TierSet {
+        TierSet(tier.bit())
+    }
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    pub fn contains(self, tier: Tier) -> bool {
+        self.0 & tier.bit() != 0
+    }
+
+    #[must_use]
+    pub fn with(self, tier: Tier) -> TierSet {
+        TierSet(self.0 | tier.bit())
+    }
+
+    #[must_use]
+    pub fn without(self, tier: Tier) -> TierSet {
+        TierSet(self.0 & !tier.bit())
+    }
+
+    /// The tier a reuse would read from.
+    pub fn fastest(self) -> Option<Tier> {
+        Tier::ALL.into_iter().find(|&t| self.contains(t))
+    }
+
+    /// This set after `event`.
+    #[must_use]
+    pub fn after(self, event: TieredKvEvent) -> TierSet {
+        match event.event {
+            KvEvent::Stored(_) => self.with(event.tier),
+            KvEvent::Removed(_) => self.without(event.tier),
+        }
+    }
+}
+
+/// A [`KvEvent`] of one tier. The engine's BlockPool speaks of its main pool only, so a plain
+/// `KvEvent` converts into the [`Tier::Device`] event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct TieredKvEvent {
+    pub tier: Tier,
+    pub event: KvEvent,
+}
+
+impl TieredKvEvent {
+    pub fn stored(tier: Tier, hash: SequenceHash) -> Self {
+        TieredKvEvent {
+            tier,
+            event: KvEvent::Stored(hash),
+        }
+    }
+
+    pub fn removed(tier: Tier, hash: SequenceHash) -> Self {
+        TieredKvEvent {
+            tier,
+            event: KvEvent::Removed(hash),
+        }
+    }
+
+    pub fn hash(&self) -> SequenceHash {
+        match self.event {
+            KvEvent::Stored(h) | KvEvent::Removed(h) => h,
+        }
+    }
+}
+
+impl From<KvEvent> for TieredKvEvent {
+    fn from(event: KvEvent) -> Self {
+        TieredKvEvent {
+            tier: Tier::Device,
+            event,
+        }
+    }
+}
+
+/// How much of a prompt one node can serve from cache.
+///
+/// The node holds the prompt's first [`total`](TieredOverlap::total) blocks, each in at least
+/// one tier; every one of them is counted once, in the fastest tier the node holds it in, so
+/// `device + host + disk == total`. A router prices reuse from that: device blocks are free,
+/// host and disk blocks cost a copy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct TieredOverlap {
+    pub device: usize,
+    pub host: usize,
+    pub disk: usize,
+}
+
+impl TieredOverlap {
+    /// Leading blocks held in any tier.
+    pub fn total(&self) -> usize {
+        self.device + self.host + self.disk
+    }
+
+    /// Leading blocks whose fastest copy is in `tier`.
+    pub fn get(&self, tier: Tier) -> usize {
+        match tier {
+            Tier::Device => self.device,
+            Tier::Host => self.host,
+            Tier::Disk => self.disk,
+        }
+    }
+
+    /// Counts one more leading block, held in `tiers` (not empty). (The index counts with a
+    /// table instead; this is the definition its tests check it against.)
+    #[cfg(test)]
+    pub(crate) fn push(&mut self, tiers: TierSet) {
+        match tiers.fastest() {
+            Some(Tier::Device) => self.device += 1,
+            Some(Tier::Host) => self.host += 1,
+            Some(Tier::Disk) => self.disk += 1,
+            None => debug_assert!(false, "an index entry with no tier"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tier_sets() {
+        let s = TierSet::EMPTY.with(Tier::Disk).with(Tier::Host);
+        assert_eq!(s.fastest(), Some(Tier::Host));
+        assert_eq!(s.without(Tier::Host).fastest(), Some(Tier::Disk));
+        assert!(s.without(Tier::Host).without(Tier::Disk).is_empty());
+        assert_eq!(
+            TierSet::from_bits(0b111).unwrap().fastest(),
+            Some(Tier::Device)
+        );
+        assert_eq!(TierSet::from_bits(0b1000), None);
+        let e = TieredKvEvent::from(KvEvent::Stored(SequenceHash(3)));
+        assert_eq!(e, TieredKvEvent::stored(Tier::Device, SequenceHash(3)));
+        assert_eq!(TierSet::EMPTY.after(e), TierSet::only(Tier::Device));
+    }
+
+    #[test]
+    fn overlap_counts_each_block_in_its_fastest_tier() {
+        let mut o = TieredOverlap::default();
+        o.push(TierSet::only(Tier::Disk).with(Tier::Device));
+        o.push(TierSet::only(Tier::Host));
+        o.push(TierSet::only(Tier::Disk));
+        assert_eq!((o.device, o.host, o.disk, o.total()), (1, 1, 1, 3));
+        assert_eq!(o.get(Tier::Host), 1);
+    }
+}
