@@ -1,6 +1,7 @@
 //! `kvmesh`: the one binary. Each subcommand lives in its own module.
 
 mod bench_engine;
+mod bench_trace;
 mod bench_transfer;
 mod bench_ttft;
 mod generate;
@@ -47,6 +48,8 @@ enum BenchCommand {
     Engine(bench_engine::BenchEngineArgs),
     /// KV transfer rates (QUIC, TCP, memcpy) and disaggregated vs local TTFT.
     Transfer(bench_ttft::BenchTransferCommand),
+    /// Replay the Mooncake trace against a 2+2 cluster per routing policy.
+    Trace(bench_trace::BenchTraceArgs),
     /// Internal: the prefill process of `bench transfer`.
     #[command(hide = true)]
     PrefillNode(bench_ttft::PrefillNodeArgs),
@@ -69,6 +72,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),
+        Command::Bench(BenchCommand::Trace(args)) => bench_trace::run(&args),
         Command::Bench(BenchCommand::PrefillNode(args)) => bench_ttft::prefill_node(&args),
     }
 }

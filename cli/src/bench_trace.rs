@@ -1,0 +1,203 @@
+//! `kvmesh bench trace`: replays the Mooncake conversation trace, scaled to this model,
+//! against a 2-prefill/2-decode cluster (a throwaway etcd and five processes of this binary
+//! on loopback addresses), once per routing policy, each on a fresh cluster so no policy
+//! inherits another's warm caches. With `--url`, replays against that router instead.
+
+use crate::model_args::ModelArgs;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvmesh_bench::{load_trace, replay, Pacing, ReplayOptions, ReplayReport, ScaleConfig};
+use kvmesh_common::NodeRole;
+use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(Args, Debug)]
+pub struct BenchTraceArgs {
+    /// The trace (JSON Lines).
+    #[arg(long, default_value = kvmesh_bench::trace::DEFAULT_TRACE_PATH)]
+    pub trace: PathBuf,
+    /// Each 512-token trace block becomes 512/scale tokens.
+    #[arg(long, default_value_t = 32)]
+    pub scale: u32,
+    /// Mean request rate (requests/s), keeping the trace's bursts.
+    #[arg(long, default_value_t = 0.5)]
+    pub rate: f64,
+    /// Requests replayed (from the start of the trace).
+    #[arg(long, default_value_t = 60)]
+    pub limit: usize,
+    /// Routing policies to compare, each on a fresh cluster.
+    #[arg(long, value_delimiter = ',', default_values_t = ["kv_aware".to_string(), "round_robin".to_string(), "random".to_string()])]
+    pub policies: Vec<String>,
+    /// Replay against this router (http://HOST:PORT) instead of starting clusters.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// Compute threads per node process.
+    #[arg(long, default_value_t = 1)]
+    pub node_threads: usize,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(args: &BenchTraceArgs) -> Result<()> {
+    let config = ScaleConfig {
+        scale: args.scale,
+        pacing: Pacing::RequestsPerSecond(args.rate),
+        ..ScaleConfig::default()
+    };
+    let requests = load_trace(&args.trace, Some(args.limit), &config)
+        .with_context(|| format!("reading {}", args.trace.display()))?;
+    let runtime = crate::node::runtime()?;
+    let replay_at = |url: &str| -> Result<ReplayReport> {
+        runtime
+            .block_on(replay(url, "", &requests, &ReplayOptions::default()))
+            .context("replaying")
+    };
+    let mut reports = Vec::new();
+    if let Some(url) = &args.url {
+        reports.push(("given".to_string(), replay_at(url)?));
+    } else {
+        // Fetch once before five processes race for it.
+        args.model.prepare()?;
+        for policy in &args.policies {
+            let cluster = Cluster::start(policy, args)?;
+            runtime.block_on(cluster.await_nodes(Duration::from_secs(120)))?;
+            tracing::info!(policy, "cluster up; replaying");
+            let report = replay_at(&format!("http://{}", cluster.router))?;
+            drop(cluster);
+            reports.push((policy.clone(), report));
+        }
+    }
+    if args.json {
+        let map: serde_json::Map<String, serde_json::Value> = reports
+            .iter()
+            .map(|(p, r)| Ok((p.clone(), serde_json::to_value(r)?)))
+            .collect::<Result<_>>()?;
+        println!("{}", serde_json::Value::Object(map));
+    } else {
+        for (policy, report) in &reports {
+            println!("== {policy}\n{report}");
+        }
+    }
+    Ok(())
+}
+
+/// etcd, two prefill, two decode nodes and a router with `policy`; stopped on drop.
+struct Cluster {
+    children: Vec<Child>,
+    router: SocketAddr,
+    _etcd: EtcdServer,
+}
+
+impl Cluster {
+    fn start(policy: &str, args: &BenchTraceArgs) -> Result<Cluster> {
+        let etcd = EtcdServer::start()?;
+        let exe = std::env::current_exe()?;
+        let mut children = Vec::new();
+        let mut spawn = |role: &str, ip: &str, extra: &[&str]| -> Result<SocketAddr> {
+            let addr = TcpListener::bind((ip, 0))?.local_addr()?;
+            let mut cmd = Command::new(&exe);
+            cmd.args([
+                role,
+                "--etcd",
+                &etcd.endpoint(),
+                "--listen",
+                &addr.to_string(),
+            ])
+            .args([
+                "--cluster",
+                "bench",
+                "--threads",
+                &args.node_threads.to_string(),
+            ])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+            if let Some(m) = &args.model.model {
+                cmd.arg("--model").arg(m);
+            }
+            children.push(cmd.spawn().with_context(|| format!("starting {role}"))?);
+            Ok(addr)
+        };
+        for ip in ["127.0.0.3", "127.0.0.4"] {
+            spawn("prefill", ip, &[])?;
+        }
+        for ip in ["127.0.0.5", "127.0.0.6"] {
+            spawn("decode", ip, &[])?;
+        }
+        let router = spawn("router", "127.0.0.2", &["--routing-policy", policy])?;
+        let cluster = Cluster {
+            children,
+            router,
+            _etcd: etcd,
+        };
+        cluster.await_ready(Duration::from_secs(120))?;
+        Ok(cluster)
+    }
+
+    /// Until discovery shows every node (they register once their model is loaded).
+    async fn await_nodes(&self, within: Duration) -> Result<()> {
+        let config = EtcdConfig {
+            endpoints: vec![self._etcd.endpoint()],
+            cluster: "bench".into(),
+            ..EtcdConfig::default()
+        };
+        let discovery = EtcdDiscovery::connect(config).await?;
+        let mut changes = discovery.subscribe();
+        let all_up = || {
+            discovery.nodes(NodeRole::Prefill).len() == 2
+                && discovery.nodes(NodeRole::Decode).len() == 2
+        };
+        tokio::time::timeout(within, async {
+            while !all_up() {
+                if changes.changed().await.is_err() {
+                    break;
+                }
+            }
+        })
+        .await
+        .context("waiting for the nodes to register")?;
+        Ok(())
+    }
+
+    /// The router answers /health 200 once a decode node is registered.
+    fn await_ready(&self, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        while !crate::bench_trace::health_ok(self.router) {
+            if Instant::now() > deadline {
+                bail!("the cluster did not come up within {within:?}");
+            }
+            // A process start-up with no push signal to await; bounded by the deadline.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn health_ok(addr: SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    r.starts_with("HTTP/1.1 200")
+}
