@@ -405,7 +405,10 @@ mod tests {
         assert_eq!(timeout_of(request.metadata()), None);
         request.set_timeout(Duration::from_millis(1500));
         let t = timeout_of(request.metadata()).unwrap();
-        assert!(t >= Duration::from_millis(1499) && t <= Duration::from_millis(1500), "{t:?}");
+        assert!(
+            t >= Duration::from_millis(1499) && t <= Duration::from_millis(1500),
+            "{t:?}"
+        );
         for bad in ["", "S", "123456789S", "12x", "-1S"] {
             let mut m = tonic::metadata::MetadataMap::new();
             m.insert("grpc-timeout", bad.parse().unwrap());

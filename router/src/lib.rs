@@ -26,8 +26,8 @@ mod openai;
 pub mod policy;
 mod prompt;
 mod remote;
-pub mod routing;
 mod request_id;
+pub mod routing;
 mod server;
 mod sse;
 

@@ -143,10 +143,12 @@ impl Backend for RemoteBackend {
             };
             let id = route.decode;
             tried.push(id);
-            let node = decode.iter().find(|n| n.info.node_id == id).expect("chosen");
+            let node = decode
+                .iter()
+                .find(|n| n.info.node_id == id)
+                .expect("chosen");
             let target = route.prefill.and_then(|p| self.prefill_target(p));
-            let mut call =
-                tonic::Request::new(grpc::generate_request_to_pb(&req, target.as_ref()));
+            let mut call = tonic::Request::new(grpc::generate_request_to_pb(&req, target.as_ref()));
             tag_request(&mut call, req.request_id);
             call.set_timeout(self.config.request_timeout);
             let in_flight = self.routing.track(id);
