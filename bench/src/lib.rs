@@ -13,6 +13,6 @@ pub mod trace;
 
 pub use replay::{replay, ReplayError, ReplayOptions, ReplayReport};
 pub use trace::{
-    ideal_hit_rate, load_trace, read_trace, scale_trace, Pacing, ScaleConfig, ScaledRequest,
-    TraceError, TraceRecord,
+    ideal_hit_rate, load_trace, read_trace, sample_conversations, scale_trace, Pacing, ScaleConfig,
+    ScaledRequest, TraceError, TraceRecord,
 };

@@ -6,7 +6,10 @@
 use crate::model_args::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvmesh_bench::{load_trace, replay, Pacing, ReplayOptions, ReplayReport, ScaleConfig};
+use kvmesh_bench::{
+    load_trace, read_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions,
+    ReplayReport, ScaleConfig,
+};
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
 use std::net::{SocketAddr, TcpListener};
@@ -25,9 +28,13 @@ pub struct BenchTraceArgs {
     /// Mean request rate (requests/s), keeping the trace's bursts.
     #[arg(long, default_value_t = 0.5)]
     pub rate: f64,
-    /// Requests replayed (from the start of the trace).
+    /// Requests replayed (from the start of the trace, or of the sampled conversations).
     #[arg(long, default_value_t = 60)]
     pub limit: usize,
+    /// Replay the first N multi-turn conversations whole instead of a window of the trace
+    /// (a window of a few dozen requests shares almost no prefix).
+    #[arg(long)]
+    pub conversations: Option<usize>,
     /// Routing policies to compare, each on a fresh cluster.
     #[arg(long, value_delimiter = ',', default_values_t = ["kv_aware".to_string(), "round_robin".to_string(), "random".to_string()])]
     pub policies: Vec<String>,
@@ -50,8 +57,15 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
         pacing: Pacing::RequestsPerSecond(args.rate),
         ..ScaleConfig::default()
     };
-    let requests = load_trace(&args.trace, Some(args.limit), &config)
-        .with_context(|| format!("reading {}", args.trace.display()))?;
+    let requests = match args.conversations {
+        None => load_trace(&args.trace, Some(args.limit), &config),
+        Some(n) => read_trace(&args.trace, None).and_then(|all| {
+            let mut sample = sample_conversations(&all, n);
+            sample.truncate(args.limit);
+            scale_trace(&sample, &config)
+        }),
+    }
+    .with_context(|| format!("reading {}", args.trace.display()))?;
     let runtime = crate::node::runtime()?;
     let replay_at = |url: &str| -> Result<ReplayReport> {
         runtime
