@@ -6,6 +6,7 @@
 //! accepted, then exits.
 
 pub mod decode;
+pub mod metrics;
 pub mod prefill;
 pub mod router;
 
@@ -54,6 +55,10 @@ pub struct MeshArgs {
     pub tls_cert: Option<PathBuf>,
     #[arg(long, env = "KVMESH_TLS_KEY", requires_all = ["tls_ca", "tls_cert"])]
     pub tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics (`GET /metrics`) here (prefill and decode nodes; a router
+    /// serves them on its API port).
+    #[arg(long, env = "KVMESH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 fn parse_node_id(s: &str) -> Result<NodeId, String> {
@@ -154,6 +159,7 @@ pub async fn serve_lease(
     tracing::info!(%node, role = role.as_str(), "registered");
     // The pool is empty until the first request, which comes only after registration.
     let _ = kv_events.set(KvEventPublisher::start(&lease));
+    let publisher_metrics = metrics::PublisherMetrics::new(node);
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let signal = crate::serve::shutdown_signal();
     tokio::pin!(signal);
@@ -162,6 +168,9 @@ pub async fn serve_lease(
             () = &mut signal => break,
             _ = tick.tick() => {
                 lease.report_load(load().into());
+                if let Some(p) = kv_events.get() {
+                    publisher_metrics.update(&p.stats());
+                }
                 if draining() {
                     tracing::info!("drain requested");
                     break;
@@ -194,6 +203,9 @@ pub async fn run_node(
     kv_events: &KvPublisherSlot,
     worker: impl NodeWorker,
 ) -> Result<()> {
+    if let Some(addr) = args.metrics_listen {
+        metrics::serve(addr);
+    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .add_routes(routes)

@@ -82,6 +82,21 @@ fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// The body of a GET.
+fn get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    r.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
 fn health_ok(addr: SocketAddr) -> bool {
     let Ok(mut s) = TcpStream::connect(addr) else {
         return false;
@@ -320,6 +335,7 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
         .enumerate()
         .map(|(i, a)| Node::spawn(mesh_args("prefill", *a), log(&format!("prefill{i}"))))
         .collect();
+    let decode_metrics = free_addr("127.0.0.5");
     let decode: Vec<Node> = decode_addrs
         .iter()
         .enumerate()
@@ -327,6 +343,9 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
             let mut args = mesh_args("decode", *a);
             // Disaggregate every prompt of 32 tokens or more.
             args.extend(["--local-prefill-max-tokens".into(), "32".into()]);
+            if i == 0 {
+                args.extend(["--metrics-listen".into(), decode_metrics.to_string()]);
+            }
             Node::spawn(args, log(&format!("decode{i}")))
         })
         .collect();
@@ -382,6 +401,16 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     // Prefix reuse: a second prompt sharing a 1,000-token prefix goes to the decode node that
     // holds it and is served from its cache.
     rt.block_on(prefix_reuse(&etcd.endpoint(), router_addr, &decode_addrs));
+    // A node process exports its workers' and its prefix publishing's metrics.
+    let metrics = get(decode_metrics, "/metrics");
+    for name in [
+        "kvmesh_worker_requests_running",
+        "kvmesh_worker_prefix_cache_hit_tokens_total",
+        "kvmesh_kvstore_kv_etcd_writes_total",
+        "kvmesh_kvstore_kv_held_blocks",
+    ] {
+        assert!(metrics.contains(name), "{name} missing from:\n{metrics}");
+    }
 
     // kill -9 a prefill node: it leaves routing within the lease TTL, requests keep working.
     prefill[0].child.kill().unwrap();

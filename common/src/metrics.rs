@@ -24,3 +24,11 @@ pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
 // KV transfer.
 pub const TRANSFER_BYTES_TOTAL: &str = "kvmesh_transfer_bytes_total";
 pub const TRANSFER_SECONDS: &str = "kvmesh_transfer_duration_seconds";
+
+// Prefix index (label: node).
+pub const KV_EVENTS_PUBLISHED_TOTAL: &str = "kvmesh_kvstore_kv_events_published_total";
+pub const KV_ETCD_WRITES_TOTAL: &str = "kvmesh_kvstore_kv_etcd_writes_total";
+pub const KV_ETCD_WRITE_FAILURES_TOTAL: &str = "kvmesh_kvstore_kv_etcd_write_failures_total";
+pub const KV_HELD_BLOCKS: &str = "kvmesh_kvstore_kv_held_blocks";
+pub const PREFIX_INDEX_ENTRIES: &str = "kvmesh_router_prefix_index_entries";
+pub const PREFIX_INDEX_RESYNCS_TOTAL: &str = "kvmesh_router_prefix_index_resyncs_total";

@@ -60,10 +60,11 @@ pub fn run(args: &RouterArgs) -> Result<()> {
                 local_prefill_max_tokens: args.local_prefill_max_tokens,
                 ..DisaggConfig::default()
             },
-            Arc::new(index),
+            Arc::new(index.clone()),
             hasher,
         );
         tracing::info!(policy = routing.policy_name(), "routing");
+        super::metrics::export_index_stats(index, args.mesh.node_id());
         let backend = Arc::new(RemoteBackend::new(
             discovery,
             RemoteConfig::default(),
