@@ -79,21 +79,26 @@ pub fn main(args: &BenchTransferArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!(
-            "{} chunks of {} bytes ({:.2} GB)",
-            r.chunks,
-            r.chunk_bytes,
-            r.bytes as f64 / 1e9
-        );
-        println!("quic    {:>7.2} GB/s", r.quic_gb_s);
-        println!("tcp     {:>7.2} GB/s", r.tcp_gb_s);
-        println!("memcpy  {:>7.2} GB/s", r.memcpy_gb_s);
-        println!(
-            "quic/tcp {:.2}  quic/memcpy {:.3}",
-            r.quic_over_tcp, r.quic_over_memcpy
-        );
+        print_report(&r);
     }
     Ok(())
+}
+
+/// The report as a small table.
+pub fn print_report(r: &BenchTransferReport) {
+    println!(
+        "{} chunks of {} bytes ({:.2} GB), two processes on loopback",
+        r.chunks,
+        r.chunk_bytes,
+        r.bytes as f64 / 1e9
+    );
+    println!("quic    {:>7.2} GB/s", r.quic_gb_s);
+    println!("tcp     {:>7.2} GB/s", r.tcp_gb_s);
+    println!("memcpy  {:>7.2} GB/s", r.memcpy_gb_s);
+    println!(
+        "quic/tcp {:.2}  quic/memcpy {:.3}",
+        r.quic_over_tcp, r.quic_over_memcpy
+    );
 }
 
 /// Measures all three over the same bytes.

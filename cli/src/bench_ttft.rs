@@ -248,20 +248,7 @@ pub fn run(cmd: &BenchTransferCommand) -> Result<()> {
         println!("{both}");
         return Ok(());
     }
-    let r = &transfer;
-    println!(
-        "{} chunks of {} bytes ({:.2} GB), two processes on loopback",
-        r.chunks,
-        r.chunk_bytes,
-        r.bytes as f64 / 1e9
-    );
-    println!("quic    {:>7.2} GB/s", r.quic_gb_s);
-    println!("tcp     {:>7.2} GB/s", r.tcp_gb_s);
-    println!("memcpy  {:>7.2} GB/s", r.memcpy_gb_s);
-    println!(
-        "quic/tcp {:.2}  quic/memcpy {:.3}",
-        r.quic_over_tcp, r.quic_over_memcpy
-    );
+    crate::bench_transfer::print_report(&transfer);
     println!(
         "TTFT of a {}-token prompt ({:.1} MB of KV): local {:.3} s, disaggregated {:.3} s, ratio {:.3}",
         ttft.prompt_tokens,

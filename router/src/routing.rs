@@ -4,7 +4,7 @@
 //! index and discovery are read from memory.
 
 use crate::policy::{
-    overlap_on_device, should_prefill_remotely, DisaggConfig, RouteRequest, RoutingPolicy,
+    overlap_by_tier, should_prefill_remotely, DisaggConfig, RouteRequest, RoutingPolicy,
 };
 use kvmesh_common::{BlockHasher, NodeId, TokenId};
 use kvmesh_kvstore::{NodeEntry, PrefixIndex};
@@ -59,7 +59,7 @@ impl Routing {
         prefill: &[NodeEntry],
     ) -> Option<Route> {
         let hashes = self.hasher.sequence_hashes(prompt);
-        let overlap = overlap_on_device(self.index.overlap(&hashes));
+        let overlap = overlap_by_tier(self.index.overlap_tiered(&hashes));
         let in_flight = lock(&self.in_flight).clone();
         let request = |nodes| RouteRequest {
             nodes,

@@ -23,7 +23,7 @@ pub use config::{KvAwareConfig, RoutingConfig, UnknownPolicy};
 pub use disaggregation::{should_prefill_remotely, DisaggConfig};
 pub use kv_aware::KvAware;
 pub use least_loaded::{least_loaded, least_loaded_with, LeastLoaded};
-pub use overlap::{overlap_on_device, Overlap, Tier};
+pub use overlap::{overlap_by_tier, overlap_on_device, Overlap, Tier};
 pub use power_of_two::PowerOfTwo;
 pub use random::Random;
 pub use round_robin::RoundRobin;

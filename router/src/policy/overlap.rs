@@ -3,28 +3,9 @@
 //! brought back first.
 
 use kvmesh_common::NodeId;
-use serde::{Deserialize, Serialize};
+pub use kvmesh_kvstore::Tier;
+use kvmesh_kvstore::TieredOverlap;
 use std::collections::HashMap;
-
-/// Where a cached KV block lives on a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Tier {
-    /// The main KV pool, usable as is.
-    Device,
-    /// Host memory: one copy back to the device.
-    Host,
-    /// Local disk: a read, then a copy.
-    Disk,
-}
-
-impl Tier {
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
-
-    fn index(self) -> usize {
-        self as usize
-    }
-}
 
 /// Leading prompt blocks one node holds, counted per tier (together they are the node's
 /// cached prefix of the prompt).
@@ -47,11 +28,11 @@ impl Overlap {
     }
 
     pub fn add(&mut self, tier: Tier, blocks: usize) {
-        self.blocks_by_tier[tier.index()] += blocks;
+        self.blocks_by_tier[tier as usize] += blocks;
     }
 
     pub fn blocks(&self, tier: Tier) -> usize {
-        self.blocks_by_tier[tier.index()]
+        self.blocks_by_tier[tier as usize]
     }
 
     /// The cached prefix length in blocks, all tiers together.
@@ -62,6 +43,20 @@ impl Overlap {
 
 /// Lifts a device-only answer of [`kvmesh_kvstore::PrefixIndex::overlap`] into per-tier
 /// overlaps.
+impl From<TieredOverlap> for Overlap {
+    fn from(t: TieredOverlap) -> Self {
+        Overlap::default()
+            .with(Tier::Device, t.device)
+            .with(Tier::Host, t.host)
+            .with(Tier::Disk, t.disk)
+    }
+}
+
+/// The index's answer as the policies take it.
+pub fn overlap_by_tier(o: HashMap<NodeId, TieredOverlap>) -> HashMap<NodeId, Overlap> {
+    o.into_iter().map(|(node, t)| (node, t.into())).collect()
+}
+
 pub fn overlap_on_device(blocks: HashMap<NodeId, usize>) -> HashMap<NodeId, Overlap> {
     blocks
         .into_iter()
