@@ -99,6 +99,7 @@ impl Router {
         let ops = axum::Router::new()
             .route("/health", get(health))
             .route("/metrics", get(metrics::render))
+            .route("/openapi.json", get(openapi))
             .method_not_allowed_fallback(method_not_allowed);
         api.merge(ops)
             .fallback(not_found)
@@ -161,6 +162,17 @@ impl Router {
 
 /// After aborting in-flight requests, how long `serve` waits for their connections.
 const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The API's OpenAPI 3.1 document (`router/openapi/openapi.json`).
+const OPENAPI: &str = include_str!("../openapi/openapi.json");
+
+/// `GET /openapi.json`.
+async fn openapi() -> impl axum::response::IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        OPENAPI,
+    )
+}
 
 /// `GET /health`: 200 when the backend is ready and the router is not draining.
 async fn health(State(state): State<Arc<AppState>>) -> Response {

@@ -48,6 +48,54 @@ async fn health_follows_backend_readiness_and_draining() {
 }
 
 #[tokio::test]
+async fn the_openapi_document_describes_every_route() {
+    let backend = ScriptedBackend::replying("abc", FinishReason::Stop);
+    let app = router(&backend).app();
+    let reply = get(&app, "/openapi.json").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(reply.header("content-type"), Some("application/json"));
+    let doc = reply.json();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    for (path, method) in [
+        ("/v1/chat/completions", "post"),
+        ("/v1/completions", "post"),
+        ("/v1/models", "get"),
+        ("/health", "get"),
+        ("/metrics", "get"),
+        ("/openapi.json", "get"),
+    ] {
+        assert!(doc["paths"][path][method].is_object(), "{method} {path}");
+        // And the route exists: anything but 404.
+        let status = if method == "get" {
+            get(&app, path).await.status
+        } else {
+            post(&app, path, json!({})).await.status
+        };
+        assert_ne!(status, 404, "{method} {path}");
+    }
+    // Every $ref resolves inside the document.
+    fn refs(v: &serde_json::Value, out: &mut Vec<String>) {
+        match v {
+            serde_json::Value::Object(m) => {
+                if let Some(serde_json::Value::String(r)) = m.get("$ref") {
+                    out.push(r.clone());
+                }
+                m.values().for_each(|v| refs(v, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&doc, &mut all);
+    assert!(!all.is_empty());
+    for r in all {
+        let pointer = r.strip_prefix('#').expect("a local $ref");
+        assert!(doc.pointer(pointer).is_some(), "dangling $ref {r}");
+    }
+}
+
+#[tokio::test]
 async fn metrics_are_exposed_in_prometheus_text() {
     let backend = ScriptedBackend::replying("abc", FinishReason::Stop);
     let app = router(&backend).app();
