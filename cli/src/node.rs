@@ -33,7 +33,8 @@ pub struct MeshArgs {
     /// node also receives KV over QUIC on the same port (UDP).
     #[arg(long, env = "KVMESH_LISTEN")]
     pub listen: SocketAddr,
-    /// The address other nodes use to reach this one (default: --listen).
+    /// The address other nodes use to reach this one (default: --listen, or with a wildcard
+    /// --listen, the address this host reaches etcd from).
     #[arg(long, env = "KVMESH_ADVERTISE")]
     pub advertise: Option<SocketAddr>,
     /// Name of the mesh: the root of its etcd keys, so meshes can share one etcd.
@@ -61,6 +62,17 @@ pub struct MeshArgs {
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// The local address the kernel would send from to reach `url`'s host (a connected UDP
+/// socket sends nothing).
+fn route_source(url: &str) -> Option<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let host_port = url.split("://").last()?.split('/').next()?;
+    let target = host_port.to_socket_addrs().ok()?.next()?;
+    let socket = std::net::UdpSocket::bind(("0.0.0.0", 0)).ok()?;
+    socket.connect(target).ok()?;
+    Some(socket.local_addr().ok()?.ip())
+}
+
 fn parse_node_id(s: &str) -> Result<NodeId, String> {
     u64::from_str_radix(s.trim_start_matches("0x"), 16)
         .map(NodeId)
@@ -68,8 +80,22 @@ fn parse_node_id(s: &str) -> Result<NodeId, String> {
 }
 
 impl MeshArgs {
+    /// `--advertise`, else `--listen`; a wildcard listen address (0.0.0.0, as in a
+    /// container) is replaced by the address this host uses to reach etcd, which is the one
+    /// other nodes can dial.
     pub fn advertise(&self) -> SocketAddr {
-        self.advertise.unwrap_or(self.listen)
+        if let Some(a) = self.advertise {
+            return a;
+        }
+        if !self.listen.ip().is_unspecified() {
+            return self.listen;
+        }
+        let ip = self
+            .etcd
+            .iter()
+            .find_map(|url| route_source(url))
+            .unwrap_or(self.listen.ip());
+        SocketAddr::new(ip, self.listen.port())
     }
 
     pub fn node_id(&self) -> NodeId {
