@@ -194,6 +194,27 @@ fn unreachable(config: &EtcdConfig, reason: String) -> StoreError {
 }
 
 /// Transport trouble is `Unreachable` (retry later); anything etcd itself rejected is `Etcd`.
+/// The next batch of a watch, or why the watch ended (closed, failed, or cancelled, e.g.
+/// because its start revision was compacted): the caller then re-lists.
+pub(crate) async fn next_watch_batch(
+    stream: &mut etcd_client::WatchStream,
+    config: &EtcdConfig,
+) -> Result<etcd_client::WatchResponse, StoreError> {
+    let resp = match stream.message().await {
+        Ok(Some(resp)) => resp,
+        Ok(None) => return Err(StoreError::Etcd("watch stream closed".into())),
+        Err(e) => return Err(classify(config, e)),
+    };
+    if resp.canceled() {
+        return Err(StoreError::Etcd(format!(
+            "watch canceled (compacted at {}): {}",
+            resp.compact_revision(),
+            resp.cancel_reason()
+        )));
+    }
+    Ok(resp)
+}
+
 pub(crate) fn classify(config: &EtcdConfig, e: etcd_client::Error) -> StoreError {
     use etcd_client::Error as E;
     use tonic::Code;

@@ -6,7 +6,7 @@
 //! over with a fresh list, which replaces the snapshot wholesale: deletes missed while
 //! disconnected cannot survive it.
 
-use super::{bounded, decode, Backoff, EtcdConfig};
+use super::{bounded, decode, next_watch_batch, Backoff, EtcdConfig};
 use crate::{NodeEntry, StoreError};
 use etcd_client::{Client, EventType, GetOptions, WatchOptions};
 use kvmesh_common::NodeRole;
@@ -160,18 +160,10 @@ impl Watcher {
             Err(e) => return e,
         };
         loop {
-            let resp = match stream.message().await {
-                Ok(Some(resp)) => resp,
-                Ok(None) => return StoreError::Etcd("watch stream closed".into()),
-                Err(e) => return super::classify(&self.config, e),
+            let resp = match next_watch_batch(&mut stream, &self.config).await {
+                Ok(resp) => resp,
+                Err(e) => return e,
             };
-            if resp.canceled() {
-                return StoreError::Etcd(format!(
-                    "watch canceled (compacted at {}): {}",
-                    resp.compact_revision(),
-                    resp.cancel_reason()
-                ));
-            }
             backoff.reset();
             for event in resp.events() {
                 let Some(kv) = event.kv() else { continue };

@@ -8,7 +8,7 @@
 use super::codec::{self, node_dir, parse_key, prefix_end, KvKey, Record};
 use super::replica::{Outcome, Replica};
 use super::{InMemoryPrefixIndex, PrefixIndex, TieredOverlap};
-use crate::etcd::{bounded, classify, connect_client, Backoff};
+use crate::etcd::{bounded, connect_client, next_watch_batch, Backoff};
 use crate::{EtcdConfig, StoreError};
 use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
 use kvmesh_common::{NodeId, SequenceHash};
@@ -223,18 +223,10 @@ impl Follower {
             Err(e) => return e,
         };
         loop {
-            let resp = match stream.message().await {
-                Ok(Some(resp)) => resp,
-                Ok(None) => return StoreError::Etcd("watch stream closed".into()),
-                Err(e) => return classify(&self.config, e),
+            let resp = match next_watch_batch(&mut stream, &self.config).await {
+                Ok(resp) => resp,
+                Err(e) => return e,
             };
-            if resp.canceled() {
-                return StoreError::Etcd(format!(
-                    "watch canceled (compacted at {}): {}",
-                    resp.compact_revision(),
-                    resp.cancel_reason()
-                ));
-            }
             backoff.reset();
             for event in resp.events() {
                 let Some(kv) = event.kv() else { continue };
