@@ -8,7 +8,7 @@
 //! on the decode node and, through it, on the prefill node.
 
 use crate::backend::Backend;
-use crate::routing::{InFlight, Routing};
+use crate::routing::{lock, InFlight, Routing};
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
@@ -106,22 +106,6 @@ impl RemoteBackend {
         clients.insert(id, (node.info.address.clone(), client.clone()));
         Ok(client)
     }
-
-    fn prefill_target(&self, id: NodeId) -> Option<PrefillTarget> {
-        let node = self
-            .discovery
-            .nodes(NodeRole::Prefill)
-            .into_iter()
-            .find(|n| n.info.node_id == id)?;
-        Some(PrefillTarget {
-            node_id: id,
-            address: node.info.address,
-        })
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[async_trait]
@@ -135,9 +119,9 @@ impl Backend for RemoteBackend {
         }
         let mut tried = Vec::new();
         let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
+        let prefill = self.candidates(NodeRole::Prefill, &[]);
         while tried.len() < self.config.max_attempts {
             let decode = self.candidates(NodeRole::Decode, &tried);
-            let prefill = self.candidates(NodeRole::Prefill, &[]);
             let Some(route) = self.routing.route(&req.prompt, &decode, &prefill) else {
                 break;
             };
@@ -147,7 +131,13 @@ impl Backend for RemoteBackend {
                 .iter()
                 .find(|n| n.info.node_id == id)
                 .expect("chosen");
-            let target = route.prefill.and_then(|p| self.prefill_target(p));
+            let target = route.prefill.and_then(|id| {
+                let node = prefill.iter().find(|n| n.info.node_id == id)?;
+                Some(PrefillTarget {
+                    node_id: id,
+                    address: node.info.address.clone(),
+                })
+            });
             let mut call = tonic::Request::new(grpc::generate_request_to_pb(&req, target.as_ref()));
             tag_request(&mut call, req.request_id);
             call.set_timeout(self.config.request_timeout);

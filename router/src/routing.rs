@@ -60,7 +60,7 @@ impl Routing {
     ) -> Option<Route> {
         let hashes = self.hasher.sequence_hashes(prompt);
         let overlap = overlap_by_tier(self.index.overlap_tiered(&hashes));
-        let in_flight = lock(&self.in_flight).clone();
+        let in_flight = lock(&self.in_flight);
         let request = |nodes| RouteRequest {
             nodes,
             in_flight: &in_flight,
@@ -112,7 +112,7 @@ impl Drop for InFlight {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
