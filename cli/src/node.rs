@@ -219,6 +219,28 @@ pub trait NodeWorker: Send + 'static {
     fn drain_and_join(self);
 }
 
+/// Both worker kinds have the same handle surface; one impl each, written once.
+macro_rules! node_worker {
+    ($($worker:ty),*) => {$(
+        impl NodeWorker for $worker {
+            fn load(&self) -> WorkerLoad {
+                self.handle().load()
+            }
+
+            fn is_draining(&self) -> bool {
+                self.handle().is_draining()
+            }
+
+            fn drain_and_join(self) {
+                self.handle().drain();
+                self.join();
+            }
+        }
+    )*};
+}
+
+node_worker!(kvmesh_decode::DecodeWorker, kvmesh_prefill::PrefillWorker);
+
 /// The life of a node: serves `routes` (gRPC) on `--listen`, registers `info`, reports load
 /// until a signal or a `Drain` RPC, leaves the mesh, drains the worker, stops the server.
 pub async fn run_node(

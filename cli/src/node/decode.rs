@@ -2,7 +2,7 @@
 //! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
 //! continuous batching and streams tokens back.
 
-use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, NodeWorker};
+use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -81,19 +81,4 @@ fn forget_departed_prefill_nodes(
             dir.retain(&alive);
         }
     });
-}
-
-impl NodeWorker for DecodeWorker {
-    fn load(&self) -> kvmesh_engine::worker_load::WorkerLoad {
-        self.handle().load()
-    }
-
-    fn is_draining(&self) -> bool {
-        self.handle().is_draining()
-    }
-
-    fn drain_and_join(self) {
-        self.handle().drain();
-        self.join();
-    }
 }

@@ -1,7 +1,7 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
 //! their KV over QUIC to the decode node that asked.
 
-use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, NodeWorker};
+use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -59,19 +59,4 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     })?;
     tracing::info!("stopped");
     Ok(())
-}
-
-impl NodeWorker for PrefillWorker {
-    fn load(&self) -> kvmesh_engine::worker_load::WorkerLoad {
-        self.handle().load()
-    }
-
-    fn is_draining(&self) -> bool {
-        self.handle().is_draining()
-    }
-
-    fn drain_and_join(self) {
-        self.handle().drain();
-        self.join();
-    }
 }
