@@ -134,6 +134,7 @@ fn ttft(
         request_id: RequestId(rand::random()),
         prompt,
         params: SamplingParams::greedy(2),
+        resume: Vec::new(),
     };
     let start = Instant::now();
     let mut events = handle.generate(request, prefill)?;

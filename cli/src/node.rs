@@ -47,6 +47,10 @@ pub struct MeshArgs {
     /// after this).
     #[arg(long, env = "KVMESH_LEASE_TTL", default_value = "3s", value_parser = humantime::parse_duration)]
     pub lease_ttl: Duration,
+    /// After SIGTERM or a `Drain` RPC, how long the node lets accepted requests finish; past
+    /// it, it stops, and the router moves the requests still open to other nodes.
+    #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub drain_timeout: Duration,
     /// CA certificate (PEM) for mutual TLS on the KV transport; with --tls-cert and
     /// --tls-key. Without them the transport uses a self-signed certificate (encrypted, not
     /// authenticated).
@@ -215,8 +219,9 @@ pub async fn serve_lease(
 pub trait NodeWorker: Send + 'static {
     fn load(&self) -> WorkerLoad;
     fn is_draining(&self) -> bool;
-    /// Stops taking requests and waits until those accepted are done (blocking).
-    fn drain_and_join(self);
+    /// Stops taking requests and waits until those accepted are done, or `timeout` passes
+    /// (blocking). Returns whether they all finished.
+    fn drain_and_join(self, timeout: Duration) -> bool;
 }
 
 /// Both worker kinds have the same handle surface; one impl each, written once.
@@ -231,9 +236,9 @@ macro_rules! node_worker {
                 self.handle().is_draining()
             }
 
-            fn drain_and_join(self) {
+            fn drain_and_join(self, timeout: Duration) -> bool {
                 self.handle().drain();
-                self.join();
+                self.join_within(timeout)
             }
         }
     )*};
@@ -270,7 +275,13 @@ pub async fn run_node(
         || worker.is_draining(),
     )
     .await?;
-    tokio::task::spawn_blocking(move || worker.drain_and_join()).await?;
+    let timeout = args.drain_timeout;
+    if !tokio::task::spawn_blocking(move || worker.drain_and_join(timeout)).await? {
+        tracing::warn!(
+            "drain timeout ({timeout:?}) passed; stopped with requests open (the router \
+             moves them to other nodes)"
+        );
+    }
     let _ = stop.send(());
     server.await?.context("gRPC server")
 }

@@ -3,130 +3,14 @@
 //! router must give `kvmesh serve`'s greedy output, every node must serve traffic, and the
 //! mesh must survive a prefill node's `kill -9` and take it back when it restarts.
 
-use kvmesh_common::grpc::pb;
+mod cluster;
+
+use cluster::*;
 use kvmesh_common::NodeRole;
-use kvmesh_kvstore::{
-    Discovery, EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer, PrefixIndex,
-};
+use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer, PrefixIndex};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
-
-const LEASE_TTL: Duration = Duration::from_secs(2);
-const START_TIMEOUT: Duration = Duration::from_secs(120);
-const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
-
-/// A free TCP port on `ip` (the node also binds UDP on it; that is free too in practice).
-fn free_addr(ip: &str) -> SocketAddr {
-    let l = TcpListener::bind((ip, 0)).expect("bind a loopback address");
-    l.local_addr().unwrap()
-}
-
-struct Node {
-    child: Child,
-    args: Vec<String>,
-    log: std::path::PathBuf,
-}
-
-impl Node {
-    fn spawn(args: Vec<String>, log: std::path::PathBuf) -> Node {
-        let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-            .args(&args)
-            .env("KVMESH_LOG", "info")
-            .env_remove("KVMESH_DECODE_WORKERS")
-            .env_remove("KVMESH_CONFIG")
-            .stdout(Stdio::null())
-            .stderr(out)
-            .spawn()
-            .expect("kvmesh starts");
-        Node { child, args, log }
-    }
-
-    fn restart(&mut self) {
-        *self = Node::spawn(self.args.clone(), self.log.clone());
-    }
-
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(15)..].join("\n")
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// POSTs JSON over plain HTTP/1.1 and returns (status, body).
-fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
-    let body = body.to_string();
-    let mut s = TcpStream::connect(addr).expect("connect to the router");
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut response = String::new();
-    s.read_to_string(&mut response).expect("a response");
-    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
-    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
-}
-
-/// The body of a GET.
-fn get(addr: SocketAddr, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut r = String::new();
-    s.read_to_string(&mut r).unwrap();
-    r.split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default()
-}
-
-fn health_ok(addr: SocketAddr) -> bool {
-    let Ok(mut s) = TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = write!(
-        s,
-        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    );
-    let mut r = String::new();
-    let _ = s.read_to_string(&mut r);
-    r.starts_with("HTTP/1.1 200")
-}
-
-/// Waits for `addr`'s /health to answer 200.
-fn await_health(addr: SocketAddr, nodes: &[&Node]) {
-    let deadline = Instant::now() + START_TIMEOUT;
-    while !health_ok(addr) {
-        assert!(
-            Instant::now() < deadline,
-            "no healthy server at {addr}; logs:\n{}",
-            nodes
-                .iter()
-                .map(|n| n.log_tail())
-                .collect::<Vec<_>>()
-                .join("\n---\n")
-        );
-        // Polling an HTTP endpoint that gives no push signal; bounded by the deadline.
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 /// The request mix: completions and chat, short prompts (prefilled on the decode node) and
 /// long ones (prefilled on a prefill node), several lengths of output.
@@ -181,54 +65,6 @@ fn run_requests(addr: SocketAddr, ids: &[usize], threads: usize) -> Vec<String> 
         }
     });
     out
-}
-
-async fn requests_served(address: &str, role: NodeRole) -> u64 {
-    let url = format!("http://{address}");
-    let request = tonic::Request::new(pb::HealthRequest {});
-    let reply = match role {
-        NodeRole::Prefill => {
-            pb::prefill_client::PrefillClient::connect(url)
-                .await
-                .expect("prefill node answers")
-                .health(request)
-                .await
-        }
-        _ => {
-            pb::decode_client::DecodeClient::connect(url)
-                .await
-                .expect("decode node answers")
-                .health(request)
-                .await
-        }
-    };
-    reply.expect("health").into_inner().requests_total
-}
-
-/// Waits until discovery shows `prefill` and `decode` nodes; returns how long it took.
-async fn await_membership(
-    discovery: &EtcdDiscovery,
-    prefill: usize,
-    decode: usize,
-    within: Duration,
-) -> Duration {
-    let start = Instant::now();
-    let mut changes = discovery.subscribe();
-    loop {
-        let (p, d) = (
-            discovery.nodes(NodeRole::Prefill).len(),
-            discovery.nodes(NodeRole::Decode).len(),
-        );
-        if p == prefill && d == decode {
-            return start.elapsed();
-        }
-        let left = within.saturating_sub(start.elapsed());
-        let changed = tokio::time::timeout(left, changes.changed()).await;
-        assert!(
-            matches!(changed, Ok(Ok(()))),
-            "membership stayed at {p} prefill / {d} decode; wanted {prefill} / {decode}"
-        );
-    }
 }
 
 /// Token ids of a long prompt: `prefix` shared, then a tail of its own.
@@ -308,25 +144,7 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("mesh_cluster");
     std::fs::create_dir_all(&logs).unwrap();
     let log = |name: &str| logs.join(format!("{name}.log"));
-    let mesh_args = |role: &str, addr: SocketAddr| -> Vec<String> {
-        let mut a: Vec<String> = [role, "--etcd", &etcd.endpoint(), "--listen"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        a.push(addr.to_string());
-        a.extend(
-            [
-                "--cluster",
-                "meshtest",
-                "--threads",
-                "1",
-                "--lease-ttl",
-                "2s",
-            ]
-            .map(String::from),
-        );
-        a
-    };
+    let mesh_args = |role: &str, addr| mesh_args(role, addr, &etcd.endpoint(), "meshtest");
     let router_addr = free_addr("127.0.0.2");
     let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
     let decode_addrs = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];

@@ -142,6 +142,7 @@ pub fn generate_request_to_pb(
         request_id: req.request_id.0,
         prompt: req.prompt.clone(),
         params: Some((&req.params).into()),
+        resume: req.resume.clone(),
         prefill: prefill.map(|p| pb::PrefillTarget {
             node_id: p.node_id.0,
             address: p.address.clone(),
@@ -161,6 +162,7 @@ pub fn generate_request_from_pb(
         request_id: RequestId(m.request_id),
         prompt: m.prompt,
         params,
+        resume: m.resume,
     };
     Ok((req, prefill))
 }
@@ -351,6 +353,7 @@ mod tests {
                 logprobs: Some(2),
                 ..SamplingParams::greedy(9)
             },
+            resume: vec![4, 5],
         };
         let target = PrefillTarget {
             node_id: NodeId(3),

@@ -9,6 +9,8 @@ pub const ROUTER_E2E_SECONDS: &str = "kvmesh_router_e2e_latency_seconds";
 pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "kvmesh_router_prompt_tokens_total";
 pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_tokens_total";
 pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
+pub const ROUTER_MIGRATIONS_TOTAL: &str = "kvmesh_router_migrations_total";
+pub const ROUTER_DECODE_RETRIES_TOTAL: &str = "kvmesh_router_decode_retries_total";
 
 // Workers (labels: node, role).
 pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";

@@ -11,6 +11,12 @@ pub struct GenerateRequest {
     pub request_id: RequestId,
     pub prompt: Vec<TokenId>,
     pub params: SamplingParams,
+    /// Tokens already generated and delivered for this request by a decode node that then
+    /// failed: the request is migrated and continues right after them (their KV is
+    /// recomputed; their text is not sent again). `params` are the original ones, so
+    /// `max_tokens` counts these tokens too. Empty for a new request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub resume: Vec<TokenId>,
 }
 
 /// One generated token with the text it completes.

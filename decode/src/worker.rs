@@ -253,6 +253,19 @@ impl DecodeWorker {
             let _ = t.join();
         }
     }
+
+    /// Waits up to `timeout` for the thread to exit (after `drain`); past it, stops the
+    /// thread, ending the requests still open with `Unavailable`. Returns whether they all
+    /// finished in time.
+    pub fn join_within(mut self, timeout: std::time::Duration) -> bool {
+        let Some(t) = self.thread.take() else {
+            return true;
+        };
+        let inbox = self.handle.inbox.clone();
+        kvmesh_common::shutdown::join_within(t, timeout, move || {
+            let _ = inbox.send(Inbox::Stop);
+        })
+    }
 }
 
 impl Drop for DecodeWorker {
@@ -424,6 +437,7 @@ impl<R: ModelRunner> Loop<R> {
             request_id,
             prompt,
             mut params,
+            resume,
         } = request;
         if self.by_request.contains_key(&request_id) {
             self.shared.queue.give_back();
@@ -435,11 +449,17 @@ impl<R: ModelRunner> Loop<R> {
         // draws continue the same random stream.
         params.seed.get_or_insert_with(rand::random);
         let uncached = prompt.len() - self.engine.scheduler().probe_prefix(&prompt);
-        let prefill = prefill
-            .filter(|p| uncached >= self.config.local_prefill_max_tokens && self.compatible(p));
+        // A migrated request recomputes its prompt and the tokens it already has here: the
+        // prefill protocol carries prompts, not generated tokens.
+        let prefill = prefill.filter(|p| {
+            resume.is_empty()
+                && uncached >= self.config.local_prefill_max_tokens
+                && self.compatible(p)
+        });
         let seq_id = self.next_seq_id;
         self.next_seq_id += 1;
         let prompt_tokens = prompt.len() as u32;
+        let resumed_tokens = resume.len() as u32;
         let added = match &prefill {
             Some(_) => self.engine.add_remote_request(
                 seq_id,
@@ -448,6 +468,10 @@ impl<R: ModelRunner> Loop<R> {
                 0,
                 self.config.remote_prefill_timeout,
             ),
+            None if resumed_tokens > 0 => {
+                self.engine
+                    .resume_request(seq_id, prompt, resume, params.clone(), 0)
+            }
             None => self.engine.add_request(seq_id, prompt, params.clone(), 0),
         };
         if let Err(e) = added {
@@ -465,7 +489,8 @@ impl<R: ModelRunner> Loop<R> {
                 events,
                 params,
                 prompt_tokens,
-                completion_tokens: 0,
+                // Usage covers the whole request, across migrations.
+                completion_tokens: resumed_tokens,
                 cached_tokens: 0,
                 enqueued_at,
                 in_queue: true,
@@ -727,7 +752,8 @@ impl<R: ModelRunner> Loop<R> {
             let usage = Usage {
                 prompt_tokens: a.prompt_tokens,
                 completion_tokens: a.completion_tokens,
-                cached_tokens: a.cached_tokens,
+                // A migrated request's cache hits may reach into its generated tokens.
+                cached_tokens: a.cached_tokens.min(a.prompt_tokens),
             };
             let _ = a.events.send(GenerateEvent::Finished {
                 reason,

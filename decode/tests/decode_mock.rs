@@ -113,6 +113,7 @@ fn request(id: u64, prompt_len: usize) -> GenerateRequest {
             ignore_eos: true,
             ..SamplingParams::greedy(4)
         },
+        resume: Vec::new(),
     }
 }
 

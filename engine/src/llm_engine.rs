@@ -59,6 +59,30 @@ struct SeqState {
     prefill_only: bool,
 }
 
+impl SeqState {
+    /// Brings a migrated sequence's per-token state to where it was after `generated`:
+    /// the text they completed is dropped (the client has it already).
+    fn replay(
+        &mut self,
+        tokenizer: &Tokenizer,
+        vocab: usize,
+        prompt: &[TokenId],
+        generated: &[TokenId],
+    ) {
+        for (i, &token) in generated.iter().enumerate() {
+            if !self.params.is_greedy() {
+                // One draw per token, as `complete_remote_prefill` does: later draws continue
+                // the same random stream.
+                let mut logits = vec![0.0; vocab];
+                self.sampler
+                    .sample(&self.params, &mut logits, prompt, &generated[..i]);
+            }
+            let piece = self.detokenizer.push(tokenizer, token);
+            self.stop.push_text(&piece);
+        }
+    }
+}
+
 /// How a sequence's prompt is computed.
 #[derive(Clone, Copy, Debug)]
 enum Mode {
@@ -101,7 +125,22 @@ impl<R: ModelRunner> LlmEngine<R> {
         params: SamplingParams,
         top_logits: usize,
     ) -> Result<(), EngineError> {
-        self.add(seq_id, prompt, params, top_logits, Mode::Local)
+        self.add(seq_id, prompt, Vec::new(), params, top_logits, Mode::Local)
+    }
+
+    /// Queues a migrated sequence: `generated` are the tokens another worker already produced
+    /// (and delivered) for it. Their KV is computed like a prompt's; their text, stop-string
+    /// state and random draws are replayed without output, so the tokens and text that follow
+    /// are exactly those the other worker would have produced next.
+    pub fn resume_request(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        generated: Vec<TokenId>,
+        params: SamplingParams,
+        top_logits: usize,
+    ) -> Result<(), EngineError> {
+        self.add(seq_id, prompt, generated, params, top_logits, Mode::Local)
     }
 
     /// Queues a sequence whose prompt KV will come from a prefill worker (see the module
@@ -116,7 +155,7 @@ impl<R: ModelRunner> LlmEngine<R> {
         transfer_timeout: Duration,
     ) -> Result<(), EngineError> {
         let mode = Mode::Remote { transfer_timeout };
-        self.add(seq_id, prompt, params, top_logits, mode)
+        self.add(seq_id, prompt, Vec::new(), params, top_logits, mode)
     }
 
     /// Queues a prefill-only sequence: it computes the prompt, samples the first token with
@@ -128,20 +167,25 @@ impl<R: ModelRunner> LlmEngine<R> {
         prompt: Vec<TokenId>,
         params: SamplingParams,
     ) -> Result<(), EngineError> {
-        self.add(seq_id, prompt, params, 0, Mode::PrefillOnly)
+        self.add(seq_id, prompt, Vec::new(), params, 0, Mode::PrefillOnly)
     }
 
     fn add(
         &mut self,
         seq_id: SeqId,
         prompt: Vec<TokenId>,
+        generated: Vec<TokenId>,
         params: SamplingParams,
         top_logits: usize,
         mode: Mode,
     ) -> Result<(), EngineError> {
         params.validate()?;
         let eos = self.tokenizer.eos_token_id();
-        let state = SeqState {
+        let vocab = self.runner.vocab_size();
+        if let Some(&token) = generated.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RunnerError::TokenOutOfRange { token, vocab }.into());
+        }
+        let mut state = SeqState {
             sampler: Sampler::new(&params, eos),
             stop: StopChecker::new(&params, eos),
             detokenizer: IncrementalDetokenizer::new(&self.tokenizer, &prompt),
@@ -151,7 +195,11 @@ impl<R: ModelRunner> LlmEngine<R> {
             reported_cached: false,
             prefill_only: matches!(mode, Mode::PrefillOnly),
         };
+        state.replay(&self.tokenizer, vocab, &prompt, &generated);
         match mode {
+            Mode::Local if !generated.is_empty() => self
+                .scheduler
+                .add_resumed_sequence(seq_id, prompt, generated)?,
             Mode::Local | Mode::PrefillOnly => self.scheduler.add_sequence(seq_id, prompt)?,
             Mode::Remote { transfer_timeout } => {
                 self.scheduler

@@ -230,7 +230,18 @@ impl Scheduler {
         seq_id: SeqId,
         prompt: Vec<TokenId>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt, None)
+        self.add(seq_id, prompt, Vec::new(), None)
+    }
+
+    /// Queues a sequence that already generated `output` elsewhere (a migrated request): its
+    /// KV is computed as a preempted sequence's is, and it continues after `output`.
+    pub fn add_resumed_sequence(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        output: Vec<TokenId>,
+    ) -> Result<(), SchedulerError> {
+        self.add(seq_id, prompt, output, None)
     }
 
     /// Queues a sequence whose prompt KV will arrive from another node (see the module docs).
@@ -246,25 +257,27 @@ impl Scheduler {
             timeout: transfer_timeout,
             deadline: None,
         };
-        self.add(seq_id, prompt, Some(remote))
+        self.add(seq_id, prompt, Vec::new(), Some(remote))
     }
 
     fn add(
         &mut self,
         seq_id: SeqId,
         prompt: Vec<TokenId>,
+        output: Vec<TokenId>,
         remote: Option<RemotePrefill>,
     ) -> Result<(), SchedulerError> {
         if prompt.is_empty() {
             return Err(SchedulerError::EmptyPrompt);
         }
-        if prompt.len() > self.config.max_model_len {
+        let len = prompt.len() + output.len();
+        if len > self.config.max_model_len {
             return Err(SchedulerError::PromptTooLong {
-                len: prompt.len(),
+                len,
                 max_model_len: self.config.max_model_len,
             });
         }
-        let needed = blocks_for(prompt.len(), self.config.block_size);
+        let needed = blocks_for(len, self.config.block_size);
         if needed > self.config.num_blocks {
             return Err(SchedulerError::PromptExceedsPool {
                 needed,
@@ -275,6 +288,7 @@ impl Scheduler {
             return Err(SchedulerError::DuplicateSeqId(seq_id));
         }
         let mut seq = Sequence::new(self.next_generation, prompt);
+        seq.tokens.extend(output);
         seq.remote = remote;
         self.next_generation += 1;
         if self.config.enable_prefix_caching {

@@ -185,6 +185,19 @@ impl PrefillWorker {
             let _ = t.join();
         }
     }
+
+    /// Waits up to `timeout` for the thread to exit (after `drain`); past it, stops the
+    /// thread, ending the requests still open with `Unavailable`. Returns whether they all
+    /// finished in time.
+    pub fn join_within(mut self, timeout: std::time::Duration) -> bool {
+        let Some(t) = self.thread.take() else {
+            return true;
+        };
+        let inbox = self.handle.inbox.clone();
+        kvmesh_common::shutdown::join_within(t, timeout, move || {
+            let _ = inbox.send(Inbox::Stop);
+        })
+    }
 }
 
 impl Drop for PrefillWorker {

@@ -37,6 +37,7 @@ fn choice_request(job: &Job, index: usize) -> GenerateRequest {
         request_id: id,
         prompt: job.prompt.clone(),
         params,
+        resume: Vec::new(),
     }
 }
 

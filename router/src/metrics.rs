@@ -40,6 +40,10 @@ pub(crate) struct Metrics {
     pub(crate) prompt_tokens: IntCounter,
     pub(crate) generation_tokens: IntCounter,
     pub(crate) in_flight: IntGauge,
+    /// Requests moved to another decode node after their stream broke.
+    pub(crate) migrations: IntCounter,
+    /// Decode nodes that refused a request before another one took it.
+    pub(crate) decode_retries: IntCounter,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -105,6 +109,22 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
                 "Completion requests being served.",
             )
             .expect("valid gauge options"),
+        ),
+        migrations: register(
+            r,
+            IntCounter::new(
+                names::ROUTER_MIGRATIONS_TOTAL,
+                "Requests moved to another decode node after their stream broke mid-request.",
+            )
+            .expect("valid counter options"),
+        ),
+        decode_retries: register(
+            r,
+            IntCounter::new(
+                names::ROUTER_DECODE_RETRIES_TOTAL,
+                "Requests sent to another decode node because the first one was unavailable.",
+            )
+            .expect("valid counter options"),
         ),
     }
 });

@@ -4,10 +4,15 @@
 //!
 //! A node that refuses connections (it died and its lease has not expired yet) is skipped
 //! for a short while and the request goes to the next candidate, so a crash costs no request
-//! that had not started. Dropping the event receiver drops the RPC, which cancels the request
-//! on the decode node and, through it, on the prefill node.
+//! that had not started. A stream that breaks mid-request (the decode node died or failed) is
+//! *migrated*: the prompt and the tokens delivered so far go to another decode node, which
+//! recomputes their KV and continues after them, so the client's stream goes on without a gap
+//! or a repeated token (`RemoteConfig::max_migrations` bounds it). Dropping the event
+//! receiver drops the RPC, which cancels the request on the decode node and, through it, on
+//! the prefill node.
 
 use crate::backend::Backend;
+use crate::metrics::metrics;
 use crate::routing::{lock, InFlight, Routing};
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
@@ -19,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
 
 type DecodeClient = pb::decode_client::DecodeClient<Channel>;
 
@@ -32,8 +38,10 @@ pub struct RemoteConfig {
     /// Decode nodes tried per request before giving up with 503.
     pub max_attempts: usize,
     /// Each request's deadline, sent with it (`grpc-timeout`): past it the decode node ends
-    /// the request and cancels its prefill.
+    /// the request and cancels its prefill. Migrations do not extend it.
     pub request_timeout: Duration,
+    /// How many times one request may move to another decode node after its stream broke.
+    pub max_migrations: usize,
 }
 
 impl Default for RemoteConfig {
@@ -43,11 +51,17 @@ impl Default for RemoteConfig {
             suspect_for: Duration::from_secs(3),
             max_attempts: 3,
             request_timeout: Duration::from_secs(600),
+            max_migrations: 3,
         }
     }
 }
 
 pub struct RemoteBackend {
+    mesh: Arc<Mesh>,
+}
+
+/// What the request streams share: the relay of a broken stream opens the next one.
+struct Mesh {
     discovery: Arc<dyn Discovery>,
     config: RemoteConfig,
     clients: Mutex<HashMap<NodeId, (String, DecodeClient)>>,
@@ -56,23 +70,34 @@ pub struct RemoteBackend {
     draining: AtomicBool,
 }
 
+/// A Generate stream open on one decode node.
+struct Opened {
+    node: NodeId,
+    stream: tonic::Streaming<pb::GenerateEvent>,
+    _in_flight: InFlight,
+}
+
 impl RemoteBackend {
     pub fn new(discovery: Arc<dyn Discovery>, config: RemoteConfig, routing: Routing) -> Self {
         RemoteBackend {
-            discovery,
-            config,
-            clients: Mutex::new(HashMap::new()),
-            suspects: Mutex::new(HashMap::new()),
-            routing,
-            draining: AtomicBool::new(false),
+            mesh: Arc::new(Mesh {
+                discovery,
+                config,
+                clients: Mutex::new(HashMap::new()),
+                suspects: Mutex::new(HashMap::new()),
+                routing,
+                draining: AtomicBool::new(false),
+            }),
         }
     }
 
     /// Stops taking requests (`/health` turns 503) while open streams finish.
     pub fn drain(&self) {
-        self.draining.store(true, Ordering::Release);
+        self.mesh.draining.store(true, Ordering::Release);
     }
+}
 
+impl Mesh {
     /// Live nodes of `role`, less the suspects and those already tried.
     fn candidates(&self, role: NodeRole, tried: &[NodeId]) -> Vec<NodeEntry> {
         let now = Instant::now();
@@ -106,23 +131,32 @@ impl RemoteBackend {
         clients.insert(id, (node.info.address.clone(), client.clone()));
         Ok(client)
     }
-}
 
-#[async_trait]
-impl Backend for RemoteBackend {
-    async fn generate(
+    /// Opens `req` on the best decode node not in `tried` (which it extends), moving on to
+    /// the next one while nodes are unavailable, up to `max_attempts` of them.
+    async fn open(
         &self,
-        req: GenerateRequest,
-    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError> {
-        if self.draining.load(Ordering::Acquire) {
-            return Err(WorkerError::Unavailable("the router is draining".into()));
-        }
-        let mut tried = Vec::new();
+        req: &GenerateRequest,
+        tried: &mut Vec<NodeId>,
+        deadline: Instant,
+    ) -> Result<Opened, WorkerError> {
         let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
-        let prefill = self.candidates(NodeRole::Prefill, &[]);
-        while tried.len() < self.config.max_attempts {
-            let decode = self.candidates(NodeRole::Decode, &tried);
-            let Some(route) = self.routing.route(&req.prompt, &decode, &prefill) else {
+        // A migrated request is routed by everything its KV will hold.
+        let tokens = [&req.prompt[..], &req.resume[..]].concat();
+        // The decode node recomputes a migrated request itself (see `GenerateRequest::resume`).
+        let prefill = if req.resume.is_empty() {
+            self.candidates(NodeRole::Prefill, &[])
+        } else {
+            Vec::new()
+        };
+        for attempt in 0..self.config.max_attempts {
+            let Some(timeout) = deadline.checked_duration_since(Instant::now()) else {
+                return Err(WorkerError::Unavailable(
+                    "the request's deadline passed".into(),
+                ));
+            };
+            let decode = self.candidates(NodeRole::Decode, tried);
+            let Some(route) = self.routing.route(&tokens, &decode, &prefill) else {
                 break;
             };
             let id = route.decode;
@@ -138,13 +172,21 @@ impl Backend for RemoteBackend {
                     address: node.info.address.clone(),
                 })
             });
-            let mut call = tonic::Request::new(grpc::generate_request_to_pb(&req, target.as_ref()));
+            let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, target.as_ref()));
             tag_request(&mut call, req.request_id);
-            call.set_timeout(self.config.request_timeout);
+            call.set_timeout(timeout);
             let in_flight = self.routing.track(id);
-            let mut client = self.client(node)?;
-            match client.generate(call).await {
-                Ok(stream) => return Ok(forward(stream.into_inner(), in_flight)),
+            if attempt > 0 {
+                metrics().decode_retries.inc();
+            }
+            match self.client(node)?.generate(call).await {
+                Ok(stream) => {
+                    return Ok(Opened {
+                        node: id,
+                        stream: stream.into_inner(),
+                        _in_flight: in_flight,
+                    })
+                }
                 Err(status) => {
                     let error = grpc::worker_error_from_status(&status);
                     if !matches!(error, WorkerError::Unavailable(_)) {
@@ -159,39 +201,101 @@ impl Backend for RemoteBackend {
         }
         Err(last_error)
     }
+}
+
+#[async_trait]
+impl Backend for RemoteBackend {
+    async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError> {
+        let mesh = &self.mesh;
+        if mesh.draining.load(Ordering::Acquire) {
+            return Err(WorkerError::Unavailable("the router is draining".into()));
+        }
+        let deadline = Instant::now() + mesh.config.request_timeout;
+        let mut tried = Vec::new();
+        let opened = mesh.open(&req, &mut tried, deadline).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(relay(mesh.clone(), req, opened, tried, deadline, tx));
+        Ok(rx)
+    }
 
     fn is_ready(&self) -> bool {
-        !self.draining.load(Ordering::Acquire) && !self.discovery.nodes(NodeRole::Decode).is_empty()
+        !self.mesh.draining.load(Ordering::Acquire)
+            && !self.mesh.discovery.nodes(NodeRole::Decode).is_empty()
     }
 }
 
-/// Moves a Generate stream's events onto a channel until the last one, the end of the
-/// stream, or the receiver going away (which drops the stream: the RPC is cancelled).
-fn forward(
-    mut stream: tonic::Streaming<pb::GenerateEvent>,
-    in_flight: InFlight,
-) -> mpsc::UnboundedReceiver<GenerateEvent> {
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let _in_flight = in_flight;
-        loop {
-            let message = tokio::select! {
-                () = tx.closed() => return,
-                m = stream.message() => m,
-            };
-            let event = match message {
-                Ok(Some(m)) => GenerateEvent::try_from(m)
-                    .unwrap_or_else(|e| GenerateEvent::Error(WorkerError::Internal(e.to_string()))),
-                Ok(None) => GenerateEvent::Error(WorkerError::Unavailable(
-                    "the decode node closed the stream before finishing".into(),
-                )),
-                Err(status) => GenerateEvent::Error(grpc::worker_error_from_status(&status)),
-            };
-            let last = !matches!(event, GenerateEvent::Token(_));
-            if tx.send(event).is_err() || last {
+/// Moves a request's events onto `tx` until the last one or the receiver going away (which
+/// drops the stream: the RPC is cancelled). When the stream breaks first, the request migrates
+/// to another decode node with the tokens delivered so far and the relay goes on from there.
+async fn relay(
+    mesh: Arc<Mesh>,
+    mut req: GenerateRequest,
+    mut opened: Opened,
+    mut tried: Vec<NodeId>,
+    deadline: Instant,
+    tx: mpsc::UnboundedSender<GenerateEvent>,
+) {
+    let mut migrations = 0;
+    loop {
+        let message = tokio::select! {
+            () = tx.closed() => return,
+            m = opened.stream.message() => m,
+        };
+        let broken = match message {
+            Ok(Some(m)) => match GenerateEvent::try_from(m) {
+                Ok(GenerateEvent::Token(t)) => {
+                    req.resume.push(t.token);
+                    if tx.send(GenerateEvent::Token(t)).is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Ok(GenerateEvent::Error(e)) if is_migratable(&e) => e,
+                Ok(last) => {
+                    let _ = tx.send(last);
+                    return;
+                }
+                Err(e) => WorkerError::Internal(e.to_string()),
+            },
+            Ok(None) => WorkerError::Unavailable(
+                "the decode node closed the stream before finishing".into(),
+            ),
+            Err(status) => {
+                let error = grpc::worker_error_from_status(&status);
+                if status.code() == Code::DeadlineExceeded || !is_migratable(&error) {
+                    let _ = tx.send(GenerateEvent::Error(error));
+                    return;
+                }
+                error
+            }
+        };
+        if migrations == mesh.config.max_migrations {
+            let _ = tx.send(GenerateEvent::Error(broken));
+            return;
+        }
+        migrations += 1;
+        metrics().migrations.inc();
+        tracing::warn!(request_id = %req.request_id, node = %opened.node,
+            delivered = req.resume.len(), "decode stream broke ({broken}); migrating");
+        mesh.suspect(opened.node);
+        let next = tokio::select! {
+            () = tx.closed() => return,
+            next = mesh.open(&req, &mut tried, deadline) => next,
+        };
+        match next {
+            Ok(o) => opened = o,
+            Err(e) => {
+                let _ = tx.send(GenerateEvent::Error(e));
                 return;
             }
         }
-    });
-    rx
+    }
+}
+
+/// Failures of the node rather than of the request: another node may well succeed.
+fn is_migratable(e: &WorkerError) -> bool {
+    matches!(e, WorkerError::Unavailable(_) | WorkerError::Internal(_))
 }

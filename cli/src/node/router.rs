@@ -34,6 +34,10 @@ pub struct RouterArgs {
     /// prefilled there, without a prefill node.
     #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS", default_value_t = DisaggConfig::default().local_prefill_max_tokens)]
     pub local_prefill_max_tokens: usize,
+    /// How many times a request whose decode node fails mid-stream may move to another one
+    /// (0: never; the client gets an error instead).
+    #[arg(long, env = "KVMESH_MAX_MIGRATIONS", default_value_t = RemoteConfig::default().max_migrations)]
+    pub max_migrations: usize,
 }
 
 pub fn run(args: &RouterArgs) -> Result<()> {
@@ -67,7 +71,10 @@ pub fn run(args: &RouterArgs) -> Result<()> {
         super::metrics::export_index_stats(index, args.mesh.node_id());
         let backend = Arc::new(RemoteBackend::new(
             discovery,
-            RemoteConfig::default(),
+            RemoteConfig {
+                max_migrations: args.max_migrations,
+                ..RemoteConfig::default()
+            },
             routing,
         ));
         let router = Router::new(config, backend.clone(), loaded.tokenizer.clone())

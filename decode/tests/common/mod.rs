@@ -65,6 +65,7 @@ pub fn request(id: u64, prompt: Vec<TokenId>, max_tokens: u32) -> GenerateReques
             ignore_eos: true,
             ..SamplingParams::greedy(max_tokens)
         },
+        resume: Vec::new(),
     }
 }
 

@@ -1,0 +1,385 @@
+//! Chaos: the multi-process mesh (etcd, a router, two prefill and three decode processes)
+//! under a steady stream of streaming requests, while it suffers, in turn, a `kill -9` of a
+//! decode node mid-stream, a `kill -9` of a prefill node, an etcd outage and restart, and a
+//! graceful drain (SIGTERM) of a decode node mid-stream.
+//!
+//! Every request must complete with exactly the greedy text the mesh gives without faults
+//! (no gap, no repeat where a stream moved to another node), and afterwards every surviving
+//! node's KV pool must be back at its baseline (no blocks stranded by a failure). Prints the
+//! figures: requests, faults, retries, migrations, and the longest stall a fault caused.
+
+mod cluster;
+
+use cluster::*;
+use kvmesh_common::NodeRole;
+use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Distinct prompts; request `i` sends prompt `i % PROMPTS`.
+const PROMPTS: usize = 8;
+const REQUESTS: usize = 60;
+const CLIENTS: usize = 4;
+const MAX_TOKENS: u32 = 32;
+
+fn prompt(i: usize) -> String {
+    let topic = ["rivers", "the moon", "bread", "chess", "volcanoes", "owls"][i % 6];
+    let sentence = format!("Here is note {i} about {topic}, written at some length. ");
+    format!(
+        "{}Now write a long story about {topic}.",
+        sentence.repeat(3 + i % 4)
+    )
+}
+
+fn body(i: usize, stream: bool) -> Value {
+    json!({"model": MODEL_NAME, "prompt": prompt(i % PROMPTS), "max_tokens": MAX_TOKENS,
+           "temperature": 0, "stream": stream})
+}
+
+/// What a client saw of one streamed request.
+struct Outcome {
+    status: u16,
+    text: String,
+    finish: Option<String>,
+    /// Set when the stream carried an error or ended without `[DONE]`.
+    error: Option<String>,
+    start: Instant,
+    /// When each SSE data event arrived.
+    events: Vec<Instant>,
+}
+
+/// POSTs a streaming completion and reads its SSE events (HTTP/1.1, chunked) as they come.
+fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
+    let start = Instant::now();
+    let body = body.to_string();
+    let mut conn = TcpStream::connect(addr).expect("connect to the router");
+    conn.set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(conn);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("a status line");
+    let status: u16 = line.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut chunked = false;
+    loop {
+        line.clear();
+        r.read_line(&mut line).expect("a header line");
+        if line == "\r\n" {
+            break;
+        }
+        chunked |= line
+            .to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked");
+    }
+    let mut out = Outcome {
+        status,
+        text: String::new(),
+        finish: None,
+        error: None,
+        start,
+        events: Vec::new(),
+    };
+    if status != 200 || !chunked {
+        r.read_to_string(&mut out.text).unwrap_or_default();
+        out.error = Some(std::mem::take(&mut out.text));
+        return out;
+    }
+    let (mut pending, mut done) = (String::new(), false);
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        let size = usize::from_str_radix(line.trim(), 16).expect("a chunk size");
+        if size == 0 {
+            break;
+        }
+        let mut chunk = vec![0; size + 2];
+        r.read_exact(&mut chunk).expect("a whole chunk");
+        pending.push_str(std::str::from_utf8(&chunk[..size]).expect("UTF-8 SSE"));
+        while let Some(end) = pending.find("\n\n") {
+            let event: String = pending.drain(..end + 2).collect();
+            for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                out.events.push(Instant::now());
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data).expect("JSON event");
+                if let Some(e) = v.get("error") {
+                    out.error = Some(e.to_string());
+                    continue;
+                }
+                let choice = &v["choices"][0];
+                out.text
+                    .push_str(choice["text"].as_str().unwrap_or_default());
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    out.finish = Some(f.to_string());
+                }
+            }
+        }
+    }
+    if !done && out.error.is_none() {
+        out.error = Some("the stream ended without [DONE]".into());
+    }
+    out
+}
+
+/// How many requests have completed; the fault driver waits on it.
+#[derive(Default)]
+struct Progress {
+    done: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl Progress {
+    fn complete_one(&self) {
+        *self.done.lock().unwrap() += 1;
+        self.changed.notify_all();
+    }
+
+    fn wait_for(&self, n: usize) {
+        let done = self.done.lock().unwrap();
+        let (_done, timeout) = self
+            .changed
+            .wait_timeout_while(done, Duration::from_secs(300), |d| *d < n)
+            .unwrap();
+        assert!(!timeout.timed_out(), "requests stopped completing");
+    }
+}
+
+/// The longest a stream in flight at `fault` waited for its next event after it.
+fn stall_after(outcomes: &[Outcome], fault: Instant) -> Duration {
+    outcomes
+        .iter()
+        .filter(|o| o.start <= fault)
+        .filter_map(|o| {
+            let after = o.events.iter().find(|&&t| t > fault)?;
+            let before = o.events.iter().rev().find(|&&t| t <= fault);
+            Some(*after - before.copied().unwrap_or(o.start))
+        })
+        .max()
+        .unwrap_or_default()
+}
+
+/// A Prometheus counter's value in `/metrics` text (0 when absent).
+fn counter(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Waits (polling its gRPC health; nodes push nothing) until `node` runs a request.
+fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let h = rt.block_on(node_health(&addr.to_string(), role));
+        if h.load.is_some_and(|l| l.running > 0) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{addr} never ran a request");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until `node` is idle with no KV block in use; returns its last load.
+fn await_baseline(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let load = rt
+            .block_on(node_health(&addr.to_string(), role))
+            .load
+            .unwrap_or_default();
+        if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} ({role:?}) kept {load:?} after the run: KV stranded"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn signal(node: &Node, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([signal, &node.child.id().to_string()])
+        .status()
+        .expect("kill runs")
+        .success();
+    assert!(ok, "kill {signal} failed");
+}
+
+#[test]
+fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
+    let mut etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos");
+    std::fs::create_dir_all(&logs).unwrap();
+    let log = |name: &str| logs.join(format!("{name}.log"));
+    let endpoint = etcd.endpoint();
+    let args = |role: &str, addr| {
+        let mut a = mesh_args(role, addr, &endpoint, "chaos");
+        // Prompts of 32 tokens or more go to a prefill node; round robin spreads repeats
+        // of a prompt over the decode nodes, so prefill nodes stay busy all run long.
+        if role != "prefill" {
+            a.extend(["--local-prefill-max-tokens".into(), "32".into()]);
+        }
+        a
+    };
+    let router_addr = free_addr("127.0.0.2");
+    let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
+    let decode_addrs = [
+        free_addr("127.0.0.5"),
+        free_addr("127.0.0.6"),
+        free_addr("127.0.0.8"),
+    ];
+    let mut prefill: Vec<Node> = (0..2)
+        .map(|i| {
+            Node::spawn(
+                args("prefill", prefill_addrs[i]),
+                log(&format!("prefill{i}")),
+            )
+        })
+        .collect();
+    let mut decode: Vec<Node> = (0..3)
+        .map(|i| Node::spawn(args("decode", decode_addrs[i]), log(&format!("decode{i}"))))
+        .collect();
+    let mut router_args = args("router", router_addr);
+    router_args.extend(["--routing-policy".into(), "round_robin".into()]);
+    let router = Node::spawn(router_args, log("router"));
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let discovery = rt
+        .block_on(EtcdDiscovery::connect(EtcdConfig {
+            endpoints: vec![etcd.endpoint()],
+            cluster: "chaos".into(),
+            ..EtcdConfig::default()
+        }))
+        .expect("the test's own etcd client");
+    rt.block_on(await_membership(&discovery, 2, 3, START_TIMEOUT));
+    let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
+    await_health(router_addr, &all);
+
+    // The reference: each prompt's greedy text from the mesh before any fault.
+    let reference: Vec<String> = (0..PROMPTS)
+        .map(|i| {
+            let (status, v) = post(router_addr, "/v1/completions", &body(i, false));
+            assert_eq!(status, 200, "reference {i}: {v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+
+    let progress = Progress::default();
+    let next = AtomicUsize::new(0);
+    let outcomes: Mutex<Vec<(usize, Outcome)>> = Mutex::new(Vec::new());
+    let mut faults: Vec<(&str, Instant)> = Vec::new();
+    let mut drain_time = Duration::ZERO;
+    std::thread::scope(|s| {
+        for _ in 0..CLIENTS {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= REQUESTS {
+                    return;
+                }
+                let o = stream_completion(router_addr, &body(i, true));
+                outcomes.lock().unwrap().push((i, o));
+                progress.complete_one();
+            });
+        }
+        // The faults, each once the stream has moved on from the last one.
+        progress.wait_for(6);
+        await_running(&rt, decode_addrs[0], NodeRole::Decode);
+        decode[0].child.kill().unwrap();
+        faults.push(("kill -9 decode node", Instant::now()));
+        decode[0].child.wait().unwrap();
+
+        progress.wait_for(16);
+        prefill[0].child.kill().unwrap();
+        faults.push(("kill -9 prefill node", Instant::now()));
+        prefill[0].child.wait().unwrap();
+
+        progress.wait_for(24);
+        etcd.stop().expect("etcd stops");
+        faults.push(("etcd stopped", Instant::now()));
+        progress.wait_for(32);
+        etcd.restart().expect("etcd restarts");
+        faults.push(("etcd restarted", Instant::now()));
+        // Everyone alive registers again: one prefill and two decode nodes.
+        rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
+
+        progress.wait_for(40);
+        await_running(&rt, decode_addrs[1], NodeRole::Decode);
+        signal(&decode[1], "-TERM");
+        let drained = Instant::now();
+        faults.push(("SIGTERM (drain) decode node", drained));
+        let exit = decode[1].child.wait().unwrap();
+        drain_time = drained.elapsed();
+        assert!(exit.success(), "a drained node exits cleanly: {exit}");
+    });
+
+    let mut outcomes = outcomes.into_inner().unwrap();
+    outcomes.sort_by_key(|(i, _)| *i);
+    assert_eq!(outcomes.len(), REQUESTS);
+    let mut lost = Vec::new();
+    for (i, o) in &outcomes {
+        let expected = &reference[i % PROMPTS];
+        if o.status != 200 || o.error.is_some() || o.finish.is_none() || o.text != *expected {
+            lost.push(format!(
+                "request {i}: status {} error {:?} finish {:?}\n  got:      {:?}\n  expected: {:?}",
+                o.status, o.error, o.finish, o.text, expected
+            ));
+        }
+    }
+    let router_metrics = get(router_addr, "/metrics");
+    let migrations = counter(&router_metrics, "kvmesh_router_migrations_total");
+    let retries = counter(&router_metrics, "kvmesh_router_decode_retries_total");
+    let just_outcomes: Vec<Outcome> = outcomes.into_iter().map(|(_, o)| o).collect();
+    let stalls: Vec<(&str, Duration)> = faults
+        .iter()
+        .map(|&(name, at)| (name, stall_after(&just_outcomes, at)))
+        .collect();
+    println!(
+        "chaos: {REQUESTS} streamed requests, {} faults",
+        faults.len()
+    );
+    println!(
+        "chaos: lost {}, migrations {migrations}, retries {retries}",
+        lost.len()
+    );
+    for (name, stall) in &stalls {
+        println!(
+            "chaos: longest stall after {name}: {:.3} s",
+            stall.as_secs_f64()
+        );
+    }
+    println!("chaos: drain took {:.3} s", drain_time.as_secs_f64());
+    assert!(
+        lost.is_empty(),
+        "lost or changed requests:\n{}",
+        lost.join("\n")
+    );
+    assert!(
+        migrations >= 1.0,
+        "the decode node was killed mid-stream, yet nothing migrated"
+    );
+    let recovery = stalls[0].1;
+    assert!(
+        recovery < Duration::from_secs(2),
+        "streams stalled {recovery:?} after a decode node died"
+    );
+
+    // No KV stranded: every surviving node is back to an empty pool.
+    await_baseline(&rt, decode_addrs[2], NodeRole::Decode);
+    await_baseline(&rt, prefill_addrs[1], NodeRole::Prefill);
+}

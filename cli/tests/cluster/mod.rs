@@ -1,0 +1,201 @@
+//! Shared by the multi-process tests: starting `kvmesh` node processes on loopback
+//! addresses, plain HTTP/1.1 and gRPC probes, and waiting for health and membership.
+
+#![allow(dead_code)]
+
+use kvmesh_common::grpc::pb;
+use kvmesh_common::NodeRole;
+use kvmesh_kvstore::{Discovery, EtcdDiscovery};
+use serde_json::Value;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const LEASE_TTL: Duration = Duration::from_secs(2);
+pub const START_TIMEOUT: Duration = Duration::from_secs(120);
+pub const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
+
+/// A free TCP port on `ip` (the node also binds UDP on it; that is free too in practice).
+pub fn free_addr(ip: &str) -> SocketAddr {
+    let l = TcpListener::bind((ip, 0)).expect("bind a loopback address");
+    l.local_addr().unwrap()
+}
+
+pub struct Node {
+    pub child: Child,
+    pub args: Vec<String>,
+    pub log: std::path::PathBuf,
+}
+
+impl Node {
+    pub fn spawn(args: Vec<String>, log: std::path::PathBuf) -> Node {
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+            .args(&args)
+            .env("KVMESH_LOG", "info")
+            .env_remove("KVMESH_DECODE_WORKERS")
+            .env_remove("KVMESH_CONFIG")
+            .stdout(Stdio::null())
+            .stderr(out)
+            .spawn()
+            .expect("kvmesh starts");
+        Node { child, args, log }
+    }
+
+    pub fn restart(&mut self) {
+        *self = Node::spawn(self.args.clone(), self.log.clone());
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// POSTs JSON over plain HTTP/1.1 and returns (status, body).
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let body = body.to_string();
+    let mut s = TcpStream::connect(addr).expect("connect to the router");
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).expect("a response");
+    let (head, body) = response.split_once("\r\n\r\n").expect("HTTP response");
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// The body of a GET.
+pub fn get(addr: SocketAddr, path: &str) -> String {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    r.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
+}
+
+pub fn health_ok(addr: SocketAddr) -> bool {
+    let Ok(mut s) = TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = write!(
+        s,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    );
+    let mut r = String::new();
+    let _ = s.read_to_string(&mut r);
+    r.starts_with("HTTP/1.1 200")
+}
+
+/// Waits for `addr`'s /health to answer 200.
+pub fn await_health(addr: SocketAddr, nodes: &[&Node]) {
+    let deadline = Instant::now() + START_TIMEOUT;
+    while !health_ok(addr) {
+        assert!(
+            Instant::now() < deadline,
+            "no healthy server at {addr}; logs:\n{}",
+            nodes
+                .iter()
+                .map(|n| n.log_tail())
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        );
+        // Polling an HTTP endpoint that gives no push signal; bounded by the deadline.
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A node's gRPC `Health` reply.
+pub async fn node_health(address: &str, role: NodeRole) -> pb::HealthReply {
+    let url = format!("http://{address}");
+    let request = tonic::Request::new(pb::HealthRequest {});
+    let reply = match role {
+        NodeRole::Prefill => {
+            pb::prefill_client::PrefillClient::connect(url)
+                .await
+                .expect("prefill node answers")
+                .health(request)
+                .await
+        }
+        _ => {
+            pb::decode_client::DecodeClient::connect(url)
+                .await
+                .expect("decode node answers")
+                .health(request)
+                .await
+        }
+    };
+    reply.expect("health").into_inner()
+}
+
+pub async fn requests_served(address: &str, role: NodeRole) -> u64 {
+    node_health(address, role).await.requests_total
+}
+
+/// The arguments of a mesh node: `role` listening on `addr`, in `cluster` on `etcd`, one
+/// compute thread and a short lease (so a killed node leaves membership quickly).
+pub fn mesh_args(role: &str, addr: SocketAddr, etcd: &str, cluster: &str) -> Vec<String> {
+    let addr = addr.to_string();
+    [
+        role,
+        "--etcd",
+        etcd,
+        "--listen",
+        &addr,
+        "--cluster",
+        cluster,
+        "--threads",
+        "1",
+        "--lease-ttl",
+        "2s",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// Waits until discovery shows `prefill` and `decode` nodes; returns how long it took.
+pub async fn await_membership(
+    discovery: &EtcdDiscovery,
+    prefill: usize,
+    decode: usize,
+    within: Duration,
+) -> Duration {
+    let start = Instant::now();
+    let mut changes = discovery.subscribe();
+    loop {
+        let (p, d) = (
+            discovery.nodes(NodeRole::Prefill).len(),
+            discovery.nodes(NodeRole::Decode).len(),
+        );
+        if p == prefill && d == decode {
+            return start.elapsed();
+        }
+        let left = within.saturating_sub(start.elapsed());
+        let changed = tokio::time::timeout(left, changes.changed()).await;
+        assert!(
+            matches!(changed, Ok(Ok(()))),
+            "membership stayed at {p} prefill / {d} decode; wanted {prefill} / {decode}"
+        );
+    }
+}

@@ -1,0 +1,333 @@
+//! Migration in `RemoteBackend`: when a decode node's stream breaks mid-request (an error, or
+//! the node vanishing with its connections), the request moves to another decode node with
+//! the tokens delivered so far, and the caller's stream goes on without a gap or a repeat.
+//!
+//! The decode nodes here are scripted gRPC servers (real tonic servers on loopback), so the
+//! test controls exactly when and how a stream breaks.
+
+use async_trait::async_trait;
+use kvmesh_common::grpc::{self, pb};
+use kvmesh_common::{
+    BlockHasher, FinishReason, GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, NodeInfo,
+    NodeRole, RequestId, SamplingParams, TokenEvent, Usage,
+};
+use kvmesh_kvstore::{InMemoryDiscovery, InMemoryPrefixIndex};
+use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_router::routing::Routing;
+use kvmesh_router::{Backend, RemoteBackend, RemoteConfig};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, Notify};
+use tonic::{Request, Response, Status};
+
+const MAX_TOKENS: u32 = 10;
+
+/// How a scripted node ends its streams.
+#[derive(Clone, Copy)]
+enum Script {
+    /// Continues after `resume` and finishes.
+    Serve,
+    /// Sends `n` tokens, then fails the stream with this status code.
+    FailAfter(usize, tonic::Code),
+    /// Sends `n` tokens, then hangs until its process (runtime) is torn down.
+    HangAfter(usize),
+}
+
+/// Token `i` of every request's answer: what a deterministic model would say.
+fn token(i: usize) -> TokenEvent {
+    TokenEvent {
+        token: 100 + i as u32,
+        text: format!("w{i} "),
+        logprob: None,
+        top_logprobs: Vec::new(),
+    }
+}
+
+struct ScriptedNode {
+    script: Script,
+    requests: Arc<Mutex<Vec<GenerateRequest>>>,
+    hanging: Arc<Notify>,
+}
+
+type EventStream =
+    Pin<Box<dyn futures::Stream<Item = Result<pb::GenerateEvent, Status>> + Send + 'static>>;
+
+#[async_trait]
+impl pb::decode_server::Decode for ScriptedNode {
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<pb::GenerateRequest>,
+    ) -> Result<Response<EventStream>, Status> {
+        let (req, _) = grpc::generate_request_from_pb(request.into_inner())?;
+        let start = req.resume.len();
+        let max = req.params.max_tokens as usize;
+        self.requests.lock().unwrap().push(req);
+        let (script, hanging) = (self.script, self.hanging.clone());
+        let stream = async_stream::stream! {
+            let stop = match script {
+                Script::Serve => max,
+                Script::FailAfter(n, _) | Script::HangAfter(n) => (start + n).min(max),
+            };
+            for i in start..stop {
+                yield Ok(pb::GenerateEvent::from(&GenerateEvent::Token(token(i))));
+            }
+            match script {
+                Script::Serve => {
+                    let finished = GenerateEvent::Finished {
+                        reason: FinishReason::Length,
+                        text: String::new(),
+                        usage: Usage { prompt_tokens: 3, completion_tokens: max as u32, cached_tokens: 0 },
+                    };
+                    yield Ok(pb::GenerateEvent::from(&finished));
+                }
+                Script::FailAfter(_, code) => yield Err(Status::new(code, "scripted failure")),
+                Script::HangAfter(_) => {
+                    hanging.notify_one();
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn health(
+        &self,
+        _: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthReply>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+
+    async fn drain(
+        &self,
+        _: Request<pb::DrainRequest>,
+    ) -> Result<Response<pb::DrainReply>, Status> {
+        Err(Status::unimplemented("scripted"))
+    }
+}
+
+/// A scripted decode node in a runtime of its own, so that dropping it closes its sockets
+/// as a dying process would.
+struct Node {
+    id: NodeId,
+    addr: SocketAddr,
+    requests: Arc<Mutex<Vec<GenerateRequest>>>,
+    hanging: Arc<Notify>,
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl Node {
+    fn start(id: u64, script: Script) -> Node {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let listener = {
+            let _in_runtime = runtime.enter();
+            tokio::net::TcpListener::from_std(listener).unwrap()
+        };
+        let addr = listener.local_addr().unwrap();
+        let (requests, hanging) = (Arc::default(), Arc::new(Notify::new()));
+        let service = ScriptedNode {
+            script,
+            requests: Arc::clone(&requests),
+            hanging: Arc::clone(&hanging),
+        };
+        runtime.spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::decode_server::DecodeServer::new(service))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        Node {
+            id: NodeId(id),
+            addr,
+            requests,
+            hanging,
+            runtime: Some(runtime),
+        }
+    }
+
+    /// Ends the node's runtime: every task and connection of it is gone at once.
+    fn kill(&mut self) {
+        self.runtime.take().unwrap().shutdown_background();
+    }
+
+    fn requests(&self) -> Vec<GenerateRequest> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+fn backend(nodes: &[&Node], config: RemoteConfig) -> RemoteBackend {
+    let discovery = Arc::new(InMemoryDiscovery::new());
+    for n in nodes {
+        discovery
+            .register(NodeInfo {
+                node_id: n.id,
+                role: NodeRole::Decode,
+                address: n.addr.to_string(),
+                transfer_address: String::new(),
+                model_fingerprint: 1,
+                kv_blocks_total: 100,
+            })
+            .unwrap();
+    }
+    // Round robin from the first registered node: the tests pick who serves first by order.
+    let routing = Routing::new(
+        "round_robin".parse::<RoutingConfig>().unwrap().build(),
+        DisaggConfig::default(),
+        Arc::new(InMemoryPrefixIndex::new()),
+        BlockHasher::new(ModelFingerprint(1), 16),
+    );
+    RemoteBackend::new(discovery, config, routing)
+}
+
+fn request() -> GenerateRequest {
+    GenerateRequest {
+        request_id: RequestId(7),
+        prompt: vec![1, 2, 3],
+        params: SamplingParams::greedy(MAX_TOKENS),
+        resume: Vec::new(),
+    }
+}
+
+/// Every event until the stream's last one.
+async fn collect(mut rx: mpsc::UnboundedReceiver<GenerateEvent>) -> Vec<GenerateEvent> {
+    let mut events = Vec::new();
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .expect("the stream must end, not hang")
+    {
+        let last = !matches!(e, GenerateEvent::Token(_));
+        events.push(e);
+        if last {
+            break;
+        }
+    }
+    events
+}
+
+fn assert_whole_answer(events: &[GenerateEvent]) {
+    let tokens: Vec<TokenEvent> = events
+        .iter()
+        .filter_map(|e| match e {
+            GenerateEvent::Token(t) => Some(t.clone()),
+            _ => None,
+        })
+        .collect();
+    let expected: Vec<TokenEvent> = (0..MAX_TOKENS as usize).map(token).collect();
+    assert_eq!(tokens, expected, "a gap or a repeat in the stream");
+    assert!(
+        matches!(events.last(), Some(GenerateEvent::Finished { .. })),
+        "ends with {:?}",
+        events.last()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_fails_mid_request_continues_on_another_node() {
+    let a = Node::start(1, Script::FailAfter(4, tonic::Code::Internal));
+    let b = Node::start(2, Script::FailAfter(4, tonic::Code::Internal));
+    let c = Node::start(3, Script::Serve);
+    let backend = backend(&[&a, &b, &c], RemoteConfig::default());
+    let events = collect(backend.generate(request()).await.unwrap()).await;
+    assert_whole_answer(&events);
+    let mut resumes: Vec<usize> = [&a, &b, &c]
+        .iter()
+        .flat_map(|n| n.requests())
+        .map(|r| r.resume.len())
+        .collect();
+    resumes.sort_unstable();
+    // One or two breaks, by the order the nodes were picked in; each next node was asked
+    // to go on after what the client already had.
+    let expected: Vec<usize> = (0..resumes.len()).map(|k| 4 * k).collect();
+    assert!(resumes.len() >= 2, "no migration: {resumes:?}");
+    assert_eq!(resumes, expected);
+    for n in [&a, &b, &c] {
+        for r in n.requests() {
+            let expected: Vec<u32> = (0..r.resume.len() as u32).map(|i| 100 + i).collect();
+            assert_eq!(r.resume, expected);
+            assert_eq!(r.params.max_tokens, MAX_TOKENS, "params travel unchanged");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_dies_mid_stream_loses_nothing() {
+    let mut a = Node::start(1, Script::HangAfter(3));
+    let mut b = Node::start(2, Script::HangAfter(3));
+    let backend = backend(&[&a, &b], RemoteConfig::default());
+    let rx = backend.generate(request()).await.unwrap();
+    // Whichever node took it is now mid-stream: kill it as kill -9 would.
+    tokio::select! {
+        () = a.hanging.notified() => a.kill(),
+        () = b.hanging.notified() => b.kill(),
+    }
+    // The survivor's script hangs again after three more tokens; by then the test has seen
+    // the migration, so let a serving node stand in: the backend must move on once more.
+    let events = tokio::spawn(collect(rx));
+    let survivor = if a.runtime.is_some() { &mut a } else { &mut b };
+    survivor.hanging.notified().await;
+    let resumed = survivor.requests();
+    assert_eq!(resumed.len(), 1);
+    assert_eq!(resumed[0].resume, [100, 101, 102]);
+    survivor.kill();
+    // Both nodes are gone: the request ends with an error instead of hanging.
+    let events = events.await.unwrap();
+    let tokens = events
+        .iter()
+        .filter(|e| matches!(e, GenerateEvent::Token(_)))
+        .count();
+    assert_eq!(tokens, 6, "tokens from both nodes, each once: {events:?}");
+    assert!(matches!(events.last(), Some(GenerateEvent::Error(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_stop_at_the_limit() {
+    let nodes: Vec<Node> = (1..=4)
+        .map(|i| Node::start(i, Script::FailAfter(1, tonic::Code::Unavailable)))
+        .collect();
+    let config = RemoteConfig {
+        max_migrations: 2,
+        ..RemoteConfig::default()
+    };
+    let backend = backend(&nodes.iter().collect::<Vec<_>>(), config);
+    let events = collect(backend.generate(request()).await.unwrap()).await;
+    let asked: usize = nodes.iter().map(|n| n.requests().len()).sum();
+    assert_eq!(asked, 3, "the first node and two migrations");
+    assert_eq!(events.len(), 4, "three tokens and the error: {events:?}");
+    assert!(matches!(events.last(), Some(GenerateEvent::Error(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_errors_are_not_migrated() {
+    for code in [tonic::Code::DeadlineExceeded, tonic::Code::InvalidArgument] {
+        let a = Node::start(1, Script::FailAfter(2, code));
+        let b = Node::start(2, Script::Serve);
+        let backend = backend(&[&a, &b], RemoteConfig::default());
+        let events = collect(backend.generate(request()).await.unwrap()).await;
+        assert_eq!(
+            a.requests().len(),
+            1,
+            "round robin starts with the first node"
+        );
+        assert!(
+            b.requests().is_empty(),
+            "{code:?} was migrated: it is the request's failure, not the node's"
+        );
+        assert!(matches!(events.last(), Some(GenerateEvent::Error(_))));
+    }
+}
