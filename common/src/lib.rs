@@ -7,6 +7,7 @@ pub mod ids;
 pub mod metrics;
 pub mod protocol;
 pub mod sampling;
+pub mod tls;
 
 pub use block_hash::{BlockHasher, ModelFingerprint};
 pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};

@@ -1,6 +1,7 @@
 //! The QUIC transport between two endpoints on loopback: routing, refusal of unbound nodes,
 //! backpressure, mutual TLS, and the end of transfers.
 
+use kvmesh_common::tls::CLUSTER_SERVER_NAME;
 use kvmesh_common::{BlockId, NodeId, RequestId};
 use kvmesh_transfer::{
     BlockShape, KvChunk, KvDtype, QuicConfig, QuicTransport, TlsConfig, Transport, TransportError,
@@ -225,7 +226,7 @@ fn ending_a_transfer_closes_its_stream_and_idle_ones_are_closed_anyway() {
     }
 }
 
-/// A CA and a certificate for "kvmesh" it signed, as PEM files under `dir`.
+/// A CA and certificates for the cluster name it signed, as PEM files under `dir`.
 fn issue(dir: &Path, ca_name: &str, leaves: &[&str]) {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -234,7 +235,7 @@ fn issue(dir: &Path, ca_name: &str, leaves: &[&str]) {
     std::fs::write(dir.join(format!("{ca_name}.pem")), ca.pem()).unwrap();
     for leaf in leaves {
         let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec!["kvmesh".to_string()])
+        let cert = CertificateParams::new(vec![CLUSTER_SERVER_NAME.to_string()])
             .unwrap()
             .signed_by(&key, &ca)
             .unwrap();

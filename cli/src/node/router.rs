@@ -47,6 +47,14 @@ pub fn run(args: &RouterArgs) -> Result<()> {
     if let Some(keys) = &args.api_keys {
         config.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
     }
+    // TODO(mtls): hand `tls` to RemoteConfig once router/src/remote.rs dials decode nodes
+    // through `kvmesh_common::tls::grpc_endpoint`; until then a router cannot join a
+    // mutual-TLS cluster, and says so instead of failing every request.
+    if args.mesh.cluster_tls()?.is_some() {
+        anyhow::bail!(
+            "the router does not speak mutual TLS to decode nodes yet; start it without --tls-*"
+        );
+    }
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let discovery: Arc<dyn Discovery> = Arc::new(discovery);
