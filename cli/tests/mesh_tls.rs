@@ -23,6 +23,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
+/// Generous: these tests share two cores with whatever else runs; what they check is who
+/// gets in, not how fast.
+const PATIENCE: Duration = Duration::from_secs(300);
+
 const LOOPBACK: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
@@ -163,7 +167,7 @@ async fn mesh(certs: Option<&Certs>, decode_id: NodeId) -> Mesh {
     let directory = Arc::new(PrefillDirectory::new(
         transfer_addr.to_string(),
         decode_tls.clone(),
-        Duration::from_secs(5),
+        PATIENCE,
     ));
     let routes =
         tonic::service::Routes::new(DecodeService::new(decode.handle(), directory).into_server());
@@ -188,7 +192,7 @@ async fn channel(addr: SocketAddr, tls: Option<&ClusterTls>) -> Result<Channel, 
 
 async fn connect(endpoint: Endpoint) -> Result<Channel, String> {
     endpoint
-        .connect_timeout(Duration::from_secs(5))
+        .connect_timeout(PATIENCE)
         .connect()
         .await
         .map_err(|e| format!("{e:?}"))
@@ -216,7 +220,7 @@ async fn generate(
 ) -> Result<Vec<TokenId>, tonic::Status> {
     let mut client = pb::decode_client::DecodeClient::new(channel);
     let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, prefill));
-    call.set_timeout(Duration::from_secs(60));
+    call.set_timeout(PATIENCE);
     let mut stream = client.generate(call).await?.into_inner();
     let mut tokens = Vec::new();
     while let Some(e) = stream.message().await? {
@@ -254,10 +258,10 @@ fn transfers_completed(node: NodeId) -> u64 {
 async fn assert_remote_prefill_works(m: &Mesh, router: Option<&ClusterTls>, id: u64) {
     let before = transfers_completed(m.decode_id);
     let c = channel(m.decode_addr, router).await.unwrap();
-    let req = request(id, 80, 6);
+    let req = request(id, 48, 4);
     let local = generate(c.clone(), &req, None).await.unwrap();
     let remote = generate(c, &req, Some(&m.prefill)).await.unwrap();
-    assert_eq!(local.len(), 6);
+    assert_eq!(local.len(), 4);
     assert_eq!(remote, local);
     assert_eq!(
         transfers_completed(m.decode_id),
@@ -268,7 +272,7 @@ async fn assert_remote_prefill_works(m: &Mesh, router: Option<&ClusterTls>, id: 
 
 async fn health(channel: Channel, service: &str) -> Result<pb::HealthReply, tonic::Status> {
     let mut call = tonic::Request::new(pb::HealthRequest {});
-    call.set_timeout(Duration::from_secs(10));
+    call.set_timeout(PATIENCE);
     match service {
         "decode" => {
             pb::decode_client::DecodeClient::new(channel)
@@ -372,11 +376,7 @@ async fn peers_without_a_cluster_certificate_are_refused() {
         })
         .unwrap();
         outsider.add_peer(m.decode_id, m.transfer_addr);
-        let sent = outsider.send(
-            m.decode_id,
-            chunk.clone(),
-            Instant::now() + Duration::from_secs(10),
-        );
+        let sent = outsider.send(m.decode_id, chunk.clone(), Instant::now() + PATIENCE);
         assert!(
             matches!(sent, Err(TransportError::Connection { .. })),
             "{sent:?}"
@@ -393,7 +393,7 @@ async fn spray_tcp(addr: SocketAddr, bytes: &[u8]) {
     // The node may hang up before reading everything: a failed write is an answer too.
     let _ = s.write_all(bytes).await;
     let mut sink = vec![0; 4096];
-    let closed = tokio::time::timeout(Duration::from_secs(15), async {
+    let closed = tokio::time::timeout(PATIENCE, async {
         loop {
             match s.read(&mut sink).await {
                 Ok(0) | Err(_) => break,
@@ -495,7 +495,7 @@ async fn raw_call(channel: Channel, path: &'static str, body: Vec<u8>) -> tonic:
     let mut grpc = tonic::client::Grpc::new(channel);
     grpc.ready().await.unwrap();
     let mut call = tonic::Request::new(body);
-    call.set_timeout(Duration::from_secs(10));
+    call.set_timeout(PATIENCE);
     let method = tonic::codegen::http::uri::PathAndQuery::from_static(path);
     if path.ends_with("/Generate") {
         let reply = grpc.server_streaming(call, method, RawCodec).await;
