@@ -73,6 +73,7 @@ pub fn measure(
     let runtime = crate::node::runtime()?;
     let remote = runtime.block_on(RemotePrefill::connect(
         &prefill_addr,
+        None,
         transfer_address,
         Duration::from_secs(5),
     ))?;

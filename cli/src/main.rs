@@ -4,6 +4,7 @@ mod bench_engine;
 mod bench_trace;
 mod bench_transfer;
 mod bench_ttft;
+mod certs;
 mod generate;
 mod model_args;
 mod node;
@@ -35,6 +36,8 @@ enum Command {
     Prefill(node::prefill::PrefillArgs),
     /// Run a decode node of a multi-process mesh.
     Decode(node::decode::DecodeArgs),
+    /// Make a cluster CA and node certificates for mutual TLS between nodes.
+    Certs(certs::CertsArgs),
     /// Generate text for one prompt on this machine.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -69,6 +72,7 @@ fn main() -> Result<()> {
         Command::Router(args) => node::router::run(&args),
         Command::Prefill(args) => node::prefill::run(&args),
         Command::Decode(args) => node::decode::run(&args),
+        Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),

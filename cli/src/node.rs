@@ -13,6 +13,7 @@ pub mod router;
 use anyhow::{Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
+use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::{NodeId, NodeInfo};
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
@@ -51,13 +52,16 @@ pub struct MeshArgs {
     /// it, it stops, and the router moves the requests still open to other nodes.
     #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     pub drain_timeout: Duration,
-    /// CA certificate (PEM) for mutual TLS on the KV transport; with --tls-cert and
-    /// --tls-key. Without them the transport uses a self-signed certificate (encrypted, not
-    /// authenticated).
+    /// The cluster CA certificate (PEM) for mutual TLS between nodes, on gRPC and the KV
+    /// transport; with --tls-cert and --tls-key (`kvmesh certs` makes all three). Without
+    /// them gRPC is plaintext and KV uses a self-signed certificate (encrypted, not
+    /// authenticated): anyone who reaches the ports can act as a node.
     #[arg(long, env = "KVMESH_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
     pub tls_ca: Option<PathBuf>,
+    /// This node's certificate (PEM), signed by the cluster CA, naming `kvmesh.cluster`.
     #[arg(long, env = "KVMESH_TLS_CERT", requires_all = ["tls_ca", "tls_key"])]
     pub tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
     #[arg(long, env = "KVMESH_TLS_KEY", requires_all = ["tls_ca", "tls_cert"])]
     pub tls_key: Option<PathBuf>,
     /// Serve Prometheus metrics (`GET /metrics`) here (prefill and decode nodes; a router
@@ -115,19 +119,27 @@ impl MeshArgs {
         }
     }
 
-    /// QUIC settings on `listen` (UDP).
-    pub fn quic_config(&self, listen: SocketAddr) -> QuicConfig {
-        let tls = match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
-            (Some(ca), Some(cert), Some(key)) => TlsConfig::Files {
-                ca: ca.clone(),
-                cert: cert.clone(),
-                key: key.clone(),
-            },
-            _ => TlsConfig::SelfSigned,
+    /// The node's cluster identity from `--tls-*`, read and checked once for gRPC and QUIC;
+    /// `None`, with a warning, without them.
+    pub fn cluster_tls(&self) -> Result<Option<ClusterTls>> {
+        let (Some(ca), Some(cert), Some(key)) = (&self.tls_ca, &self.tls_cert, &self.tls_key)
+        else {
+            tracing::warn!(
+                "no --tls-ca/--tls-cert/--tls-key: the cluster is UNAUTHENTICATED (plaintext \
+                 gRPC, KV encrypted to anyone); make certificates with `kvmesh certs`"
+            );
+            return Ok(None);
         };
+        let tls = ClusterTls::load(ca, cert, key).context("loading the cluster TLS files")?;
+        tracing::info!(ca = %ca.display(), cert = %cert.display(), "mutual TLS between nodes");
+        Ok(Some(tls))
+    }
+
+    /// QUIC settings on `listen` (UDP): mutual TLS with `tls`, self-signed without.
+    pub fn quic_config(&self, listen: SocketAddr, tls: Option<&ClusterTls>) -> QuicConfig {
         QuicConfig {
             listen,
-            tls,
+            tls: tls.map_or(TlsConfig::SelfSigned, |t| TlsConfig::Cluster(t.clone())),
             ..QuicConfig::default()
         }
     }
@@ -135,7 +147,11 @@ impl MeshArgs {
     /// The KV transport on `listen` (UDP). RDMA is probed first so that a node on RDMA
     /// hardware says at start-up why it does not use it; KV goes over QUIC until the control
     /// plane exchanges RDMA memory keys between nodes.
-    pub fn kv_transport(&self, listen: SocketAddr) -> Result<QuicTransport> {
+    pub fn kv_transport(
+        &self,
+        listen: SocketAddr,
+        tls: Option<&ClusterTls>,
+    ) -> Result<QuicTransport> {
         match RdmaTransport::open(RdmaConfig::default()) {
             Err(RdmaError::NotCompiled) => {
                 tracing::info!("KV transfer over QUIC (built without the `rdma` feature)")
@@ -147,7 +163,7 @@ impl MeshArgs {
                  KV transfer over QUIC"
             ),
         }
-        QuicTransport::start(self.quic_config(listen)).context("starting the QUIC transport")
+        QuicTransport::start(self.quic_config(listen, tls)).context("starting the QUIC transport")
     }
 
     pub async fn connect(&self) -> Result<EtcdDiscovery> {
@@ -246,10 +262,12 @@ macro_rules! node_worker {
 
 node_worker!(kvmesh_decode::DecodeWorker, kvmesh_prefill::PrefillWorker);
 
-/// The life of a node: serves `routes` (gRPC) on `--listen`, registers `info`, reports load
-/// until a signal or a `Drain` RPC, leaves the mesh, drains the worker, stops the server.
+/// The life of a node: serves `routes` (gRPC, mutual TLS with `tls`) on `--listen`,
+/// registers `info`, reports load until a signal or a `Drain` RPC, leaves the mesh, drains
+/// the worker, stops the server.
 pub async fn run_node(
     args: &MeshArgs,
+    tls: Option<&ClusterTls>,
     discovery: &EtcdDiscovery,
     routes: tonic::service::Routes,
     info: NodeInfo,
@@ -260,7 +278,13 @@ pub async fn run_node(
         metrics::serve(addr);
     }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server
+            .tls_config(tls.grpc_server())
+            .context("gRPC server TLS")?;
+    }
+    let server = server
         .add_routes(routes)
         .serve_with_shutdown(args.listen, async {
             let _ = stopped.await;

@@ -96,3 +96,134 @@ fn serve_config_layers_file_env_and_flags() {
     assert!(err.contains("decode_workers must be at least 1"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+fn certs(args: &[&str]) -> std::process::Output {
+    kvmesh()
+        .arg("certs")
+        .args(args)
+        .output()
+        .expect("kvmesh runs")
+}
+
+fn mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+}
+
+/// Whether a TLS client that trusts `ca` accepts `cert` from a server it dialled as `name`.
+fn server_name_ok(ca: &std::path::Path, cert: &std::path::Path, name: &str) -> Result<(), String> {
+    use rustls::client::danger::ServerCertVerifier;
+    use rustls::pki_types::{pem::PemObject, CertificateDer, ServerName, UnixTime};
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_file(ca).unwrap())
+        .unwrap();
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let verifier =
+        rustls::client::WebPkiServerVerifier::builder_with_provider(roots.into(), provider)
+            .build()
+            .unwrap();
+    let leaf = CertificateDer::from_pem_file(cert).unwrap();
+    let name = ServerName::try_from(name.to_string()).unwrap();
+    verifier
+        .verify_server_cert(&leaf, &[], &name, &[], UnixTime::now())
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn certs_make_a_cluster_ca_and_node_certificates_and_reuse_the_ca() {
+    use kvmesh_common::tls::{ClusterTls, CLUSTER_SERVER_NAME};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("certs");
+    let out_dir = dir.to_str().unwrap();
+    let file = |name: &str| dir.join(name);
+    let load = |node: &str| {
+        ClusterTls::load(
+            &file("ca.pem"),
+            &file(&format!("{node}.pem")),
+            &file(&format!("{node}.key")),
+        )
+    };
+
+    let out = certs(&[
+        "--out",
+        out_dir,
+        "--nodes",
+        "prefill-1,decode-1",
+        "--san",
+        "10.0.0.5",
+        "--san",
+        "node.example",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(mode(&file("ca.key")), 0o600);
+    assert_eq!(mode(&file("decode-1.key")), 0o600);
+    for node in ["prefill-1", "decode-1"] {
+        load(node).unwrap_or_else(|e| panic!("{node}: {e}"));
+    }
+    let pem = std::fs::read_to_string(file("decode-1.pem")).unwrap();
+    for name in [CLUSTER_SERVER_NAME, "decode-1", "node.example", "10.0.0.5"] {
+        server_name_ok(&file("ca.pem"), &file("decode-1.pem"), name)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    assert!(server_name_ok(&file("ca.pem"), &file("decode-1.pem"), "other.example").is_err());
+
+    // Later: one more node under the same CA; existing certificates are kept.
+    let ca = std::fs::read(file("ca.pem")).unwrap();
+    let out = certs(&["--out", out_dir, "--nodes", "decode-1,decode-2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("kept"));
+    assert_eq!(
+        std::fs::read(file("ca.pem")).unwrap(),
+        ca,
+        "the CA was replaced"
+    );
+    assert_eq!(std::fs::read_to_string(file("decode-1.pem")).unwrap(), pem);
+    load("decode-2").unwrap();
+    let out = certs(&["--out", out_dir, "--nodes", "decode-1", "--force"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_ne!(std::fs::read_to_string(file("decode-1.pem")).unwrap(), pem);
+    load("decode-1").unwrap();
+
+    // A certificate of one CA does not pass under another.
+    let other = tmp.path().join("other");
+    assert!(certs(&["--out", other.to_str().unwrap(), "--nodes", "x"])
+        .status
+        .success());
+    let foreign = ClusterTls::load(
+        &other.join("ca.pem"),
+        &file("decode-1.pem"),
+        &file("decode-1.key"),
+    );
+    assert!(foreign.is_err());
+
+    // Clear refusals.
+    let err = |args: &[&str]| {
+        let out = certs(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(err(&["--out", out_dir, "--nodes", "../evil"]).contains("invalid node name"));
+    assert!(err(&["--out", out_dir, "--nodes", "ca"]).contains("CA's own files"));
+    assert!(
+        err(&["--out", out_dir, "--nodes", "n", "--san", "bad name!"])
+            .contains("subject alternative name")
+    );
+    let half = tmp.path().join("half");
+    std::fs::create_dir(&half).unwrap();
+    std::fs::copy(file("ca.pem"), half.join("ca.pem")).unwrap();
+    assert!(err(&["--out", half.to_str().unwrap()]).contains("ca.key"));
+}

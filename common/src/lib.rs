@@ -8,6 +8,7 @@ pub mod metrics;
 pub mod protocol;
 pub mod sampling;
 pub mod shutdown;
+pub mod tls;
 
 pub use block_hash::{BlockHasher, ModelFingerprint};
 pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};

@@ -3,6 +3,7 @@
 use crate::worker::DecodeHandle;
 use futures::{Stream, StreamExt};
 use kvmesh_common::grpc::{self, pb};
+use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
 use kvmesh_prefill::{PrefillTarget, RemotePrefill};
 use std::collections::{HashMap, HashSet};
@@ -17,14 +18,21 @@ use tonic::{Request, Response, Status};
 pub struct PrefillDirectory {
     /// Where this node receives KV (told to every prefill node).
     transfer_address: String,
+    /// The cluster identity presented to prefill nodes (`None`: plaintext gRPC).
+    tls: Option<ClusterTls>,
     connect_timeout: Duration,
     clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
 }
 
 impl PrefillDirectory {
-    pub fn new(transfer_address: String, connect_timeout: Duration) -> Self {
+    pub fn new(
+        transfer_address: String,
+        tls: Option<ClusterTls>,
+        connect_timeout: Duration,
+    ) -> Self {
         PrefillDirectory {
             transfer_address,
+            tls,
             connect_timeout,
             clients: Mutex::new(HashMap::new()),
         }
@@ -41,6 +49,7 @@ impl PrefillDirectory {
         }
         let connected = RemotePrefill::connect(
             &target.address,
+            self.tls.as_ref(),
             self.transfer_address.clone(),
             self.connect_timeout,
         )

@@ -74,6 +74,7 @@ async fn mesh() -> Mesh {
     let decode = DecodeWorker::spawn(config, engine(), Arc::new(decode_quic)).unwrap();
     let directory = Arc::new(PrefillDirectory::new(
         transfer_address,
+        None,
         Duration::from_secs(2),
     ));
     let service = DecodeService::new(decode.handle(), directory);

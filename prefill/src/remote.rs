@@ -5,10 +5,11 @@ use crate::request::{PrefillError, PrefillReply, PrefillRequest};
 use crate::wire;
 use crossbeam_channel::Sender;
 use kvmesh_common::grpc::{pb, tag_request};
+use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::NodeId;
 use kvmesh_engine::runner::KvShape;
 use std::time::Duration;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 type Client = pb::prefill_client::PrefillClient<Channel>;
 
@@ -33,17 +34,19 @@ impl std::fmt::Debug for RemotePrefill {
 }
 
 impl RemotePrefill {
-    /// Connects to the prefill node at `address` (host:port) and asks what KV it produces.
-    /// Call from within a tokio runtime; its tasks run there.
+    /// Connects to the prefill node at `address` (host:port), over mutual TLS when `tls` is
+    /// given, and asks what KV it produces. Call from within a tokio runtime; its tasks run
+    /// there.
     pub async fn connect(
         address: &str,
+        tls: Option<&ClusterTls>,
         transfer_address: String,
         timeout: Duration,
     ) -> Result<RemotePrefill, PrefillError> {
         let unreachable = |e: &dyn std::fmt::Display| {
             PrefillError::Rpc(format!("prefill node at {address}: {e}"))
         };
-        let endpoint = Endpoint::from_shared(format!("http://{address}"))
+        let endpoint = grpc_endpoint(address, tls)
             .map_err(|e| unreachable(&e))?
             .connect_timeout(timeout)
             .tcp_nodelay(true);

@@ -16,6 +16,7 @@ use crate::metrics::metrics;
 use crate::routing::{lock, InFlight, Routing};
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
+use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
 use kvmesh_kvstore::{Discovery, NodeEntry};
 use std::collections::HashMap;
@@ -23,7 +24,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Code;
 
 type DecodeClient = pb::decode_client::DecodeClient<Channel>;
@@ -42,6 +43,9 @@ pub struct RemoteConfig {
     pub request_timeout: Duration,
     /// How many times one request may move to another decode node after its stream broke.
     pub max_migrations: usize,
+    /// Mutual TLS to the decode nodes (the cluster CA and this router's certificate); `None`
+    /// for plaintext gRPC.
+    pub tls: Option<ClusterTls>,
 }
 
 impl Default for RemoteConfig {
@@ -52,6 +56,7 @@ impl Default for RemoteConfig {
             max_attempts: 3,
             request_timeout: Duration::from_secs(600),
             max_migrations: 3,
+            tls: None,
         }
     }
 }
@@ -123,7 +128,7 @@ impl Mesh {
                 return Ok(client.clone());
             }
         }
-        let endpoint = Endpoint::from_shared(format!("http://{}", node.info.address))
+        let endpoint = grpc_endpoint(&node.info.address, self.config.tls.as_ref())
             .map_err(|e| WorkerError::Internal(format!("decode node {id} has a bad address: {e}")))?
             .connect_timeout(self.config.connect_timeout)
             .tcp_nodelay(true);

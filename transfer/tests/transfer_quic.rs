@@ -1,6 +1,7 @@
 //! The QUIC transport between two endpoints on loopback: routing, refusal of unbound nodes,
 //! backpressure, mutual TLS, and the end of transfers.
 
+use kvmesh_common::tls::CLUSTER_SERVER_NAME;
 use kvmesh_common::{BlockId, NodeId, RequestId};
 use kvmesh_transfer::{
     BlockShape, KvChunk, KvDtype, QuicConfig, QuicTransport, TlsConfig, Transport, TransportError,
@@ -225,7 +226,7 @@ fn ending_a_transfer_closes_its_stream_and_idle_ones_are_closed_anyway() {
     }
 }
 
-/// A CA and a certificate for "kvmesh" it signed, as PEM files under `dir`.
+/// A CA and certificates for the cluster name it signed, as PEM files under `dir`.
 fn issue(dir: &Path, ca_name: &str, leaves: &[&str]) {
     use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
     let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
@@ -234,7 +235,7 @@ fn issue(dir: &Path, ca_name: &str, leaves: &[&str]) {
     std::fs::write(dir.join(format!("{ca_name}.pem")), ca.pem()).unwrap();
     for leaf in leaves {
         let key = KeyPair::generate().unwrap();
-        let cert = CertificateParams::new(vec!["kvmesh".to_string()])
+        let cert = CertificateParams::new(vec![CLUSTER_SERVER_NAME.to_string()])
             .unwrap()
             .signed_by(&key, &ca)
             .unwrap();
@@ -324,4 +325,152 @@ fn unreadable_tls_files_fail_at_start() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("ca.pem"), "{err}");
+}
+
+/// Accepts any server certificate: the self-signed mode's client, as an outsider builds it.
+#[derive(Debug)]
+struct AnyCert(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyCert {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        let algs = &self.0.signature_verification_algorithms;
+        rustls::crypto::verify_tls12_signature(message, cert, dss, algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        let algs = &self.0.signature_verification_algorithms;
+        rustls::crypto::verify_tls13_signature(message, cert, dss, algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A raw QUIC connection to a transport that speaks the transfer ALPN and then writes
+/// whatever it likes on its streams.
+async fn raw_peer(to: SocketAddr) -> (quinn::Endpoint, quinn::Connection) {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut tls = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyCert(provider)))
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![kvmesh_transfer::quic::ALPN.to_vec()];
+    let quic_tls = quinn::crypto::rustls::QuicClientConfig::try_from(tls).unwrap();
+    let mut endpoint = quinn::Endpoint::client(loopback()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(quic_tls)));
+    let conn = endpoint
+        .connect(to, CLUSTER_SERVER_NAME)
+        .unwrap()
+        .await
+        .unwrap();
+    (endpoint, conn)
+}
+
+/// Writes `bytes` on a new stream, left open, and returns the code the receiver stopped it
+/// with. (Finishing it would race: a receiver that has read a finished stream to its end
+/// has nothing left to stop.)
+async fn stop_code(conn: &quinn::Connection, bytes: &[u8]) -> Option<quinn::VarInt> {
+    let mut stream = conn.open_uni().await.unwrap();
+    if let Err(quinn::WriteError::Stopped(code)) = stream.write_all(bytes).await {
+        return Some(code);
+    }
+    tokio::time::timeout(Duration::from_secs(10), stream.stopped())
+        .await
+        .expect("the receiver did not stop a stream it cannot use")
+        .ok()
+        .flatten()
+}
+
+#[test]
+fn garbage_from_an_unauthenticated_peer_is_refused_and_the_node_keeps_receiving() {
+    use kvmesh_transfer::codec::FrameEncoder;
+    use kvmesh_transfer::quic::error_code::{MALFORMED, UNKNOWN_NODE};
+    // Self-signed mode: anyone may connect, so only the codec stands between a peer and the
+    // node's KV queue.
+    let receiver = start(QuicConfig::default());
+    let rx = receiver.bind(NodeId(1)).unwrap();
+    let encoded = |dest: u64, c: &KvChunk| {
+        let mut out = Vec::new();
+        FrameEncoder::new(NodeId(dest), c.header.request_id)
+            .encode(c, &mut out)
+            .unwrap();
+        out
+    };
+    let good = chunk(1, 0, 2);
+    let mut corrupt = encoded(1, &good);
+    *corrupt.last_mut().unwrap() ^= 0x40;
+    let noise: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let (_endpoint, conn) = raw_peer(receiver.local_addr()).await;
+        assert_eq!(stop_code(&conn, &noise).await, Some(MALFORMED), "noise");
+        assert_eq!(
+            stop_code(&conn, &corrupt).await,
+            Some(MALFORMED),
+            "bad checksum"
+        );
+        let unbound = encoded(9, &good);
+        assert_eq!(
+            stop_code(&conn, &unbound).await,
+            Some(UNKNOWN_NODE),
+            "unbound node"
+        );
+        // Many streams of noise at once, each refused on its own.
+        let floods = (0..64).map(|i| {
+            let conn = conn.clone();
+            let bytes = noise[i..].to_vec();
+            async move { stop_code(&conn, &bytes).await }
+        });
+        for code in join_all(floods).await {
+            assert_eq!(code, Some(MALFORMED));
+        }
+    });
+    assert!(rx.try_recv().is_err(), "garbage reached the node's queue");
+
+    // The node still receives from a real sender.
+    let sender = start(QuicConfig::default());
+    sender.add_peer(NodeId(1), receiver.local_addr());
+    sender.send(NodeId(1), good.clone(), soon()).unwrap();
+    assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), good);
+}
+
+/// Runs the futures concurrently on the current runtime (tokio tasks, no extra crate).
+async fn join_all<F>(futures: impl Iterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let tasks: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
 }

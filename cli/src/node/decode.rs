@@ -33,7 +33,8 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let engine = EngineConfig::default()
         .llama_engine(&loaded)
         .context("building the engine")?;
-    let quic = args.mesh.kv_transport(args.mesh.listen)?;
+    let tls = args.mesh.cluster_tls()?;
+    let quic = args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?;
     let transport: Arc<dyn Transport> = Arc::new(quic);
     let kv_events = KvPublisherSlot::default();
     let mut config = DecodeConfig::new(node_id);
@@ -55,10 +56,23 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
-        let prefill = Arc::new(PrefillDirectory::new(advertise, Duration::from_secs(1)));
+        let prefill = Arc::new(PrefillDirectory::new(
+            advertise,
+            tls.clone(),
+            Duration::from_secs(1),
+        ));
         forget_departed_prefill_nodes(&discovery, prefill.clone());
         let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server());
-        run_node(&args.mesh, &discovery, routes, info, &kv_events, worker).await
+        run_node(
+            &args.mesh,
+            tls.as_ref(),
+            &discovery,
+            routes,
+            info,
+            &kv_events,
+            worker,
+        )
+        .await
     })?;
     tracing::info!("stopped");
     Ok(())

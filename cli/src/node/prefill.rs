@@ -29,7 +29,8 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         .context("building the engine")?;
     // Sends only: any UDP port on the listen address.
     let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
-    let quic = Arc::new(args.mesh.kv_transport(quic_listen)?);
+    let tls = args.mesh.cluster_tls()?;
+    let quic = Arc::new(args.mesh.kv_transport(quic_listen, tls.as_ref())?);
     let transport: Arc<dyn Transport> = quic.clone();
     let kv_events = KvPublisherSlot::default();
     let config = PrefillConfig {
@@ -55,7 +56,16 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let routes = tonic::service::Routes::new(service.into_server());
-        run_node(&args.mesh, &discovery, routes, info, &kv_events, worker).await
+        run_node(
+            &args.mesh,
+            tls.as_ref(),
+            &discovery,
+            routes,
+            info,
+            &kv_events,
+            worker,
+        )
+        .await
     })?;
     tracing::info!("stopped");
     Ok(())

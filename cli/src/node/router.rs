@@ -51,6 +51,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
     if let Some(keys) = &args.api_keys {
         config.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
     }
+    let tls = args.mesh.cluster_tls()?;
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let discovery: Arc<dyn Discovery> = Arc::new(discovery);
@@ -73,6 +74,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
             discovery,
             RemoteConfig {
                 max_migrations: args.max_migrations,
+                tls,
                 ..RemoteConfig::default()
             },
             routing,

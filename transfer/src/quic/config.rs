@@ -1,6 +1,7 @@
 //! What a QUIC transport is started with, and why starting it can fail.
 
 use crate::codec::CodecLimits;
+use kvmesh_common::tls::{ClusterTls, TlsError, CLUSTER_SERVER_NAME};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -22,6 +23,9 @@ pub enum TlsConfig {
         cert: PathBuf,
         key: PathBuf,
     },
+    /// Mutual TLS as in `Files`, from material the node already loaded (and checked) once
+    /// for its whole control plane.
+    Cluster(ClusterTls),
 }
 
 /// Settings of a [`QuicTransport`](super::QuicTransport). The defaults are tuned for
@@ -35,8 +39,8 @@ pub struct QuicConfig {
     /// UDP address to listen on (port 0: any free port); also the source of outbound traffic.
     pub listen: SocketAddr,
     pub tls: TlsConfig,
-    /// TLS server name: sent by clients, and checked against server certificates in
-    /// [`TlsConfig::Files`] mode.
+    /// TLS server name: sent by clients, and checked against server certificates in the
+    /// mutual modes (default: the cluster name every `kvmesh certs` certificate carries).
     pub server_name: String,
     /// Chunks held per bound node before stream readers stop reading (backpressure).
     pub queue_chunks: usize,
@@ -71,7 +75,7 @@ impl Default for QuicConfig {
         QuicConfig {
             listen: SocketAddr::from(([0, 0, 0, 0], 0)),
             tls: TlsConfig::SelfSigned,
-            server_name: "kvmesh".to_string(),
+            server_name: CLUSTER_SERVER_NAME.to_string(),
             queue_chunks: 256,
             limits: CodecLimits::default(),
             runtime_threads: 2,
@@ -99,13 +103,8 @@ pub enum QuicError {
     },
     #[error("cannot start the transport's runtime: {0}")]
     Runtime(std::io::Error),
-    #[error("cannot read {path}: {source}")]
-    ReadFile {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("no {what} found in {path}")]
-    NoPem { what: &'static str, path: PathBuf },
+    #[error("cluster TLS: {0}")]
+    ClusterTls(#[from] TlsError),
     #[error("TLS setup: {0}")]
     Tls(#[from] rustls::Error),
     #[error("TLS client verifier: {0}")]

@@ -1,12 +1,11 @@
 //! rustls configurations for both ends of a connection, on the ring provider (no aws-lc).
 
 use super::config::{QuicError, TlsConfig};
+use kvmesh_common::tls::ClusterTls;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
-use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
-use std::path::Path;
+use rustls::{DigitallySignedStruct, SignatureScheme};
 use std::sync::Arc;
 
 /// ALPN of the KV transfer protocol; a peer speaking anything else fails the handshake.
@@ -44,58 +43,42 @@ pub(super) fn build(tls: &TlsConfig, server_name: &str) -> Result<TlsPair, QuicE
             TlsPair { server, client }
         }
         TlsConfig::Files { ca, cert, key } => {
-            let mut roots = RootCertStore::empty();
-            for c in certs(ca)? {
-                roots.add(c)?;
-            }
-            let roots = Arc::new(roots);
-            let chain = certs(cert)?;
-            let key_bytes = read(key)?;
-            let key = PrivateKeyDer::from_pem_slice(&key_bytes).map_err(|_| QuicError::NoPem {
-                what: "private key",
-                path: key.clone(),
-            })?;
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                roots.clone(),
-                provider.clone(),
-            )
-            .build()
-            .map_err(|e| QuicError::Verifier(e.to_string()))?;
-            let server = rustls::ServerConfig::builder_with_provider(provider.clone())
-                .with_protocol_versions(&versions)?
-                .with_client_cert_verifier(verifier)
-                .with_single_cert(chain.clone(), key.clone_key())?;
-            let client = rustls::ClientConfig::builder_with_provider(provider)
-                .with_protocol_versions(&versions)?
-                .with_root_certificates(roots)
-                .with_client_auth_cert(chain, key)?;
-            TlsPair { server, client }
+            // Checked by the handshake against `server_name`, which need not be the cluster's.
+            mutual(
+                &ClusterTls::load_unchecked(ca, cert, key)?,
+                provider,
+                &versions,
+            )?
         }
+        TlsConfig::Cluster(tls) => mutual(tls, provider, &versions)?,
     };
     pair.server.alpn_protocols = vec![ALPN.to_vec()];
     pair.client.alpn_protocols = vec![ALPN.to_vec()];
     Ok(pair)
 }
 
-fn read(path: &Path) -> Result<Vec<u8>, QuicError> {
-    std::fs::read(path).map_err(|source| QuicError::ReadFile {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, QuicError> {
-    let bytes = read(path)?;
-    let certs: Vec<_> = CertificateDer::pem_slice_iter(&bytes)
-        .filter_map(Result::ok)
-        .collect();
-    if certs.is_empty() {
-        return Err(QuicError::NoPem {
-            what: "certificate",
-            path: path.to_path_buf(),
-        });
-    }
-    Ok(certs)
+/// Both ends present `tls`'s certificate and accept only peers its CA signed.
+fn mutual(
+    tls: &ClusterTls,
+    provider: Arc<CryptoProvider>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<TlsPair, QuicError> {
+    let roots = Arc::new(tls.roots()?);
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        roots.clone(),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| QuicError::Verifier(e.to_string()))?;
+    let server = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_protocol_versions(versions)?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(tls.chain(), tls.key())?;
+    let client = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(tls.chain(), tls.key())?;
+    Ok(TlsPair { server, client })
 }
 
 /// Accepts any server certificate, but still checks that the server holds its key: the

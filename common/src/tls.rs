@@ -1,0 +1,368 @@
+//! Mutual TLS inside a cluster: every node holds a certificate that the cluster CA signed,
+//! presents it as a client and as a server, and accepts only peers whose certificates the
+//! same CA signed. One [`ClusterTls`] is read at start-up and feeds the gRPC control plane
+//! (tonic) and the KV transport (QUIC).
+//!
+//! Servers are verified against one fixed name, [`CLUSTER_SERVER_NAME`], rather than the
+//! address dialled: nodes advertise IPs that change with every container or pod, and a name
+//! every node certificate carries keeps the CA out of address management. What proves a
+//! peer is a cluster member is the CA's signature, not the name.
+
+use rustls::client::danger::ServerCertVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::RootCertStore;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+
+/// The DNS name every node certificate carries, and the one clients check servers against.
+pub const CLUSTER_SERVER_NAME: &str = "kvmesh.cluster";
+
+/// A peer that opens a connection and never finishes its handshake is dropped after this.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Why the cluster's TLS material cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("no PEM {what} found in {path}")]
+    NoPem { what: &'static str, path: PathBuf },
+    #[error("the private key in {key} does not belong to the certificate in {cert}: {reason}")]
+    KeyMismatch {
+        cert: PathBuf,
+        key: PathBuf,
+        reason: String,
+    },
+    #[error("{cert} is not a cluster certificate under the CA in {ca}: {reason}")]
+    Untrusted {
+        cert: PathBuf,
+        ca: PathBuf,
+        reason: String,
+    },
+}
+
+/// A node's cluster identity: the CA it trusts, its certificate chain and key, parsed once.
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct ClusterTls(Arc<Material>);
+
+struct Material {
+    ca_pem: Vec<u8>,
+    cert_pem: Vec<u8>,
+    key_pem: Vec<u8>,
+    ca: Vec<CertificateDer<'static>>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the key.
+        f.debug_struct("ClusterTls")
+            .field("ca_certs", &self.0.ca.len())
+            .field("chain_len", &self.0.chain.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for ClusterTls {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.0.ca_pem == other.0.ca_pem
+                && self.0.cert_pem == other.0.cert_pem
+                && self.0.key_pem == other.0.key_pem)
+    }
+}
+
+impl Eq for ClusterTls {}
+
+impl ClusterTls {
+    /// Reads the CA certificate(s), this node's certificate chain and its private key (all
+    /// PEM), and checks that they fit: the key is the certificate's, the CA signed the
+    /// certificate, it is valid now, names [`CLUSTER_SERVER_NAME`] and may act as both TLS
+    /// server and client. A node with the wrong files fails at start-up, not at its first
+    /// connection.
+    pub fn load(ca: &Path, cert: &Path, key: &Path) -> Result<ClusterTls, TlsError> {
+        let tls = Self::load_unchecked(ca, cert, key)?;
+        tls.check(ca, cert, key)?;
+        Ok(tls)
+    }
+
+    /// [`ClusterTls::load`] from PEM in memory (`ca`, `cert` and `key` name them in errors).
+    pub fn from_pem(ca: &[u8], cert: &[u8], key: &[u8]) -> Result<ClusterTls, TlsError> {
+        let (ca_path, cert_path, key_path) = (Path::new("ca"), Path::new("cert"), Path::new("key"));
+        let tls = Self::parse(
+            (ca_path, ca.to_vec()),
+            (cert_path, cert.to_vec()),
+            (key_path, key.to_vec()),
+        )?;
+        tls.check(ca_path, cert_path, key_path)?;
+        Ok(tls)
+    }
+
+    /// Reads and parses the files without checking them against each other or the cluster
+    /// name (for transports that check a different server name).
+    pub fn load_unchecked(ca: &Path, cert: &Path, key: &Path) -> Result<ClusterTls, TlsError> {
+        Self::parse((ca, read(ca)?), (cert, read(cert)?), (key, read(key)?))
+    }
+
+    fn parse(
+        (ca_path, ca_pem): (&Path, Vec<u8>),
+        (cert_path, cert_pem): (&Path, Vec<u8>),
+        (key_path, key_pem): (&Path, Vec<u8>),
+    ) -> Result<ClusterTls, TlsError> {
+        let ca = certs(ca_path, &ca_pem)?;
+        let chain = certs(cert_path, &cert_pem)?;
+        let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| TlsError::NoPem {
+            what: "private key",
+            path: key_path.to_path_buf(),
+        })?;
+        Ok(ClusterTls(Arc::new(Material {
+            ca_pem,
+            cert_pem,
+            key_pem,
+            ca,
+            chain,
+            key,
+        })))
+    }
+
+    fn check(&self, ca: &Path, cert: &Path, key: &Path) -> Result<(), TlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        rustls::sign::CertifiedKey::from_der(self.chain(), self.key(), &provider).map_err(|e| {
+            TlsError::KeyMismatch {
+                cert: cert.to_path_buf(),
+                key: key.to_path_buf(),
+                reason: e.to_string(),
+            }
+        })?;
+        self.verify_peer(&self.0.chain, provider)
+            .map_err(|reason| TlsError::Untrusted {
+                cert: cert.to_path_buf(),
+                ca: ca.to_path_buf(),
+                reason,
+            })
+    }
+
+    /// Whether `chain` passes as this cluster's server and as its client, exactly as a peer
+    /// would check it during a handshake.
+    fn verify_peer(
+        &self,
+        chain: &[CertificateDer<'static>],
+        provider: Arc<CryptoProvider>,
+    ) -> Result<(), String> {
+        let roots = Arc::new(
+            self.roots()
+                .map_err(|e| format!("bad CA certificate: {e}"))?,
+        );
+        let now = UnixTime::now();
+        let (leaf, intermediates) = chain.split_first().ok_or("empty chain")?;
+        let name = ServerName::try_from(CLUSTER_SERVER_NAME).map_err(|e| e.to_string())?;
+        rustls::client::WebPkiServerVerifier::builder_with_provider(
+            roots.clone(),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| e.to_string())?
+        .verify_server_cert(leaf, intermediates, &name, &[], now)
+        .map_err(|e| format!("as a server named {CLUSTER_SERVER_NAME}: {e}"))?;
+        rustls::server::WebPkiClientVerifier::builder_with_provider(roots, provider)
+            .build()
+            .map_err(|e| e.to_string())?
+            .verify_client_cert(leaf, intermediates, now)
+            .map_err(|e| format!("as a client: {e}"))?;
+        Ok(())
+    }
+
+    /// The CA certificates as trust anchors.
+    pub fn roots(&self) -> Result<RootCertStore, rustls::Error> {
+        let mut roots = RootCertStore::empty();
+        for c in &self.0.ca {
+            roots.add(c.clone())?;
+        }
+        Ok(roots)
+    }
+
+    /// This node's certificate chain, leaf first.
+    pub fn chain(&self) -> Vec<CertificateDer<'static>> {
+        self.0.chain.clone()
+    }
+
+    pub fn key(&self) -> PrivateKeyDer<'static> {
+        self.0.key.clone_key()
+    }
+
+    /// A gRPC server's TLS: presents this node's certificate and requires a client
+    /// certificate the CA signed.
+    pub fn grpc_server(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new()
+            .identity(self.identity())
+            .client_ca_root(Certificate::from_pem(&self.0.ca_pem))
+            .timeout(HANDSHAKE_TIMEOUT)
+    }
+
+    /// A gRPC client's TLS: presents this node's certificate and accepts only servers the
+    /// CA signed for [`CLUSTER_SERVER_NAME`].
+    pub fn grpc_client(&self) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .identity(self.identity())
+            .ca_certificate(Certificate::from_pem(&self.0.ca_pem))
+            .domain_name(CLUSTER_SERVER_NAME)
+            .timeout(HANDSHAKE_TIMEOUT)
+    }
+
+    fn identity(&self) -> Identity {
+        Identity::from_pem(&self.0.cert_pem, &self.0.key_pem)
+    }
+}
+
+/// The endpoint of a node's gRPC control plane at `address` (host:port): mutual TLS with
+/// `tls`, plaintext without. Every gRPC client in the mesh dials through this.
+pub fn grpc_endpoint(
+    address: &str,
+    tls: Option<&ClusterTls>,
+) -> Result<Endpoint, tonic::transport::Error> {
+    match tls {
+        None => Endpoint::from_shared(format!("http://{address}")),
+        Some(tls) => {
+            Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.grpc_client())
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs: Vec<_> = CertificateDer::pem_slice_iter(pem)
+        .filter_map(Result::ok)
+        .collect();
+    if certs.is_empty() {
+        return Err(TlsError::NoPem {
+            what: "certificate",
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(certs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
+        KeyPair,
+    };
+
+    struct Ca(CertifiedIssuer<'static, KeyPair>);
+
+    impl Ca {
+        fn new() -> Ca {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            Ca(CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap())
+        }
+
+        /// (cert PEM, key PEM) for `names`, for server and client use.
+        fn issue(&self, names: &[&str]) -> (String, String) {
+            let key = KeyPair::generate().unwrap();
+            let mut params =
+                CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                    .unwrap();
+            params.extended_key_usages = vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ];
+            (
+                params.signed_by(&key, &self.0).unwrap().pem(),
+                key.serialize_pem(),
+            )
+        }
+    }
+
+    #[test]
+    fn a_certificate_of_the_cluster_ca_loads() {
+        let ca = Ca::new();
+        let (cert, key) = ca.issue(&[CLUSTER_SERVER_NAME, "10.0.0.7"]);
+        let tls =
+            ClusterTls::from_pem(ca.0.pem().as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap();
+        assert_eq!(tls.chain().len(), 1);
+        assert_eq!(tls.roots().unwrap().len(), 1);
+        assert!(!format!("{tls:?}").contains("PRIVATE"), "{tls:?}");
+    }
+
+    #[test]
+    fn mismatched_material_is_refused_with_the_reason() {
+        let (ca, other) = (Ca::new(), Ca::new());
+        let ca_pem = ca.0.pem();
+        let (cert, key) = ca.issue(&[CLUSTER_SERVER_NAME]);
+        let (foreign, foreign_key) = other.issue(&[CLUSTER_SERVER_NAME]);
+        let load =
+            |c: &str, k: &str| ClusterTls::from_pem(ca_pem.as_bytes(), c.as_bytes(), k.as_bytes());
+
+        let err = load(&foreign, &foreign_key).unwrap_err();
+        assert!(matches!(err, TlsError::Untrusted { .. }), "{err}");
+        let err = load(&cert, &foreign_key).unwrap_err();
+        assert!(matches!(err, TlsError::KeyMismatch { .. }), "{err}");
+        let (unnamed, unnamed_key) = ca.issue(&["decode-1"]);
+        let err = load(&unnamed, &unnamed_key).unwrap_err();
+        assert!(err.to_string().contains(CLUSTER_SERVER_NAME), "{err}");
+        let err = load("not a certificate", &key).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TlsError::NoPem {
+                    what: "certificate",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = load(&cert, "").unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TlsError::NoPem {
+                    what: "private key",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn missing_files_are_named() {
+        let err = ClusterTls::load(
+            Path::new("/nonexistent/ca.pem"),
+            Path::new("/nonexistent/node.pem"),
+            Path::new("/nonexistent/node.key"),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/ca.pem"), "{err}");
+    }
+
+    #[test]
+    fn endpoints_use_https_only_with_tls() {
+        let ca = Ca::new();
+        let (cert, key) = ca.issue(&[CLUSTER_SERVER_NAME]);
+        let tls =
+            ClusterTls::from_pem(ca.0.pem().as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap();
+        let plain = grpc_endpoint("127.0.0.1:7000", None).unwrap();
+        assert_eq!(plain.uri().scheme_str(), Some("http"));
+        let secure = grpc_endpoint("127.0.0.1:7000", Some(&tls)).unwrap();
+        assert_eq!(secure.uri().scheme_str(), Some("https"));
+        assert!(grpc_endpoint("not an address at all", None).is_err());
+    }
+}
