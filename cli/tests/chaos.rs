@@ -1,7 +1,8 @@
 //! Chaos: the multi-process mesh (etcd, a router, two prefill and three decode processes)
 //! under a steady stream of streaming requests, while it suffers, in turn, a `kill -9` of a
 //! decode node mid-stream, a `kill -9` of a prefill node, an etcd outage and restart, and a
-//! graceful drain (SIGTERM) of a decode node mid-stream.
+//! graceful drain (SIGTERM) of a decode node mid-stream. The nodes talk mutual TLS (gRPC and
+//! QUIC) with certificates from `kvmesh certs`, as a production cluster would.
 //!
 //! Every request must complete with exactly the greedy text the mesh gives without faults
 //! (no gap, no repeat where a stream moved to another node), and afterwards every surviving
@@ -11,6 +12,7 @@
 mod cluster;
 
 use cluster::*;
+use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
 use serde_json::{json, Value};
@@ -22,9 +24,9 @@ use std::time::{Duration, Instant};
 
 /// Distinct prompts; request `i` sends prompt `i % PROMPTS`.
 const PROMPTS: usize = 8;
-const REQUESTS: usize = 60;
+const REQUESTS: usize = 48;
 const CLIENTS: usize = 4;
-const MAX_TOKENS: u32 = 32;
+const MAX_TOKENS: u32 = 24;
 
 fn prompt(i: usize) -> String {
     let topic = ["rivers", "the moon", "bread", "chess", "volcanoes", "owls"][i % 6];
@@ -158,15 +160,15 @@ impl Progress {
     }
 }
 
-/// The longest a stream in flight at `fault` waited for its next event after it.
+/// The longest a stream that was mid-answer at `fault` (it had sent data and was not done)
+/// then waited for its next event: how long the fault held up answers being streamed.
 fn stall_after(outcomes: &[Outcome], fault: Instant) -> Duration {
     outcomes
         .iter()
-        .filter(|o| o.start <= fault)
         .filter_map(|o| {
+            let before = o.events.iter().rev().find(|&&t| t <= fault)?;
             let after = o.events.iter().find(|&&t| t > fault)?;
-            let before = o.events.iter().rev().find(|&&t| t <= fault);
-            Some(*after - before.copied().unwrap_or(o.start))
+            Some(*after - *before)
         })
         .max()
         .unwrap_or_default()
@@ -181,10 +183,10 @@ fn counter(metrics: &str, name: &str) -> f64 {
 }
 
 /// Waits (polling its gRPC health; nodes push nothing) until `node` runs a request.
-fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
+fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole, tls: &ClusterTls) {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let h = rt.block_on(node_health(&addr.to_string(), role));
+        let h = rt.block_on(node_health(&addr.to_string(), role, Some(tls)));
         if h.load.is_some_and(|l| l.running > 0) {
             return;
         }
@@ -194,11 +196,16 @@ fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole)
 }
 
 /// Waits until `node` is idle with no KV block in use; returns its last load.
-fn await_baseline(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
+fn await_baseline(
+    rt: &tokio::runtime::Runtime,
+    addr: SocketAddr,
+    role: NodeRole,
+    tls: &ClusterTls,
+) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let load = rt
-            .block_on(node_health(&addr.to_string(), role))
+            .block_on(node_health(&addr.to_string(), role, Some(tls)))
             .load
             .unwrap_or_default();
         if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
@@ -227,9 +234,13 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos");
     std::fs::create_dir_all(&logs).unwrap();
     let log = |name: &str| logs.join(format!("{name}.log"));
+    let certs = logs.join("certs");
+    let _ = std::fs::remove_dir_all(&certs);
+    let (tls, tls_flags) = cluster_certs(&certs);
     let endpoint = etcd.endpoint();
     let args = |role: &str, addr| {
         let mut a = mesh_args(role, addr, &endpoint, "chaos");
+        a.extend(tls_flags.iter().cloned());
         // Prompts of 32 tokens or more go to a prefill node; round robin spreads repeats
         // of a prompt over the decode nodes, so prefill nodes stay busy all run long.
         if role != "prefill" {
@@ -298,28 +309,28 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
             });
         }
         // The faults, each once the stream has moved on from the last one.
-        progress.wait_for(6);
-        await_running(&rt, decode_addrs[0], NodeRole::Decode);
+        progress.wait_for(5);
+        await_running(&rt, decode_addrs[0], NodeRole::Decode, &tls);
         decode[0].child.kill().unwrap();
         faults.push(("kill -9 decode node", Instant::now()));
         decode[0].child.wait().unwrap();
 
-        progress.wait_for(16);
+        progress.wait_for(13);
         prefill[0].child.kill().unwrap();
         faults.push(("kill -9 prefill node", Instant::now()));
         prefill[0].child.wait().unwrap();
 
-        progress.wait_for(24);
+        progress.wait_for(20);
         etcd.stop().expect("etcd stops");
         faults.push(("etcd stopped", Instant::now()));
-        progress.wait_for(32);
+        progress.wait_for(27);
         etcd.restart().expect("etcd restarts");
         faults.push(("etcd restarted", Instant::now()));
         // Everyone alive registers again: one prefill and two decode nodes.
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
-        progress.wait_for(40);
-        await_running(&rt, decode_addrs[1], NodeRole::Decode);
+        progress.wait_for(34);
+        await_running(&rt, decode_addrs[1], NodeRole::Decode, &tls);
         signal(&decode[1], "-TERM");
         let drained = Instant::now();
         faults.push(("SIGTERM (drain) decode node", drained));
@@ -380,6 +391,6 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     );
 
     // No KV stranded: every surviving node is back to an empty pool.
-    await_baseline(&rt, decode_addrs[2], NodeRole::Decode);
-    await_baseline(&rt, prefill_addrs[1], NodeRole::Prefill);
+    await_baseline(&rt, decode_addrs[2], NodeRole::Decode, &tls);
+    await_baseline(&rt, prefill_addrs[1], NodeRole::Prefill, &tls);
 }

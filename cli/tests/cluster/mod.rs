@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use kvmesh_common::grpc::pb;
+use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdDiscovery};
 use serde_json::Value;
@@ -126,22 +127,26 @@ pub fn await_health(addr: SocketAddr, nodes: &[&Node]) {
     }
 }
 
-/// A node's gRPC `Health` reply.
-pub async fn node_health(address: &str, role: NodeRole) -> pb::HealthReply {
-    let url = format!("http://{address}");
+/// A node's gRPC `Health` reply (over mutual TLS with `tls`).
+pub async fn node_health(
+    address: &str,
+    role: NodeRole,
+    tls: Option<&ClusterTls>,
+) -> pb::HealthReply {
+    let channel = grpc_endpoint(address, tls)
+        .expect("a node address")
+        .connect()
+        .await
+        .expect("the node answers");
     let request = tonic::Request::new(pb::HealthRequest {});
     let reply = match role {
         NodeRole::Prefill => {
-            pb::prefill_client::PrefillClient::connect(url)
-                .await
-                .expect("prefill node answers")
+            pb::prefill_client::PrefillClient::new(channel)
                 .health(request)
                 .await
         }
         _ => {
-            pb::decode_client::DecodeClient::connect(url)
-                .await
-                .expect("decode node answers")
+            pb::decode_client::DecodeClient::new(channel)
                 .health(request)
                 .await
         }
@@ -150,7 +155,31 @@ pub async fn node_health(address: &str, role: NodeRole) -> pb::HealthReply {
 }
 
 pub async fn requests_served(address: &str, role: NodeRole) -> u64 {
-    node_health(address, role).await.requests_total
+    node_health(address, role, None).await.requests_total
+}
+
+/// A cluster CA and one node certificate (`node.pem`, `node.key`) made by `kvmesh certs` in
+/// `dir`, and the flags that make a node use them.
+pub fn cluster_certs(dir: &std::path::Path) -> (ClusterTls, Vec<String>) {
+    let ok = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+        .args(["certs", "--out"])
+        .arg(dir)
+        .status()
+        .expect("kvmesh certs runs")
+        .success();
+    assert!(ok, "kvmesh certs failed");
+    let path = |f: &str| dir.join(f);
+    let tls = ClusterTls::load(&path("ca.pem"), &path("node.pem"), &path("node.key"))
+        .expect("the certificates load");
+    let flags = [
+        ("--tls-ca", "ca.pem"),
+        ("--tls-cert", "node.pem"),
+        ("--tls-key", "node.key"),
+    ]
+    .into_iter()
+    .flat_map(|(flag, f)| [flag.to_string(), path(f).display().to_string()])
+    .collect();
+    (tls, flags)
 }
 
 /// The arguments of a mesh node: `role` listening on `addr`, in `cluster` on `etcd`, one
