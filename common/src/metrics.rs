@@ -9,6 +9,14 @@ pub const ROUTER_E2E_SECONDS: &str = "kvmesh_router_e2e_latency_seconds";
 pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "kvmesh_router_prompt_tokens_total";
 pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_tokens_total";
 pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
+/// Requests refused with 429 (label `reason`: queue_delay, in_flight, rate_limit,
+/// backend_overloaded).
+pub const ROUTER_REJECTED_TOTAL: &str = "kvmesh_router_rejected_requests_total";
+/// Prompt tokens of admitted requests still waiting for their first token.
+pub const ROUTER_ADMISSION_PENDING_TOKENS: &str = "kvmesh_router_admission_pending_tokens";
+/// Admission control's estimate of the queueing delay a new request would see.
+pub const ROUTER_ADMISSION_QUEUE_DELAY_SECONDS: &str =
+    "kvmesh_router_admission_queue_delay_seconds";
 
 // Workers (labels: node, role).
 pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";

@@ -17,7 +17,8 @@ use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 use kvmesh_common::metrics as names;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::error::{status_label, ApiError};
@@ -40,6 +41,10 @@ pub(crate) struct Metrics {
     pub(crate) prompt_tokens: IntCounter,
     pub(crate) generation_tokens: IntCounter,
     pub(crate) in_flight: IntGauge,
+    /// Label: `reason` (`queue_delay`, `in_flight`, `rate_limit`, `backend_overloaded`).
+    pub(crate) rejected: IntCounterVec,
+    pub(crate) admission_pending_tokens: IntGauge,
+    pub(crate) admission_queue_delay: Gauge,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -103,6 +108,35 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             IntGauge::new(
                 names::ROUTER_REQUESTS_IN_FLIGHT,
                 "Completion requests being served.",
+            )
+            .expect("valid gauge options"),
+        ),
+        rejected: register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    names::ROUTER_REJECTED_TOTAL,
+                    "Requests refused with 429, by reason: queue_delay (the TTFT target would \
+                     be missed), in_flight (max_in_flight reached), rate_limit (per-key rate), \
+                     backend_overloaded (a worker's queue is full).",
+                ),
+                &["reason"],
+            )
+            .expect("valid counter options"),
+        ),
+        admission_pending_tokens: register(
+            r,
+            IntGauge::new(
+                names::ROUTER_ADMISSION_PENDING_TOKENS,
+                "Prompt tokens of admitted requests still waiting for their first token.",
+            )
+            .expect("valid gauge options"),
+        ),
+        admission_queue_delay: register(
+            r,
+            Gauge::new(
+                names::ROUTER_ADMISSION_QUEUE_DELAY_SECONDS,
+                "Estimated queueing delay before a new request's first token.",
             )
             .expect("valid gauge options"),
         ),
