@@ -14,9 +14,9 @@ pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
 pub const ROUTER_REJECTED_TOTAL: &str = "kvmesh_router_rejected_requests_total";
 /// Prompt tokens of admitted requests still waiting for their first token.
 pub const ROUTER_ADMISSION_PENDING_TOKENS: &str = "kvmesh_router_admission_pending_tokens";
-/// Admission control's estimate of the queueing delay a new request would see.
-pub const ROUTER_ADMISSION_QUEUE_DELAY_SECONDS: &str =
-    "kvmesh_router_admission_queue_delay_seconds";
+/// Admission control's estimate of a new request's time to first token.
+pub const ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS: &str =
+    "kvmesh_router_admission_estimated_ttft_seconds";
 
 // Workers (labels: node, role).
 pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";

@@ -1,19 +1,24 @@
-//! Admission control: refuse a request up front (429 + `Retry-After`) when the queueing delay
-//! it would see breaks the TTFT target, so the requests already admitted keep their latency
-//! instead of everyone's latency exploding together.
+//! Admission control: refuse a request up front (429 + `Retry-After`) when the time to its
+//! first token would break the TTFT target, so the requests already admitted keep their
+//! latency instead of everyone's latency exploding together.
 //!
 //! The estimate calibrates itself from what the backend actually does, so the same code fits
-//! one process (`kvmesh serve`) and the mesh router: it tracks the prompt tokens of admitted
+//! one process (`kvmesh serve`) and the mesh router. It tracks the prompt tokens of admitted
 //! requests still waiting for their first token (*pending tokens*). When a request gets its
-//! first token, `ttft / (tokens pending ahead of it at admission + its own)` is one sample of
-//! the backend's seconds per queued prompt token; an EWMA of the samples is the rate. A
-//! request with `own` tokens is refused iff something is pending and
-//! `(pending + own) * seconds_per_token > ttft_target`. With nothing pending a request is
-//! always admitted (so samples keep coming and a stale, too-pessimistic rate recovers); before
-//! the first sample only the in-flight bound applies.
+//! first token, `(x, ttft)` is a sample, `x` being the tokens pending ahead of it at
+//! admission plus its own; an exponentially weighted least-squares line `ttft = a + b * x`
+//! through the recent samples is the model. `a` is what a request costs with nothing ahead
+//! (a step of the engine, HTTP, tokenizing); `b` is the cost of a queued token, which a
+//! batching engine keeps far below `ttft / x`. Until the samples are spread enough to fit a
+//! slope (they are all about the same size, e.g. one client at a time), the line goes
+//! through the origin (`b = mean ttft / mean x`): the cautious reading, since it charges
+//! every queued token the full cost.
 //!
-//! Independently, at most `max_in_flight` admitted requests may be unfinished (a bounded
-//! queue whatever the estimate says).
+//! A request with `own` tokens is refused iff something is pending and
+//! `a + b * (pending + own) > ttft_target`. With nothing pending a request is always
+//! admitted, so samples keep coming and a stale, too-pessimistic model recovers. Before the
+//! first sample only the in-flight bound applies: at most `max_in_flight` admitted requests
+//! may be unfinished (a bounded queue whatever the estimate says).
 //!
 //! [`Estimator`] is the pure core (time comes in as `now`); [`Admission`] wraps it in a mutex
 //! and hands out [`Ticket`]s whose drop ends the request's accounting.
@@ -23,10 +28,51 @@ use std::time::{Duration, Instant};
 
 use crate::metrics::metrics;
 
-/// Weight of a new sample in the EWMA of seconds per token: about the last ten requests
-/// count, so the rate follows a load change within a few TTFTs without jumping on one
-/// outlier.
+/// Weight of a new sample in the fit: about the last ten requests count, so the model
+/// follows a load change within a few TTFTs without jumping on one outlier.
 const EWMA_WEIGHT: f64 = 0.2;
+
+/// The samples' token counts must vary by this fraction of their mean (coefficient of
+/// variation) before a slope is fitted; below it the slope is noise.
+const MIN_SPREAD: f64 = 0.25;
+
+/// An exponentially weighted least-squares fit of `ttft` (seconds) against `x` (tokens).
+#[derive(Clone, Debug, Default)]
+struct Fit {
+    samples: u64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Fit {
+    fn add(&mut self, x: f64, y: f64) {
+        // A plain mean over the first few samples, then exponential forgetting.
+        let w = EWMA_WEIGHT.max(1.0 / (self.samples + 1) as f64);
+        self.x += w * (x - self.x);
+        self.y += w * (y - self.y);
+        self.xx += w * (x * x - self.xx);
+        self.xy += w * (x * y - self.xy);
+        self.samples += 1;
+    }
+
+    /// `(a, b)` of `ttft = a + b * x`, both non-negative; `None` before any sample.
+    fn line(&self) -> Option<(f64, f64)> {
+        if self.samples == 0 {
+            return None;
+        }
+        let var = self.xx - self.x * self.x;
+        if var > (MIN_SPREAD * self.x).powi(2) {
+            let b = ((self.xy - self.x * self.y) / var).max(0.0);
+            Some(((self.y - b * self.x).max(0.0), b))
+        } else if self.x > 0.0 {
+            Some((0.0, self.y / self.x))
+        } else {
+            Some((self.y, 0.0))
+        }
+    }
+}
 
 /// Why a request was refused.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,8 +146,7 @@ pub(crate) struct Estimator {
     max_in_flight: usize,
     pending_tokens: u64,
     in_flight: usize,
-    /// EWMA of seconds per pending prompt token; `None` until the first sample.
-    seconds_per_token: Option<f64>,
+    fit: Fit,
 }
 
 impl Estimator {
@@ -112,13 +157,14 @@ impl Estimator {
             max_in_flight,
             pending_tokens: 0,
             in_flight: 0,
-            seconds_per_token: None,
+            fit: Fit::default(),
         }
     }
 
     /// Admits a request of `own` prompt tokens at `now`, or says why not.
     pub(crate) fn admit(&mut self, own: u64, now: Instant) -> Result<Admitted, Rejection> {
-        let retry_after_secs = whole_secs(self.estimated_delay(self.pending_tokens));
+        // The queue ahead drains in about `b * pending`.
+        let retry_after_secs = whole_secs(secs(self.slope() * self.pending_tokens as f64));
         if self.in_flight >= self.max_in_flight {
             return Err(Rejection::InFlight {
                 limit: self.max_in_flight,
@@ -126,7 +172,7 @@ impl Estimator {
             });
         }
         if let Some(target) = self.ttft_target {
-            let estimated = self.estimated_delay(self.pending_tokens + own);
+            let estimated = self.estimated_ttft(self.pending_tokens.saturating_add(own));
             if self.pending_tokens > 0 && estimated > target {
                 return Err(Rejection::QueueDelay {
                     estimated,
@@ -153,15 +199,8 @@ impl Estimator {
             return;
         }
         self.pending_tokens -= request.own;
-        let tokens = request.ahead + request.own;
-        if tokens == 0 {
-            return;
-        }
-        let sample = now.saturating_duration_since(request.at).as_secs_f64() / tokens as f64;
-        self.seconds_per_token = Some(match self.seconds_per_token {
-            None => sample,
-            Some(avg) => avg + EWMA_WEIGHT * (sample - avg),
-        });
+        let ttft = now.saturating_duration_since(request.at).as_secs_f64();
+        self.fit.add((request.ahead + request.own) as f64, ttft);
     }
 
     /// `request` is over (finished, failed or cancelled).
@@ -172,15 +211,20 @@ impl Estimator {
         self.in_flight -= 1;
     }
 
-    /// How long `tokens` pending tokens take by the current rate (zero before any sample).
-    fn estimated_delay(&self, tokens: u64) -> Duration {
-        let secs = self.seconds_per_token.unwrap_or(0.0) * tokens as f64;
-        Duration::try_from_secs_f64(secs).unwrap_or(Duration::MAX)
+    /// The model's TTFT for a request with `tokens` pending ahead plus its own (zero before
+    /// any sample).
+    fn estimated_ttft(&self, tokens: u64) -> Duration {
+        let (a, b) = self.fit.line().unwrap_or((0.0, 0.0));
+        secs(a + b * tokens as f64)
     }
 
-    /// What the queue would make a new request wait now (for the gauge).
-    pub(crate) fn queue_delay(&self) -> Duration {
-        self.estimated_delay(self.pending_tokens)
+    fn slope(&self) -> f64 {
+        self.fit.line().map_or(0.0, |(_, b)| b)
+    }
+
+    /// The model's TTFT for a new one-token request now (for the gauge).
+    pub(crate) fn estimated_ttft_now(&self) -> Duration {
+        self.estimated_ttft(self.pending_tokens.saturating_add(1))
     }
 
     pub(crate) fn pending_tokens(&self) -> u64 {
@@ -191,6 +235,10 @@ impl Estimator {
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight
     }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
 }
 
 /// `Retry-After` in whole seconds, at least 1.
@@ -238,7 +286,8 @@ impl Admission {
         let m = metrics();
         m.admission_pending_tokens
             .set(i64::try_from(e.pending_tokens()).unwrap_or(i64::MAX));
-        m.admission_queue_delay.set(e.queue_delay().as_secs_f64());
+        m.admission_estimated_ttft
+            .set(e.estimated_ttft_now().as_secs_f64());
         out
     }
 }
@@ -277,20 +326,35 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    /// An estimator calibrated to `spt` seconds per token by one request served alone.
-    fn calibrated(t0: Instant, spt_ms_per_100: u64) -> Estimator {
-        let mut e = Estimator::new(TARGET, 100);
-        let mut a = e.admit(100, t0).unwrap();
-        e.first_token(&mut a, t0 + ms(spt_ms_per_100));
+    /// Serves a request of `tokens` alone, its first token after `ttft`.
+    fn serve_alone(e: &mut Estimator, now: &mut Instant, tokens: u64, ttft: Duration) {
+        let mut a = e.admit(tokens, *now).unwrap();
+        assert_eq!(a.ahead, 0);
+        *now += ttft;
+        e.first_token(&mut a, *now);
         e.finish(a);
+    }
+
+    /// An estimator that saw one 100-token request take `ttft` alone.
+    fn calibrated(t0: Instant, ttft: Duration) -> Estimator {
+        let mut e = Estimator::new(TARGET, 100);
+        serve_alone(&mut e, &mut t0.clone(), 100, ttft);
         e
+    }
+
+    fn line(e: &Estimator) -> (f64, f64) {
+        e.fit.line().unwrap()
+    }
+
+    fn close(x: f64, y: f64) -> bool {
+        (x - y).abs() < 1e-9 * y.abs().max(1.0)
     }
 
     #[test]
     fn admits_everything_until_calibrated_then_rejects_what_would_miss_the_target() {
         let t0 = Instant::now();
         let mut e = Estimator::new(TARGET, 100);
-        // No sample yet: no delay estimate, only the in-flight bound.
+        // No sample yet: no estimate, only the in-flight bound.
         let held: Vec<_> = (0..10).map(|_| e.admit(1000, t0).unwrap()).collect();
         assert_eq!(e.pending_tokens(), 10_000);
         for a in held {
@@ -298,15 +362,17 @@ mod tests {
         }
         assert_eq!((e.pending_tokens(), e.in_flight()), (0, 0));
 
-        // 100 tokens took 100 ms: 1 ms per token.
-        let mut e = calibrated(t0, 100);
+        // One sample, 100 tokens in 100 ms: the cautious line through the origin, 1 ms per
+        // token.
+        let mut e = calibrated(t0, ms(100));
+        assert!(close(line(&e).0, 0.0) && close(line(&e).1, 0.001));
         let first = e.admit(600, t0).unwrap();
         // Nothing was pending: admitted whatever its size.
         assert_eq!(first.ahead, 0);
-        // 600 + 300 = 900 ms <= 1 s: admitted.
+        // 600 + 300 tokens: 900 ms <= 1 s, admitted.
         let second = e.admit(300, t0).unwrap();
         assert_eq!(second.ahead, 600);
-        // 900 + 200 = 1.1 s > 1 s: refused, retry after the 0.9 s queue drains.
+        // 900 + 200: 1.1 s > 1 s, refused; retry once the 0.9 s queue drains.
         let r = e.admit(200, t0).unwrap_err();
         assert_eq!(
             r,
@@ -327,42 +393,16 @@ mod tests {
     }
 
     #[test]
-    fn samples_are_ttft_over_tokens_ahead_plus_own_and_move_the_ewma() {
+    fn samples_of_one_size_fit_through_the_origin_and_follow_the_backend() {
         let t0 = Instant::now();
-        let mut e = calibrated(t0, 100);
-        assert_eq!(e.seconds_per_token, Some(0.001));
-        let mut a = e.admit(100, t0).unwrap();
-        let mut b = e.admit(100, t0).unwrap();
-        // `a`: 100 tokens in 100 ms (1 ms/token, unchanged). `b` had 100 ahead: 200 tokens in
-        // 600 ms = 3 ms/token, so the EWMA moves 20% of the way: 1 + 0.2 * 2 = 1.4 ms.
-        e.first_token(&mut a, t0 + ms(100));
-        assert_eq!(e.pending_tokens(), 100);
-        e.first_token(&mut b, t0 + ms(600));
-        let spt = e.seconds_per_token.unwrap();
-        assert!((spt - 0.0014).abs() < 1e-12, "{spt}");
-        // A second first-token call is ignored.
-        e.first_token(&mut b, t0 + ms(5000));
-        assert_eq!(e.seconds_per_token.unwrap(), spt);
-        // Tokens left pending only until the first token; in flight until finished.
-        assert_eq!((e.pending_tokens(), e.in_flight()), (0, 2));
-        e.finish(a);
-        e.finish(b);
-        assert_eq!(e.in_flight(), 0);
-    }
-
-    #[test]
-    fn a_slow_backend_raises_the_rate_and_a_fast_one_brings_it_back() {
-        let t0 = Instant::now();
-        let mut e = calibrated(t0, 10); // 0.1 ms per token
         let mut now = t0;
-        // The backend slows down 100x: samples of 10 ms per token.
+        let mut e = calibrated(t0, ms(10)); // 0.1 ms per token
+                                            // The backend slows down 100x.
         for _ in 0..30 {
-            let mut a = e.admit(100, now).unwrap();
-            now += Duration::from_secs(1);
-            e.first_token(&mut a, now);
-            e.finish(a);
+            serve_alone(&mut e, &mut now, 100, Duration::from_secs(1));
         }
-        assert!(e.seconds_per_token.unwrap() > 0.009);
+        let (a, b) = line(&e);
+        assert!(a == 0.0 && b > 0.009, "{a} {b}");
         // Now even a short queue breaks the target...
         let held = e.admit(100, now).unwrap();
         assert!(matches!(
@@ -371,16 +411,65 @@ mod tests {
         ));
         e.finish(held);
         // ...yet with nothing pending requests still go through, and fast answers bring the
-        // rate back down.
+        // estimate back down.
         for _ in 0..60 {
-            let mut a = e.admit(100, now).unwrap();
-            now += ms(10);
-            e.first_token(&mut a, now);
-            e.finish(a);
+            serve_alone(&mut e, &mut now, 100, ms(10));
         }
-        assert!(e.seconds_per_token.unwrap() < 0.0002);
+        assert!(line(&e).1 < 0.0002, "{:?}", line(&e));
         let _a = e.admit(100, now).unwrap();
         assert!(e.admit(100, now).is_ok());
+    }
+
+    /// Offers `n` requests of `own` tokens at `now`; the admitted ones all get their first
+    /// token `ttft(ahead + own)` later. Returns how many were admitted.
+    fn batch(
+        e: &mut Estimator,
+        now: &mut Instant,
+        n: usize,
+        own: u64,
+        ttft: impl Fn(u64) -> f64,
+    ) -> usize {
+        let mut admitted: Vec<_> = (0..n).filter_map(|_| e.admit(own, *now).ok()).collect();
+        let count = admitted.len();
+        for a in &mut admitted {
+            let at = *now + secs(ttft(a.ahead + a.own));
+            e.first_token(a, at);
+        }
+        *now += secs(ttft(count as u64 * own));
+        for a in admitted {
+            e.finish(a);
+        }
+        count
+    }
+
+    #[test]
+    fn a_batching_backend_is_charged_its_fixed_cost_not_a_cost_per_queued_token() {
+        let t0 = Instant::now();
+        let mut now = t0;
+        // A TTFT of 2 s for 10 tokens alone: through the origin, 0.2 s per token.
+        let mut e = Estimator::new(Duration::from_secs(5), 100);
+        serve_alone(&mut e, &mut now, 10, Duration::from_secs(2));
+        // Six concurrent clients: at first only two fit the cautious estimate (a third would
+        // be charged 6 s)...
+        assert_eq!(batch(&mut e, &mut now, 6, 10, |_| 2.0), 2);
+        // ...but their first tokens come together: the flat TTFT shows the engine batches
+        // them. The fit learns a = 2 s, b = 0, and admits all six at a 5 s target.
+        assert_eq!(batch(&mut e, &mut now, 6, 10, |_| 2.0), 6);
+        for _ in 0..20 {
+            assert_eq!(batch(&mut e, &mut now, 6, 10, |_| 2.0), 6);
+        }
+        let (a, b) = line(&e);
+        assert!(close(a, 2.0) && close(b, 0.0), "{a} {b}");
+        // A backend whose TTFT does grow with the queue (10 ms + 1 ms per token) is fitted
+        // as such.
+        for _ in 0..40 {
+            batch(&mut e, &mut now, 6, 10, |x| 0.01 + 0.001 * x as f64);
+        }
+        let (a, b) = line(&e);
+        assert!(
+            (a - 0.01).abs() < 1e-6 && (b - 0.001).abs() < 1e-6,
+            "{a} {b}"
+        );
     }
 
     #[test]
@@ -405,9 +494,28 @@ mod tests {
     }
 
     #[test]
-    fn retry_after_is_the_queue_delay_in_whole_seconds() {
+    fn first_tokens_count_once_and_tokens_stay_pending_until_then() {
         let t0 = Instant::now();
-        let mut e = calibrated(t0, 100); // 1 ms per token
+        let mut e = calibrated(t0, ms(100));
+        let mut a = e.admit(100, t0).unwrap();
+        let b = e.admit(50, t0).unwrap();
+        assert_eq!(e.pending_tokens(), 150);
+        e.first_token(&mut a, t0 + ms(100));
+        let fitted = e.fit.clone();
+        e.first_token(&mut a, t0 + ms(5000));
+        assert_eq!(e.fit.samples, fitted.samples);
+        assert_eq!((e.pending_tokens(), e.in_flight()), (50, 2));
+        // A request that ends without a first token leaves no sample.
+        e.finish(b);
+        e.finish(a);
+        assert_eq!((e.pending_tokens(), e.in_flight()), (0, 0));
+        assert_eq!(e.fit.samples, fitted.samples);
+    }
+
+    #[test]
+    fn retry_after_is_the_queue_drain_time_in_whole_seconds() {
+        let t0 = Instant::now();
+        let mut e = calibrated(t0, ms(100)); // 1 ms per token
         let _a = e.admit(2500, t0).unwrap(); // 2.5 s pending
         match e.admit(1, t0).unwrap_err() {
             Rejection::QueueDelay {

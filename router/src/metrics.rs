@@ -44,7 +44,7 @@ pub(crate) struct Metrics {
     /// Label: `reason` (`queue_delay`, `in_flight`, `rate_limit`, `backend_overloaded`).
     pub(crate) rejected: IntCounterVec,
     pub(crate) admission_pending_tokens: IntGauge,
-    pub(crate) admission_queue_delay: Gauge,
+    pub(crate) admission_estimated_ttft: Gauge,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -132,11 +132,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             )
             .expect("valid gauge options"),
         ),
-        admission_queue_delay: register(
+        admission_estimated_ttft: register(
             r,
             Gauge::new(
-                names::ROUTER_ADMISSION_QUEUE_DELAY_SECONDS,
-                "Estimated queueing delay before a new request's first token.",
+                names::ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS,
+                "Admission control's estimate of a new request's time to first token.",
             )
             .expect("valid gauge options"),
         ),
