@@ -36,8 +36,11 @@ impl Server {
             .unwrap()
             .local_addr()
             .unwrap();
+        // One compute thread: on a 2-core machine the other core is left to HTTP and to
+        // this test's load generator, which would otherwise preempt the engine's threads
+        // and measure its own CPU starvation rather than queueing.
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-            .args(["serve", "--listen", &addr.to_string()])
+            .args(["serve", "--threads", "1", "--listen", &addr.to_string()])
             .args(args)
             .env("KVMESH_LOG", "info")
             .env_remove("KVMESH_DECODE_WORKERS")

@@ -266,7 +266,8 @@ fn apply(mut body: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+    // 256 cases each unless PROPTEST_CASES says otherwise.
+    #![proptest_config(ProptestConfig { failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn random_json_gets_a_clean_answer(body in json_value(), chat in any::<bool>()) {
