@@ -9,17 +9,17 @@ use std::time::Duration;
 #[derive(Args, Clone, Debug, Default)]
 pub struct AdmissionArgs {
     /// Refuse a request (429 + Retry-After) when its estimated time to first token exceeds
-    /// this (e.g. 5s, 800ms; 0s disables the check).
+    /// this (e.g. 800ms; 0s disables the check) [default: 5s].
     #[arg(long, env = "KVMESH_TTFT_TARGET", value_parser = humantime::parse_duration)]
     pub ttft_target: Option<Duration>,
-    /// Most completion requests admitted and unfinished at once; more get 429.
+    /// Most completion requests admitted and unfinished at once; more get 429 [default: 256].
     #[arg(long, env = "KVMESH_MAX_IN_FLIGHT")]
     pub max_in_flight: Option<usize>,
     /// Requests per second per API key (all requests share one budget without keys); 0 = no
-    /// limit.
+    /// limit [default: 0].
     #[arg(long, env = "KVMESH_RATE_LIMIT")]
     pub rate_limit: Option<f64>,
-    /// Requests a key may send at once above its rate.
+    /// Requests a key may send at once above its rate [default: 10].
     #[arg(long, env = "KVMESH_RATE_LIMIT_BURST")]
     pub rate_limit_burst: Option<u32>,
 }
