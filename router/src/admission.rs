@@ -26,6 +26,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
 use crate::metrics::metrics;
 
 /// Weight of a new sample in the fit: about the last ten requests count, so the model
@@ -161,8 +166,8 @@ impl Estimator {
         }
     }
 
-    /// Admits a request of `own` prompt tokens at `now`, or says why not.
-    pub(crate) fn admit(&mut self, own: u64, now: Instant) -> Result<Admitted, Rejection> {
+    /// Whether a request of `own` prompt tokens would be admitted now.
+    pub(crate) fn check(&self, own: u64) -> Result<(), Rejection> {
         // The queue ahead drains in about `b * pending`.
         let retry_after_secs = whole_secs(secs(self.slope() * self.pending_tokens as f64));
         if self.in_flight >= self.max_in_flight {
@@ -181,6 +186,12 @@ impl Estimator {
                 });
             }
         }
+        Ok(())
+    }
+
+    /// Admits a request of `own` prompt tokens at `now`, or says why not.
+    pub(crate) fn admit(&mut self, own: u64, now: Instant) -> Result<Admitted, Rejection> {
+        self.check(own)?;
         let admitted = Admitted {
             ahead: self.pending_tokens,
             own,
@@ -263,20 +274,18 @@ impl Admission {
     /// Admits a request of `own` prompt tokens; the ticket accounts for it until dropped.
     /// A refusal is counted in the rejections metric.
     pub(crate) fn admit(self: &Arc<Self>, own: u64) -> Result<Ticket, Rejection> {
-        let result = self.update(|e| e.admit(own, Instant::now()));
-        match result {
-            Ok(admitted) => Ok(Ticket {
-                admission: self.clone(),
-                admitted: Some(admitted),
-            }),
-            Err(rejection) => {
-                metrics()
-                    .rejected
-                    .with_label_values(&[rejection.reason()])
-                    .inc();
-                Err(rejection)
-            }
-        }
+        let admitted = self
+            .update(|e| e.admit(own, Instant::now()))
+            .map_err(counted)?;
+        Ok(Ticket {
+            admission: self.clone(),
+            admitted: Some(admitted),
+        })
+    }
+
+    /// Refuses early, before the body is read, what would be refused whatever its size.
+    fn precheck(&self) -> Result<(), Rejection> {
+        self.update(|e| e.check(0)).map_err(counted)
     }
 
     /// Runs `f` on the estimator and refreshes the gauges.
@@ -289,6 +298,37 @@ impl Admission {
         m.admission_estimated_ttft
             .set(e.estimated_ttft_now().as_secs_f64());
         out
+    }
+}
+
+fn counted(rejection: Rejection) -> Rejection {
+    metrics()
+        .rejected
+        .with_label_values(&[rejection.reason()])
+        .inc();
+    rejection
+}
+
+impl From<Rejection> for ApiError {
+    fn from(r: Rejection) -> Self {
+        ApiError::Overloaded {
+            message: r.to_string(),
+            retry_after_secs: r.retry_after_secs(),
+        }
+    }
+}
+
+/// Middleware for the completion routes: under overload, requests are refused before their
+/// body is read, parsed and tokenized, so shedding load costs as little as possible. (Those
+/// that pass are checked again with their size.)
+pub(crate) async fn shed(
+    State(admission): State<Arc<Admission>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match admission.precheck() {
+        Ok(()) => next.run(req).await,
+        Err(rejection) => ApiError::from(rejection).into_response(),
     }
 }
 
@@ -383,6 +423,8 @@ mod tests {
             }
         );
         assert_eq!(r.reason(), "queue_delay");
+        // The early check (size unknown, taken as zero) lets it through to this one.
+        assert!(e.check(0).is_ok());
         // A smaller one still fits.
         let third = e.admit(100, t0).unwrap();
         assert_eq!(e.pending_tokens(), 1000);
@@ -517,6 +559,8 @@ mod tests {
         let t0 = Instant::now();
         let mut e = calibrated(t0, ms(100)); // 1 ms per token
         let _a = e.admit(2500, t0).unwrap(); // 2.5 s pending
+                                             // Refused whatever its size: the early check refuses it too.
+        assert!(matches!(e.check(0), Err(Rejection::QueueDelay { .. })));
         match e.admit(1, t0).unwrap_err() {
             Rejection::QueueDelay {
                 retry_after_secs, ..

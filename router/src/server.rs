@@ -18,7 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
 
-use crate::admission::Admission;
+use crate::admission::{self, Admission};
 use crate::auth::{self, ApiKeys};
 use crate::backend::Backend;
 use crate::config::{ConfigError, RouterConfig};
@@ -100,10 +100,15 @@ impl Router {
 
     /// The axum application (for `axum::serve`, or `tower::ServiceExt::oneshot` in tests).
     pub fn app(&self) -> axum::Router {
-        // Rate limits apply to the completion routes only (listing models costs nothing).
+        // Rate limits and admission apply to the completion routes only (listing models
+        // costs nothing). Layers run outside in: metrics, auth, rate limit, admission.
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat::handle))
             .route("/v1/completions", post(completions::handle))
+            .route_layer(from_fn_with_state(
+                self.state.admission.clone(),
+                admission::shed,
+            ))
             .route_layer(from_fn_with_state(
                 self.rate_limiter.clone(),
                 rate_limit::limit,

@@ -75,13 +75,7 @@ pub(crate) async fn respond<F: Format>(
     } = prepared;
     // Every choice is prefilled: all of them queue.
     let own = (job.prompt.len() as u64).saturating_mul(job.n as u64);
-    let ticket = state
-        .admission
-        .admit(own)
-        .map_err(|r| ApiError::Overloaded {
-            message: r.to_string(),
-            retry_after_secs: r.retry_after_secs(),
-        })?;
+    let ticket = state.admission.admit(own)?;
     let generation = generation::start(
         state.backend.as_ref(),
         job,
