@@ -14,7 +14,11 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const START_TIMEOUT: Duration = Duration::from_secs(120);
 const MAX_TOKENS: u32 = 4;
+/// The unloaded phase: up to this many sequential requests, or fewer on a slow machine (at
+/// least `UNLOADED_MIN`, then until `UNLOADED_TIME` is spent).
 const UNLOADED_REQUESTS: usize = 40;
+const UNLOADED_MIN: usize = 8;
+const UNLOADED_TIME: Duration = Duration::from_secs(6);
 const CAPACITY_CLIENTS: usize = 6;
 const CAPACITY_TIME: Duration = Duration::from_secs(4);
 const OVERLOAD: f64 = 10.0;
@@ -194,11 +198,21 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Sequential requests: the TTFTs of an idle server.
-async fn unloaded_ttfts(addr: SocketAddr, count: usize, from: usize) -> Vec<Duration> {
+/// Sequential requests (`count` of them, or fewer once `time` is spent and `min` are done):
+/// the TTFTs of an idle server.
+async fn unloaded_ttfts(
+    addr: SocketAddr,
+    count: usize,
+    min: usize,
+    time: Duration,
+    from: usize,
+) -> Vec<Duration> {
+    let start = Instant::now();
     let mut ttfts = Vec::new();
-    for i in 0..count {
-        let o = complete(addr, &body(from + i)).await.expect("a response");
+    while ttfts.len() < count && (ttfts.len() < min || start.elapsed() < time) {
+        let o = complete(addr, &body(from + ttfts.len()))
+            .await
+            .expect("a response");
         assert!(o.completed, "unloaded request failed: {o:?}");
         ttfts.push(o.ttft.unwrap());
     }
@@ -249,11 +263,19 @@ async fn ten_times_capacity_is_shed_with_429_and_admitted_requests_keep_their_la
     // 1. The server without admission control: unloaded TTFT and capacity.
     let (unloaded, capacity) = {
         let server = Server::start(&["--ttft-target", "0s"]);
-        unloaded_ttfts(server.addr, 3, 0).await; // warm-up
-        let unloaded = unloaded_ttfts(server.addr, UNLOADED_REQUESTS, 100).await;
+        unloaded_ttfts(server.addr, 2, 2, Duration::ZERO, 0).await; // warm-up
+        let unloaded = unloaded_ttfts(
+            server.addr,
+            UNLOADED_REQUESTS,
+            UNLOADED_MIN,
+            UNLOADED_TIME,
+            100,
+        )
+        .await;
         let capacity = capacity(server.addr, CAPACITY_CLIENTS, CAPACITY_TIME).await;
         (unloaded, capacity)
     };
+    let unloaded_count = unloaded.len();
     let p50_unloaded = percentile(unloaded.clone(), 0.5);
     let p99_unloaded = percentile(unloaded, 0.99);
 
@@ -263,7 +285,7 @@ async fn ten_times_capacity_is_shed_with_429_and_admitted_requests_keep_their_la
     let server = Server::start(&["--ttft-target", &target_arg]);
     let addr = server.addr;
     // Warm-up; also gives admission control its first samples.
-    unloaded_ttfts(addr, 5, 200).await;
+    unloaded_ttfts(addr, 3, 3, Duration::ZERO, 200).await;
     let baseline_rss = server.rss_kib();
 
     // 3. Offer ten times the capacity, open loop, for a bounded time.
@@ -296,7 +318,7 @@ async fn ten_times_capacity_is_shed_with_429_and_admitted_requests_keep_their_la
     println!(
         "overload: capacity {capacity:.1} req/s, offered {rate:.1} req/s for {:.1} s \
          ({count} requests), admitted {} ({:.1} req/s), rejected {} (429); \
-         TTFT unloaded p50 {:.1} ms p99 {:.1} ms, target {:.1} ms, loaded p50 {:.1} ms \
+         TTFT unloaded ({unloaded_count} requests) p50 {:.1} ms p99 {:.1} ms, target {:.1} ms, loaded p50 {:.1} ms \
          p99 {:.1} ms; RSS baseline {} MiB, peak {} MiB; all answered after {:.1} s, \
          test {:.1} s",
         offered_for.as_secs_f64(),
