@@ -9,7 +9,7 @@ use std::time::Duration;
 #[derive(Args, Clone, Debug, Default)]
 pub struct AdmissionArgs {
     /// Refuse a request (429 + Retry-After) when its estimated time to first token exceeds
-    /// this (e.g. 800ms; 0s disables the check) [default: 5s].
+    /// this (e.g. 800ms, 5s; 0s disables the check) [default: 0s].
     #[arg(long, env = "KVMESH_TTFT_TARGET", value_parser = humantime::parse_duration)]
     pub ttft_target: Option<Duration>,
     /// Most completion requests admitted and unfinished at once; more get 429 [default: 256].

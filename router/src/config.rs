@@ -48,8 +48,9 @@ pub struct RouterConfig {
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
     /// Admission control: a request is refused (429) when its estimated time to first token
-    /// (the queue ahead of it at the backend's measured rate) exceeds this; `0s` disables the
-    /// check.
+    /// (the queue ahead of it at the backend's measured rate) exceeds this; `0s` (the
+    /// default) disables the check. Set it to the deployment's TTFT objective: no default
+    /// fits every machine (a 2-core CPU mesh can take seconds for one long prompt).
     #[serde(with = "humantime_serde")]
     pub ttft_target: Duration,
     /// Most completion requests admitted and not yet finished; more get 429.
@@ -78,7 +79,7 @@ impl Default for RouterConfig {
             sse_keep_alive: Duration::from_secs(15),
             retry_after: Duration::from_secs(1),
             shutdown_timeout: Duration::from_secs(30),
-            ttft_target: Duration::from_secs(5),
+            ttft_target: Duration::ZERO,
             max_in_flight: 256,
             rate_limit_per_second: 0.0,
             rate_limit_burst: 10,
