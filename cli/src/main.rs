@@ -1,5 +1,6 @@
 //! `kvmesh`: the one binary. Each subcommand lives in its own module.
 
+mod admission_args;
 mod bench_engine;
 mod bench_trace;
 mod bench_transfer;

@@ -4,6 +4,7 @@
 mod backend;
 mod config;
 
+use crate::admission_args::AdmissionArgs;
 use crate::model_args;
 use anyhow::{Context, Result};
 use backend::MeshBackend;
@@ -42,6 +43,8 @@ pub struct ServeArgs {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<String>>,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
     /// TOML file with any of the settings (flags and KVMESH_* variables override it).
     #[arg(long, env = "KVMESH_CONFIG")]
     pub config: Option<PathBuf>,

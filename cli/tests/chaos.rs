@@ -49,14 +49,12 @@ struct Outcome {
     finish: Option<String>,
     /// Set when the stream carried an error or ended without `[DONE]`.
     error: Option<String>,
-    start: Instant,
     /// When each SSE data event arrived.
     events: Vec<Instant>,
 }
 
 /// POSTs a streaming completion and reads its SSE events (HTTP/1.1, chunked) as they come.
 fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
-    let start = Instant::now();
     let body = body.to_string();
     let mut conn = TcpStream::connect(addr).expect("connect to the router");
     conn.set_read_timeout(Some(Duration::from_secs(120)))
@@ -88,7 +86,6 @@ fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
         text: String::new(),
         finish: None,
         error: None,
-        start,
         events: Vec::new(),
     };
     if status != 200 || !chunked {

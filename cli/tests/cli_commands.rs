@@ -94,6 +94,32 @@ fn serve_config_layers_file_env_and_flags() {
     assert!(err.contains("decode_wokers"), "{err}");
     let err = print_config(&["--decode-workers", "0"], &[]).unwrap_err();
     assert!(err.contains("decode_workers must be at least 1"), "{err}");
+
+    // Admission-control and rate-limit flags land in the router section.
+    let admission = print_config(
+        &[
+            "--ttft-target",
+            "750ms",
+            "--max-in-flight",
+            "9",
+            "--rate-limit",
+            "2.5",
+        ],
+        &[("KVMESH_RATE_LIMIT_BURST", "4")],
+    )
+    .unwrap();
+    for line in [
+        "ttft_target = \"750ms\"",
+        "max_in_flight = 9",
+        "rate_limit_per_second = 2.5",
+        "rate_limit_burst = 4",
+    ] {
+        assert!(admission.contains(line), "{line} in {admission}");
+    }
+    let err = print_config(&["--max-in-flight", "0"], &[]).unwrap_err();
+    assert!(err.contains("max_in_flight"), "{err}");
+    let err = print_config(&["--ttft-target", "soon"], &[]).unwrap_err();
+    assert!(err.contains("ttft-target"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -11,6 +11,14 @@ pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_token
 pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
 pub const ROUTER_MIGRATIONS_TOTAL: &str = "kvmesh_router_migrations_total";
 pub const ROUTER_DECODE_RETRIES_TOTAL: &str = "kvmesh_router_decode_retries_total";
+/// Requests refused with 429 (label `reason`: queue_delay, in_flight, rate_limit,
+/// backend_overloaded).
+pub const ROUTER_REJECTED_TOTAL: &str = "kvmesh_router_rejected_requests_total";
+/// Prompt tokens of admitted requests still waiting for their first token.
+pub const ROUTER_ADMISSION_PENDING_TOKENS: &str = "kvmesh_router_admission_pending_tokens";
+/// Admission control's estimate of a new request's time to first token.
+pub const ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS: &str =
+    "kvmesh_router_admission_estimated_ttft_seconds";
 
 // Workers (labels: node, role).
 pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";

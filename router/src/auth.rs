@@ -15,9 +15,25 @@ use subtle::{Choice, ConstantTimeEq};
 
 use crate::error::ApiError;
 
+/// Who a request is: the SHA-256 digest of its API key (a request extension, for the rate
+/// limiter). Its `Debug` shows no bytes of it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct KeyDigest([u8; 32]);
+
+impl KeyDigest {
+    /// Requests when auth is off (no key). Not the digest of any key.
+    pub(crate) const ANONYMOUS: KeyDigest = KeyDigest([0; 32]);
+}
+
+impl std::fmt::Debug for KeyDigest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeyDigest(..)")
+    }
+}
+
 /// The digests of the accepted keys; empty = auth disabled.
 pub(crate) struct ApiKeys {
-    digests: Vec<[u8; 32]>,
+    digests: Vec<KeyDigest>,
 }
 
 impl ApiKeys {
@@ -27,10 +43,15 @@ impl ApiKeys {
         }
     }
 
-    /// Ok when auth is disabled or the request carries an accepted key.
-    pub(crate) fn check(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    pub(crate) fn digests(&self) -> &[KeyDigest] {
+        &self.digests
+    }
+
+    /// The caller's key digest when it sent an accepted key; [`KeyDigest::ANONYMOUS`] when
+    /// auth is disabled.
+    pub(crate) fn check(&self, headers: &HeaderMap) -> Result<KeyDigest, ApiError> {
         if self.digests.is_empty() {
-            return Ok(());
+            return Ok(KeyDigest::ANONYMOUS);
         }
         let presented = headers
             .get(header::AUTHORIZATION)
@@ -41,17 +62,17 @@ impl ApiKeys {
         let matched = self
             .digests
             .iter()
-            .fold(Choice::from(0), |acc, stored| acc | stored.ct_eq(&d));
+            .fold(Choice::from(0), |acc, stored| acc | stored.0.ct_eq(&d.0));
         if bool::from(matched) {
-            Ok(())
+            Ok(d)
         } else {
             Err(ApiError::Unauthorized)
         }
     }
 }
 
-fn digest(bytes: &[u8]) -> [u8; 32] {
-    Sha256::digest(bytes).into()
+fn digest(bytes: &[u8]) -> KeyDigest {
+    KeyDigest(Sha256::digest(bytes).into())
 }
 
 /// The token of an `Authorization: Bearer <token>` value (scheme case-insensitive).
@@ -61,14 +82,17 @@ fn bearer_token(value: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
-/// Middleware for the `/v1` routes.
+/// Middleware for the `/v1` routes; leaves the caller's [`KeyDigest`] in the extensions.
 pub(crate) async fn require_api_key(
     State(keys): State<Arc<ApiKeys>>,
-    req: Request,
+    mut req: Request,
     next: Next,
 ) -> Response {
     match keys.check(req.headers()) {
-        Ok(()) => next.run(req).await,
+        Ok(key) => {
+            req.extensions_mut().insert(key);
+            next.run(req).await
+        }
         Err(e) => e.into_response(),
     }
 }
@@ -94,8 +118,16 @@ mod tests {
     #[test]
     fn accepts_any_configured_key_and_rejects_others() {
         let keys = ApiKeys::new(&["k1".into(), "k2".into()]);
-        assert!(keys.check(&headers(Some("Bearer k1"))).is_ok());
-        assert!(keys.check(&headers(Some("bearer  k2 "))).is_ok());
+        assert_eq!(
+            keys.check(&headers(Some("Bearer k1"))),
+            Ok(keys.digests()[0])
+        );
+        assert_eq!(
+            keys.check(&headers(Some("bearer  k2 "))),
+            Ok(keys.digests()[1])
+        );
+        assert_ne!(keys.digests()[0], KeyDigest::ANONYMOUS);
+        assert_eq!(format!("{:?}", keys.digests()[0]), "KeyDigest(..)");
         for bad in [
             None,
             Some("Bearer k3"),

@@ -33,6 +33,8 @@ pub struct RouterConfig {
     pub max_n: u32,
     /// Most `stop` strings a request may give.
     pub max_stop_sequences: usize,
+    /// Longest `stop` string, in bytes (stop matching runs on every generated token).
+    pub max_stop_bytes: usize,
     /// Most entries in `logit_bias` (and in `stop_token_ids`).
     pub max_logit_bias: usize,
     /// Interval of SSE keep-alive comments while a stream is idle (lets proxies and the
@@ -45,6 +47,19 @@ pub struct RouterConfig {
     /// After the shutdown signal, how long `serve` waits for in-flight requests.
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// Admission control: a request is refused (429) when its estimated time to first token
+    /// (the queue ahead of it at the backend's measured rate) exceeds this; `0s` (the
+    /// default) disables the check. Set it to the deployment's TTFT objective: no default
+    /// fits every machine (a 2-core CPU mesh can take seconds for one long prompt).
+    #[serde(with = "humantime_serde")]
+    pub ttft_target: Duration,
+    /// Most completion requests admitted and not yet finished; more get 429.
+    pub max_in_flight: usize,
+    /// Requests per second allowed per API key (one budget for all when auth is off); `0`
+    /// disables rate limiting. Excess gets 429.
+    pub rate_limit_per_second: f64,
+    /// Requests a key may send at once above its rate (the token bucket's size).
+    pub rate_limit_burst: u32,
 }
 
 impl Default for RouterConfig {
@@ -59,10 +74,15 @@ impl Default for RouterConfig {
             max_tokens_limit: 4096,
             max_n: 8,
             max_stop_sequences: 16,
+            max_stop_bytes: 512,
             max_logit_bias: 300,
             sse_keep_alive: Duration::from_secs(15),
             retry_after: Duration::from_secs(1),
             shutdown_timeout: Duration::from_secs(30),
+            ttft_target: Duration::ZERO,
+            max_in_flight: 256,
+            rate_limit_per_second: 0.0,
+            rate_limit_burst: 10,
         }
     }
 }
@@ -82,10 +102,15 @@ impl std::fmt::Debug for RouterConfig {
             .field("max_tokens_limit", &self.max_tokens_limit)
             .field("max_n", &self.max_n)
             .field("max_stop_sequences", &self.max_stop_sequences)
+            .field("max_stop_bytes", &self.max_stop_bytes)
             .field("max_logit_bias", &self.max_logit_bias)
             .field("sse_keep_alive", &self.sse_keep_alive)
             .field("retry_after", &self.retry_after)
             .field("shutdown_timeout", &self.shutdown_timeout)
+            .field("ttft_target", &self.ttft_target)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("rate_limit_per_second", &self.rate_limit_per_second)
+            .field("rate_limit_burst", &self.rate_limit_burst)
             .finish()
     }
 }
@@ -136,9 +161,29 @@ impl RouterConfig {
         )?;
         check(self.max_n >= 1, "max_n", "must be at least 1")?;
         check(
+            self.max_stop_bytes >= 1,
+            "max_stop_bytes",
+            "must be at least 1",
+        )?;
+        check(
             !self.sse_keep_alive.is_zero(),
             "sse_keep_alive",
             "must be positive",
+        )?;
+        check(
+            self.max_in_flight >= 1,
+            "max_in_flight",
+            "must be at least 1",
+        )?;
+        check(
+            self.rate_limit_per_second.is_finite() && self.rate_limit_per_second >= 0.0,
+            "rate_limit_per_second",
+            "must be a number >= 0 (0 disables rate limiting)",
+        )?;
+        check(
+            self.rate_limit_burst >= 1,
+            "rate_limit_burst",
+            "must be at least 1",
         )?;
         Ok(())
     }
@@ -168,6 +213,18 @@ mod tests {
         assert!(serde_json::from_str::<RouterConfig>(r#"{"listen_port": 1}"#).is_err());
         let c: RouterConfig = serde_json::from_str(r#"{"max_n": 0}"#).unwrap();
         assert_eq!(c.validate().unwrap_err().field, "max_n");
+        for (json, field) in [
+            (r#"{"max_in_flight": 0}"#, "max_in_flight"),
+            (r#"{"rate_limit_per_second": -1}"#, "rate_limit_per_second"),
+            (r#"{"rate_limit_burst": 0}"#, "rate_limit_burst"),
+        ] {
+            let c: RouterConfig = serde_json::from_str(json).unwrap();
+            assert_eq!(c.validate().unwrap_err().field, field, "{json}");
+        }
+        // A zero target disables the delay check; it is valid.
+        let c: RouterConfig = serde_json::from_str(r#"{"ttft_target": "0s"}"#).unwrap();
+        assert_eq!(c.ttft_target, Duration::ZERO);
+        c.validate().unwrap();
     }
 
     #[test]
@@ -178,5 +235,10 @@ mod tests {
         };
         let s = format!("{c:?}");
         assert!(!s.contains("sk-secret") && s.contains("1 redacted"), "{s}");
+        // Every field is shown (the Debug impl is written by hand).
+        let fields = serde_json::to_value(&c).unwrap();
+        for name in fields.as_object().unwrap().keys() {
+            assert!(s.contains(&format!("{name}:")), "{name} missing from {s}");
+        }
     }
 }

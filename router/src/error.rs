@@ -48,6 +48,9 @@ pub enum ApiError {
         message: String,
         retry_after_secs: u64,
     },
+    /// The caller's API key (or, without auth, everyone) exceeded its request rate (429).
+    #[error("rate limit exceeded: retry after {retry_after_secs} s")]
+    RateLimited { retry_after_secs: u64 },
     /// The backend is starting, draining or gone (503).
     #[error("the server is unavailable: {message}")]
     Unavailable {
@@ -106,7 +109,9 @@ impl ApiError {
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -115,7 +120,7 @@ impl ApiError {
     /// OpenAI's `error.type`.
     pub fn kind(&self) -> &'static str {
         match self {
-            ApiError::Overloaded { .. } => "rate_limit_error",
+            ApiError::Overloaded { .. } | ApiError::RateLimited { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } | ApiError::Internal(_) => "server_error",
             _ => "invalid_request_error",
         }
@@ -135,6 +140,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::PayloadTooLarge { .. } => "request_too_large",
             ApiError::Overloaded { .. } => "overloaded",
+            ApiError::RateLimited { .. } => "rate_limit_exceeded",
             ApiError::Unavailable { .. } => "unavailable",
             ApiError::Internal(_) => "internal_error",
         })
@@ -165,7 +171,8 @@ impl ApiError {
             }
             | ApiError::Unavailable {
                 retry_after_secs, ..
-            } => Some(*retry_after_secs),
+            }
+            | ApiError::RateLimited { retry_after_secs } => Some(*retry_after_secs),
             _ => None,
         }
     }
@@ -188,8 +195,13 @@ impl ApiError {
             s if s.is_server_error() && s != StatusCode::SERVICE_UNAVAILABLE => {
                 tracing::error!(status = s.as_u16(), error = %self, "request failed")
             }
-            s if s.is_server_error() || s == StatusCode::TOO_MANY_REQUESTS => {
+            s if s.is_server_error() => {
                 tracing::warn!(status = s.as_u16(), error = %self, "request refused")
+            }
+            // 429s come in floods exactly when the server is busiest: debug only (the
+            // rejections counter has them).
+            s if s == StatusCode::TOO_MANY_REQUESTS => {
+                tracing::debug!(status = s.as_u16(), error = %self, "request refused")
             }
             s => tracing::debug!(status = s.as_u16(), error = %self, "bad request"),
         }

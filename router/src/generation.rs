@@ -7,10 +7,11 @@
 use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 use kvmesh_common::{
     FinishReason, GenerateEvent, GenerateRequest, RequestId, SamplingParams, TokenEvent, TokenId,
-    Usage,
+    Usage, WorkerError,
 };
 use tokio::sync::{mpsc, watch};
 
+use crate::admission::Ticket;
 use crate::backend::Backend;
 use crate::error::ApiError;
 use crate::metrics::{metrics, TokenTimer};
@@ -42,10 +43,12 @@ fn choice_request(job: &Job, index: usize) -> GenerateRequest {
 }
 
 /// Starts all choices; if any fails to start, the started ones are dropped (cancelled).
-/// `abort` turning true (shutdown timed out) ends the generation with a 503.
+/// `abort` turning true (shutdown timed out) ends the generation with a 503. The admission
+/// `ticket` learns of the first token and is released when the generation is dropped.
 pub(crate) async fn start(
     backend: &dyn Backend,
     job: Job,
+    ticket: Ticket,
     started: std::time::Instant,
     retry_after_secs: u64,
     abort: watch::Receiver<bool>,
@@ -54,10 +57,19 @@ pub(crate) async fn start(
     let receivers =
         futures::future::try_join_all(requests.into_iter().map(|r| backend.generate(r)))
             .await
-            .map_err(|e| ApiError::from_worker(e, retry_after_secs))?;
+            .map_err(|e| {
+                if matches!(e, WorkerError::Overloaded(_)) {
+                    metrics()
+                        .rejected
+                        .with_label_values(&["backend_overloaded"])
+                        .inc();
+                }
+                ApiError::from_worker(e, retry_after_secs)
+            })?;
     metrics().prompt_tokens.inc_by(job.prompt.len() as u64);
     Ok(Generation::new(
         receivers,
+        ticket,
         job.prompt.len(),
         started,
         retry_after_secs,
@@ -86,6 +98,7 @@ pub(crate) struct Generation {
     finished: Vec<bool>,
     remaining: usize,
     timer: TokenTimer,
+    ticket: Ticket,
     prompt_tokens: usize,
     completion_tokens: Vec<u32>,
     cached_tokens: u32,
@@ -113,6 +126,7 @@ fn choice_events(
 impl Generation {
     fn new(
         receivers: Vec<mpsc::UnboundedReceiver<GenerateEvent>>,
+        ticket: Ticket,
         prompt_tokens: usize,
         started: std::time::Instant,
         retry_after_secs: u64,
@@ -129,6 +143,7 @@ impl Generation {
             finished: vec![false; n],
             remaining: n,
             timer: TokenTimer::new(started, n),
+            ticket,
             prompt_tokens,
             completion_tokens: vec![0; n],
             cached_tokens: 0,
@@ -165,6 +180,7 @@ impl Generation {
             match event {
                 Some(GenerateEvent::Token(token)) => {
                     self.timer.token(index);
+                    self.ticket.first_token();
                     self.completion_tokens[index] += 1;
                     return Some(Ok(Update::Token { index, token }));
                 }

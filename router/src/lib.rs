@@ -6,15 +6,18 @@
 //! client ──HTTP──> Router (axum) ──GenerateRequest──> dyn Backend ──GenerateEvent*──> Router ──SSE/JSON──> client
 //! ```
 //!
-//! The router authenticates, validates (a clear OpenAI-style 4xx on bad input), applies the
-//! chat template, tokenizes, fans out `n` backend requests and turns their event streams
-//! into OpenAI responses. Every error goes through one classifier, [`ApiError`].
+//! The router authenticates, rate-limits per API key, validates (a clear OpenAI-style 4xx on
+//! bad input), applies the chat template, tokenizes, admits or refuses (429 when the
+//! estimated time to first token would break the TTFT target), fans out `n` backend requests
+//! and turns their event streams into OpenAI responses. Every error goes through one
+//! classifier, [`ApiError`].
 //! Dropping the HTTP response body (client gone) drops the backend receivers, which is the
 //! cancellation signal.
 //!
 //! Routing policies, disaggregation and migration arrive with the mesh; this crate's seam
 //! to the workers is [`Backend`].
 
+mod admission;
 mod auth;
 mod backend;
 mod config;
@@ -25,6 +28,7 @@ mod metrics;
 mod openai;
 pub mod policy;
 mod prompt;
+mod rate_limit;
 mod remote;
 mod request_id;
 pub mod routing;

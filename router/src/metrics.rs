@@ -17,7 +17,8 @@ use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 use kvmesh_common::metrics as names;
 use prometheus::{
-    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder,
+    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
 };
 
 use crate::error::{status_label, ApiError};
@@ -44,6 +45,10 @@ pub(crate) struct Metrics {
     pub(crate) migrations: IntCounter,
     /// Decode nodes that refused a request before another one took it.
     pub(crate) decode_retries: IntCounter,
+    /// Label: `reason` (`queue_delay`, `in_flight`, `rate_limit`, `backend_overloaded`).
+    pub(crate) rejected: IntCounterVec,
+    pub(crate) admission_pending_tokens: IntGauge,
+    pub(crate) admission_estimated_ttft: Gauge,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -125,6 +130,35 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
                 "Requests sent to another decode node because the first one was unavailable.",
             )
             .expect("valid counter options"),
+        ),
+        rejected: register(
+            r,
+            IntCounterVec::new(
+                Opts::new(
+                    names::ROUTER_REJECTED_TOTAL,
+                    "Requests refused with 429, by reason: queue_delay (the TTFT target would \
+                     be missed), in_flight (max_in_flight reached), rate_limit (per-key rate), \
+                     backend_overloaded (a worker's queue is full).",
+                ),
+                &["reason"],
+            )
+            .expect("valid counter options"),
+        ),
+        admission_pending_tokens: register(
+            r,
+            IntGauge::new(
+                names::ROUTER_ADMISSION_PENDING_TOKENS,
+                "Prompt tokens of admitted requests still waiting for their first token.",
+            )
+            .expect("valid gauge options"),
+        ),
+        admission_estimated_ttft: register(
+            r,
+            Gauge::new(
+                names::ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS,
+                "Admission control's estimate of a new request's time to first token.",
+            )
+            .expect("valid gauge options"),
         ),
     }
 });

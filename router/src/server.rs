@@ -18,6 +18,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tower_http::catch_panic::CatchPanicLayer;
 
+use crate::admission::{self, Admission};
 use crate::auth::{self, ApiKeys};
 use crate::backend::Backend;
 use crate::config::{ConfigError, RouterConfig};
@@ -25,6 +26,7 @@ use crate::error::ApiError;
 use crate::metrics;
 use crate::openai::{self, chat, completions, models};
 use crate::prompt::Prompts;
+use crate::rate_limit::{self, RateLimiter};
 use crate::request_id;
 use crate::sse::panic_message;
 
@@ -33,6 +35,7 @@ pub(crate) struct AppState {
     pub(crate) config: RouterConfig,
     pub(crate) backend: Arc<dyn Backend>,
     pub(crate) prompts: Prompts,
+    pub(crate) admission: Arc<Admission>,
     pub(crate) draining: AtomicBool,
     /// Set when the shutdown timeout expires: in-flight generations end with a 503.
     pub(crate) abort: watch::Sender<bool>,
@@ -47,6 +50,8 @@ pub(crate) struct AppState {
 pub struct Router {
     state: Arc<AppState>,
     keys: Arc<ApiKeys>,
+    /// `None`: no rate limit.
+    rate_limiter: Option<Arc<RateLimiter>>,
 }
 
 impl Router {
@@ -60,16 +65,22 @@ impl Router {
         config.validate()?;
         metrics::registry();
         let keys = Arc::new(ApiKeys::new(&config.api_keys));
+        let rate_limiter =
+            RateLimiter::new(&keys, config.rate_limit_per_second, config.rate_limit_burst)
+                .map(Arc::new);
+        let admission = Admission::new(config.ttft_target, config.max_in_flight);
         Ok(Router {
             state: Arc::new(AppState {
                 config,
                 backend,
                 prompts: Prompts::new(tokenizer),
+                admission,
                 draining: AtomicBool::new(false),
                 abort: watch::Sender::new(false),
                 started_unix: openai::unix_now(),
             }),
             keys,
+            rate_limiter,
         })
     }
 
@@ -89,9 +100,19 @@ impl Router {
 
     /// The axum application (for `axum::serve`, or `tower::ServiceExt::oneshot` in tests).
     pub fn app(&self) -> axum::Router {
+        // Rate limits and admission apply to the completion routes only (listing models
+        // costs nothing). Layers run outside in: metrics, auth, rate limit, admission.
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat::handle))
             .route("/v1/completions", post(completions::handle))
+            .route_layer(from_fn_with_state(
+                self.state.admission.clone(),
+                admission::shed,
+            ))
+            .route_layer(from_fn_with_state(
+                self.rate_limiter.clone(),
+                rate_limit::limit,
+            ))
             .route("/v1/models", get(models::list))
             .method_not_allowed_fallback(method_not_allowed)
             .route_layer(from_fn_with_state(self.keys.clone(), auth::require_api_key))

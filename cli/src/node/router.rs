@@ -1,6 +1,7 @@
 //! `kvmesh router`: the OpenAI-compatible HTTP API in front of the mesh that etcd describes.
 
 use super::{runtime, MeshArgs};
+use crate::admission_args::AdmissionArgs;
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -27,6 +28,8 @@ pub struct RouterArgs {
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<String>>,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
     /// How to pick nodes: kv_aware (default), least_loaded, round_robin, random, power_of_two.
     #[arg(long, env = "KVMESH_ROUTING_POLICY", default_value = "kv_aware")]
     pub routing_policy: RoutingConfig,
@@ -51,6 +54,10 @@ pub fn run(args: &RouterArgs) -> Result<()> {
     if let Some(keys) = &args.api_keys {
         config.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
     }
+    args.admission.apply(&mut config);
+    config
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
     let tls = args.mesh.cluster_tls()?;
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;

@@ -87,6 +87,7 @@ impl ServeConfig {
         if let Some(keys) = &args.api_keys {
             c.router.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
         }
+        args.admission.apply(&mut c.router);
         c.validate()?;
         Ok(c)
     }

@@ -73,9 +73,13 @@ pub(crate) async fn respond<F: Format>(
         stream,
         include_usage,
     } = prepared;
+    // Every choice is prefilled: all of them queue.
+    let own = (job.prompt.len() as u64).saturating_mul(job.n as u64);
+    let ticket = state.admission.admit(own)?;
     let generation = generation::start(
         state.backend.as_ref(),
         job,
+        ticket,
         ctx.received,
         state.config.retry_after_secs(),
         state.abort.subscribe(),

@@ -88,6 +88,15 @@ pub(crate) fn build(
             ),
         ));
     }
+    if stop.iter().any(|s| s.len() > cfg.max_stop_bytes) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!(
+                "stop sequences must be at most {} bytes long",
+                cfg.max_stop_bytes
+            ),
+        ));
+    }
     let stop_token_ids = f.stop_token_ids.unwrap_or_default();
     if stop_token_ids.len() > cfg.max_logit_bias {
         return Err(ApiError::invalid(
@@ -313,6 +322,13 @@ mod tests {
             (
                 SamplingFields {
                     stop: Some(StopParam::One(String::new())),
+                    ..Default::default()
+                },
+                "stop",
+            ),
+            (
+                SamplingFields {
+                    stop: Some(StopParam::Many(vec!["ok".into(), "x".repeat(513)])),
                     ..Default::default()
                 },
                 "stop",

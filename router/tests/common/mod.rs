@@ -94,6 +94,8 @@ pub enum Step {
         every: Duration,
         max: usize,
     },
+    /// Waits until the test calls `notify_one` (a permit stored earlier counts).
+    WaitFor(Arc<Notify>),
     /// Panics inside `generate` (in the handler's future).
     Panic,
 }
@@ -245,6 +247,15 @@ impl Backend for ScriptedBackend {
                             }
                         }
                         let _ = tx.send(finished(&req, max as u32, FinishReason::Length));
+                    }
+                    Step::WaitFor(signal) => {
+                        tokio::select! {
+                            () = tx.closed() => {
+                                cancel.mark();
+                                return;
+                            }
+                            () = signal.notified() => {}
+                        }
                     }
                     Step::Panic => unreachable!(),
                 }
