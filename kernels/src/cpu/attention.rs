@@ -22,6 +22,7 @@ mod avx512;
 use super::exp::exp;
 use super::lanes::{dot16, reduce16};
 use super::par::{with_scratch, SendPtr};
+use super::simd::multiversion;
 use super::Isa;
 use half::f16;
 use rayon::prelude::*;
@@ -245,62 +246,11 @@ impl Ctx<'_> {
             unsafe { avx512::task(self, s, t) };
             return;
         }
-        self.task_portable(s, t);
-    }
-
-    /// The reference: one query vector at a time, in the canonical order.
-    fn task_portable(&self, s: &AttentionSeq, t: &Task) {
-        let sh = &self.shape;
-        let hd = sh.head_dim;
-        let scale = 1.0 / (hd as f32).sqrt();
-        with_scratch(&SCORES, |sc| {
-            let mut qs = vec![0.0f32; hd];
-            let mut acc = vec![0.0f32; hd];
-            let mut kr = vec![0.0f32; hd];
-            for j in t.row0..t.row0 + t.n_rows {
-                let row = s.q_offset + j;
-                let p = s.start_pos + j;
-                sc.clear();
-                sc.resize(p + 1, 0.0);
-                for h in t.h0..t.h0 + t.n_heads {
-                    let qv = &self.q[row * sh.q_row() + h * hd..][..hd];
-                    for (a, &b) in qs.iter_mut().zip(qv) {
-                        *a = f16::from_f32(b).to_f32();
-                    }
-                    for (pos, st) in sc.iter_mut().enumerate() {
-                        for (kf, k) in kr.iter_mut().zip(self.kv_row(self.k, s, t.kv, pos)) {
-                            *kf = k.to_f32();
-                        }
-                        *st = dot16(&qs, &kr) * scale;
-                    }
-                    let mx = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                    let mut cls = [0.0f32; 16];
-                    for (t, e) in sc.iter_mut().enumerate() {
-                        *e = exp(*e - mx);
-                        cls[t % 16] += *e;
-                    }
-                    let inv_l = 1.0 / reduce16(cls);
-                    for e in sc.iter_mut() {
-                        *e = f16::from_f32(*e * inv_l).to_f32();
-                    }
-                    acc.fill(0.0);
-                    for (pos, &e) in sc.iter().enumerate() {
-                        let v = self.kv_row(self.v, s, t.kv, pos);
-                        for (a, vd) in acc.iter_mut().zip(v) {
-                            *a = e.mul_add(vd.to_f32(), *a);
-                        }
-                    }
-                    let o = row * sh.q_row() + h * hd;
-                    for (d, &a) in acc.iter().enumerate() {
-                        // SAFETY: this task owns (row, head h) of `out`.
-                        unsafe { *self.out.0.add(o + d) = a };
-                    }
-                }
-            }
-        });
+        task_portable(self, s, t);
     }
 
     /// The cache row of `kv` head at position `pos` of sequence `s`.
+    #[inline(always)]
     fn kv_row<'c>(&self, cache: &'c [f16], s: &AttentionSeq, kv: usize, pos: usize) -> &'c [f16] {
         let sh = &self.shape;
         let block = s.block_table[pos / sh.block_size] as usize;
@@ -345,4 +295,57 @@ pub fn write_kv(
             v_cache[o..o + hd].convert_from_f32_slice(&vr[g * hd..(g + 1) * hd]);
         }
     }
+}
+multiversion! {
+    /// The reference: one query vector at a time, in the canonical order.
+    fn task_portable(ctx: &Ctx<'_>, s: &AttentionSeq, t: &Task) {
+            let sh = &ctx.shape;
+            let hd = sh.head_dim;
+            let scale = 1.0 / (hd as f32).sqrt();
+            with_scratch(&SCORES, |sc| {
+                let mut qs = vec![0.0f32; hd];
+                let mut acc = vec![0.0f32; hd];
+                let mut kr = vec![0.0f32; hd];
+                for j in t.row0..t.row0 + t.n_rows {
+                    let row = s.q_offset + j;
+                    let p = s.start_pos + j;
+                    sc.clear();
+                    sc.resize(p + 1, 0.0);
+                    for h in t.h0..t.h0 + t.n_heads {
+                        let qv = &ctx.q[row * sh.q_row() + h * hd..][..hd];
+                        for (a, &b) in qs.iter_mut().zip(qv) {
+                            *a = f16::from_f32(b).to_f32();
+                        }
+                        for (pos, st) in sc.iter_mut().enumerate() {
+                            for (kf, k) in kr.iter_mut().zip(ctx.kv_row(ctx.k, s, t.kv, pos)) {
+                                *kf = k.to_f32();
+                            }
+                            *st = dot16(&qs, &kr) * scale;
+                        }
+                        let mx = sc.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                        let mut cls = [0.0f32; 16];
+                        for (t, e) in sc.iter_mut().enumerate() {
+                            *e = exp(*e - mx);
+                            cls[t % 16] += *e;
+                        }
+                        let inv_l = 1.0 / reduce16(cls);
+                        for e in sc.iter_mut() {
+                            *e = f16::from_f32(*e * inv_l).to_f32();
+                        }
+                        acc.fill(0.0);
+                        for (pos, &e) in sc.iter().enumerate() {
+                            let v = ctx.kv_row(ctx.v, s, t.kv, pos);
+                            for (a, vd) in acc.iter_mut().zip(v) {
+                                *a = e.mul_add(vd.to_f32(), *a);
+                            }
+                        }
+                        let o = row * sh.q_row() + h * hd;
+                        for (d, &a) in acc.iter().enumerate() {
+                            // SAFETY: this task owns (row, head h) of `out`.
+                            unsafe { *ctx.out.0.add(o + d) = a };
+                        }
+                    }
+                }
+            });
+        }
 }

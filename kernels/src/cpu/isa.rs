@@ -53,6 +53,17 @@ impl Isa {
     }
 }
 
+/// Whether the plain-Rust kernels may be compiled for AVX2 + FMA + F16C (see `simd.rs`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx2() -> bool {
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    *AVX2.get_or_init(|| {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn avx512_supported() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")

@@ -12,6 +12,7 @@ pub(crate) fn reduce16(l: [f32; 16]) -> f32 {
 }
 
 /// The canonical dot product of two equally long slices.
+#[inline(always)]
 pub(crate) fn dot16(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
     let mut lane = [0.0f32; 16];

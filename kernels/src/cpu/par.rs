@@ -14,6 +14,7 @@ unsafe impl<T> Sync for SendPtr<T> {}
 impl<T> SendPtr<T> {
     /// The pointer. (A method, so closures capture the whole `Send` wrapper rather than the
     /// raw field.)
+    #[inline(always)]
     pub(crate) fn get(self) -> *mut T {
         self.0
     }
@@ -22,6 +23,7 @@ impl<T> SendPtr<T> {
 /// Runs `f` with a thread-local scratch vector. The vector is taken out of its slot while `f`
 /// runs, so a nested call on the same thread (rayon work stealing) gets a fresh one instead of
 /// a `RefCell` borrow panic.
+#[inline(always)]
 pub(crate) fn with_scratch<T, R>(
     slot: &'static LocalKey<RefCell<Vec<T>>>,
     f: impl FnOnce(&mut Vec<T>) -> R,

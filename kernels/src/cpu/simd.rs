@@ -1,8 +1,10 @@
-//! Multiversioning for plain-Rust kernels: [`multiversion!`] compiles one body twice, for the
-//! baseline and with AVX-512 enabled, and picks one at run time. Rust never contracts
-//! `a * b + c` into an FMA on its own, so both versions compute bit-identical results; only
-//! the vector width differs. Helpers called from the body must be `#[inline(always)]` so
-//! they are compiled inside the feature-enabled copy.
+//! Multiversioning for plain-Rust kernels: [`multiversion!`] compiles one body three times,
+//! for the baseline, with AVX2 + FMA + F16C (most laptops and older servers: no AVX-512) and
+//! with AVX-512, and picks one at run time. Rust never contracts `a * b + c` into an FMA on
+//! its own and `mul_add` is fused in every version (in hardware, or by libm on the
+//! baseline), so all versions compute bit-identical results; only the speed differs.
+//! Helpers called from the body must be `#[inline(always)]` so they are compiled inside the
+//! feature-enabled copy.
 
 /// `multiversion! { fn name(args) { body } }` defines `fn name(args)`.
 macro_rules! multiversion {
@@ -16,6 +18,12 @@ macro_rules! multiversion {
                 if $crate::cpu::Isa::detect().has_avx512() {
                     // SAFETY: the features were detected at run time.
                     return unsafe { avx512($($arg),*) };
+                }
+                #[target_feature(enable = "avx2,fma,f16c")]
+                fn avx2($($arg: $ty),*) $body
+                if $crate::cpu::isa::has_avx2() {
+                    // SAFETY: the features were detected at run time.
+                    return unsafe { avx2($($arg),*) };
                 }
             }
             fn portable($($arg: $ty),*) $body

@@ -44,6 +44,7 @@ pub(crate) fn uses_panels(f: WeightFormat) -> bool {
 }
 
 /// Bytes of one 16-row panel block.
+#[inline(always)]
 pub(crate) fn panel_block_bytes(f: WeightFormat) -> usize {
     match f {
         WeightFormat::Q4_0 => 288,
@@ -54,6 +55,7 @@ pub(crate) fn panel_block_bytes(f: WeightFormat) -> usize {
 }
 
 /// (offset of the quant dwords, number of dwords per row, offset of d, offset of m).
+#[inline(always)]
 fn layout(f: WeightFormat) -> (usize, usize, usize, usize) {
     match f {
         WeightFormat::Q4_0 | WeightFormat::Q4_1 => (0, 4, 256, 288),
@@ -147,6 +149,7 @@ pub(crate) struct PanelBlock<'a> {
 }
 
 impl<'a> PanelBlock<'a> {
+    #[inline(always)]
     pub(crate) fn new(f: WeightFormat, panel: &'a [u8], lane: usize, b: usize) -> Self {
         let pbb = panel_block_bytes(f);
         PanelBlock {
@@ -156,20 +159,24 @@ impl<'a> PanelBlock<'a> {
         }
     }
 
+    #[inline(always)]
     fn f16_at(&self, off: usize) -> f32 {
         let o = off + 2 * self.lane;
         half::f16::from_le_bytes([self.block[o], self.block[o + 1]]).to_f32()
     }
 
+    #[inline(always)]
     pub(crate) fn d(&self) -> f32 {
         self.f16_at(layout(self.format).2)
     }
 
+    #[inline(always)]
     pub(crate) fn m(&self) -> f32 {
         self.f16_at(layout(self.format).3)
     }
 
     /// ggml `qs[j]` (Q8_0: as stored by ggml, i.e. unbiased).
+    #[inline(always)]
     pub(crate) fn q(&self, j: usize) -> u8 {
         let v = self.block[64 * (j / 4) + 4 * self.lane + j % 4];
         if self.format == WeightFormat::Q8_0 {

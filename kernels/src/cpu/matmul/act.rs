@@ -158,7 +158,9 @@ mod tests {
     proptest! {
         #[test]
         fn avx512_matches_portable(v in proptest::collection::vec(-100.0f32..100.0, 32..=320)) {
-            prop_assume!(Isa::Avx512.is_supported());
+            if !Isa::Avx512.is_supported() {
+                return Ok(()); // nothing to compare on this CPU
+            }
             let n = v.len() / 32 * 32;
             let mut a = Vec::new();
             let mut b = Vec::new();

@@ -11,6 +11,7 @@
 use super::{for_each_panel, PANEL};
 use crate::cpu::lanes::reduce16;
 use crate::cpu::par::{with_scratch, SendPtr};
+use crate::cpu::simd::multiversion;
 use crate::cpu::Isa;
 use crate::quant::{dequantize_blocks, QMatrix, WeightFormat};
 use std::cell::RefCell;
@@ -83,17 +84,20 @@ fn convert_row(isa: Isa, format: WeightFormat, src: &[u8], dst: &mut [f32]) {
     }
 }
 
-fn panel_portable(t: &FloatTile, out: SendPtr<f32>, ldo: usize) {
-    for r in 0..t.rows {
-        let w = &t.w[r * t.kp..(r + 1) * t.kp];
-        for (a, x) in t.x.chunks_exact(t.k).enumerate() {
-            // SAFETY: the caller owns this (a, r) element of `out`.
-            unsafe { *out.0.add(a * ldo + r) = dot(w, x) };
+multiversion! {
+    fn panel_portable(t: &FloatTile, out: SendPtr<f32>, ldo: usize) {
+        for r in 0..t.rows {
+            let w = &t.w[r * t.kp..(r + 1) * t.kp];
+            for (a, x) in t.x.chunks_exact(t.k).enumerate() {
+                // SAFETY: the caller owns this (a, r) element of `out`.
+                unsafe { *out.0.add(a * ldo + r) = dot(w, x) };
+            }
         }
     }
 }
 
 /// One output in the canonical order; `w` is zero-padded to a multiple of 16.
+#[inline(always)]
 fn dot(w: &[f32], x: &[f32]) -> f32 {
     let mut lane = [0.0f32; 16];
     for (c, wc) in w.chunks_exact(16).enumerate() {

@@ -14,6 +14,7 @@
 use super::act::{self, ActBlock, ActTile};
 use super::{for_each_panel, PANEL};
 use crate::cpu::par::{return_scratch, take_scratch, with_scratch, SendPtr};
+use crate::cpu::simd::multiversion;
 use crate::cpu::Isa;
 use crate::quant::{PanelBlock, QMatrix, WeightFormat};
 use std::cell::RefCell;
@@ -102,18 +103,21 @@ pub(super) struct Panel<'a> {
     pub nb: usize,
 }
 
-/// The reference kernel: writes `out[a * ldo + r]` for every activation row and panel row.
-fn panel_portable(p: &Panel, acts: &[ActBlock], out: SendPtr<f32>, ldo: usize) {
-    for r in 0..p.rows {
-        for (a, arow) in acts.chunks_exact(p.nb).enumerate() {
-            let v = dot_row(p, r, arow);
-            // SAFETY: the caller owns this (a, r) element of `out`.
-            unsafe { *out.get().add(a * ldo + r) = v };
+multiversion! {
+    /// The reference kernel: writes `out[a * ldo + r]` for every activation row and panel row.
+    fn panel_portable(p: &Panel, acts: &[ActBlock], out: SendPtr<f32>, ldo: usize) {
+        for r in 0..p.rows {
+            for (a, arow) in acts.chunks_exact(p.nb).enumerate() {
+                let v = dot_row(p, r, arow);
+                // SAFETY: the caller owns this (a, r) element of `out`.
+                unsafe { *out.get().add(a * ldo + r) = v };
+            }
         }
     }
 }
 
 /// Output for panel row `r` and one activation row, in the canonical order (module docs).
+#[inline(always)]
 fn dot_row(p: &Panel, r: usize, acts: &[ActBlock]) -> f32 {
     let format = match p.kind {
         QKind::Q4_0 => WeightFormat::Q4_0,
