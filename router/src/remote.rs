@@ -147,7 +147,11 @@ impl Mesh {
     ) -> Result<Opened, WorkerError> {
         let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
         // A migrated request is routed by everything its KV will hold.
-        let tokens = [&req.prompt[..], &req.resume[..]].concat();
+        let tokens: std::borrow::Cow<[_]> = if req.resume.is_empty() {
+            (&req.prompt[..]).into()
+        } else {
+            [&req.prompt[..], &req.resume[..]].concat().into()
+        };
         // The decode node recomputes a migrated request itself (see `GenerateRequest::resume`).
         let prefill = if req.resume.is_empty() {
             self.candidates(NodeRole::Prefill, &[])
