@@ -3,7 +3,7 @@
 //! (2 FLOPs per multiply-accumulate). Threads: rayon's global pool (`RAYON_NUM_THREADS`).
 //!
 //! `cargo bench -p kvmesh-kernels --bench matmul` (add `-- --summary-only` to skip criterion,
-//! `-- --isa=avx512` to compare kernels, `-- <filter>` to pick cases).
+//! `-- --isa=avx2` to compare kernels, `-- <filter>` to pick cases).
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use kvmesh_kernels::cpu::{matmul_with, Isa};
@@ -121,13 +121,11 @@ fn main() {
         .iter()
         .find(|a| !a.starts_with('-'))
         .map(String::as_str);
-    // `--isa=portable|avx512|amx` compares kernels on the same machine.
-    let isa = match args.iter().find_map(|a| a.strip_prefix("--isa=")) {
-        Some("portable") => Isa::Portable,
-        Some("avx512") => Isa::Avx512,
-        Some("amx") => Isa::Amx,
-        _ => Isa::detect(),
-    };
+    // `--isa=portable|avx2|avx512|amx` compares kernels on the same machine.
+    let isa = args
+        .iter()
+        .find_map(|a| Isa::from_name(a.strip_prefix("--isa=")?))
+        .unwrap_or_else(Isa::detect);
     summary(isa, filter);
     if args.iter().any(|a| a == "--summary-only") {
         return;

@@ -26,7 +26,7 @@ mod simd;
 pub use attention::{
     paged_attention, paged_attention_with, write_kv, AttentionSeq, AttentionShape,
 };
-pub use isa::Isa;
+pub use isa::{Isa, ISA_ENV};
 pub use matmul::{matmul, matmul_with};
 pub use norm::{add_in_place, rmsnorm, silu_mul, softmax};
 pub use rope::rope;

@@ -134,7 +134,7 @@ fn check(shape: &AttentionShape, specs: &[(usize, usize)], seed: u64) {
             assert!((*g as f64 - w).abs() < 2e-3, "{shape:?}: got {g} want {w}");
         }
     }
-    for isa in [Isa::Portable, Isa::Avx512] {
+    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512] {
         if !isa.is_supported() {
             continue;
         }

@@ -15,6 +15,8 @@ mod float;
 mod float_avx512;
 mod quantized;
 #[cfg(target_arch = "x86_64")]
+mod quantized_avx2;
+#[cfg(target_arch = "x86_64")]
 mod quantized_avx512;
 
 use super::Isa;

@@ -15,13 +15,14 @@ macro_rules! multiversion {
             {
                 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
                 fn avx512($($arg: $ty),*) $body
-                if $crate::cpu::Isa::detect().has_avx512() {
+                let isa = $crate::cpu::Isa::detect();
+                if isa.has_avx512() {
                     // SAFETY: the features were detected at run time.
                     return unsafe { avx512($($arg),*) };
                 }
                 #[target_feature(enable = "avx2,fma,f16c")]
                 fn avx2($($arg: $ty),*) $body
-                if $crate::cpu::isa::has_avx2() {
+                if isa.has_avx2() {
                     // SAFETY: the features were detected at run time.
                     return unsafe { avx2($($arg),*) };
                 }

@@ -87,6 +87,9 @@ pub(super) fn matmul(isa: Isa, w: &QMatrix, x: &[f32], m: usize, out: &mut [f32]
                     Isa::Avx512 | Isa::Amx => unsafe {
                         super::quantized_avx512::panel(&panel, acts, tiles, o, n)
                     },
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: Avx2 is only selected when supported; `o` has mc rows of stride n.
+                    Isa::Avx2 => unsafe { super::quantized_avx2::panel(&panel, acts, o, n) },
                     _ => panel_portable(&panel, acts, SendPtr(o), n),
                 }
             });

@@ -149,7 +149,7 @@ fn check(f: WeightFormat, rows: usize, cols: usize, m: usize, seed: u64) {
     let x = random_x(m * cols, seed);
     let reference = run(Isa::Portable, &w, &x, m);
     check_against_f64(&w, &x, m, &reference);
-    for isa in [Isa::Portable, Isa::Avx512, Isa::Amx] {
+    for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx] {
         if !isa.is_supported() {
             continue;
         }
@@ -233,7 +233,7 @@ fn extreme_quants() {
             .collect();
         let want = run(Isa::Portable, &w, &x, 20);
         check_against_f64(&w, &x, 20, &want);
-        for isa in [Isa::Avx512, Isa::Amx] {
+        for isa in [Isa::Avx2, Isa::Avx512, Isa::Amx] {
             if isa.is_supported() {
                 assert_eq!(bits(&run(isa, &w, &x, 20)), bits(&want));
             }
