@@ -18,13 +18,16 @@ use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Distinct prompts; request `i` sends prompt `i % PROMPTS`.
 const PROMPTS: usize = 8;
-const REQUESTS: usize = 48;
+/// Clients keep sending until the faults are over and `AFTER_FAULTS` more requests have
+/// completed, and never more than `MAX_REQUESTS` in all.
+const AFTER_FAULTS: usize = 8;
+const MAX_REQUESTS: usize = 400;
 const CLIENTS: usize = 4;
 const MAX_TOKENS: u32 = 24;
 
@@ -145,6 +148,10 @@ impl Progress {
     fn complete_one(&self) {
         *self.done.lock().unwrap() += 1;
         self.changed.notify_all();
+    }
+
+    fn count(&self) -> usize {
+        *self.done.lock().unwrap()
     }
 
     fn wait_for(&self, n: usize) {
@@ -290,6 +297,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
 
     let progress = Progress::default();
     let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
     let outcomes: Mutex<Vec<(usize, Outcome)>> = Mutex::new(Vec::new());
     let mut faults: Vec<(&str, Instant)> = Vec::new();
     let mut drain_time = Duration::ZERO;
@@ -297,7 +305,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         for _ in 0..CLIENTS {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= REQUESTS {
+                if i >= MAX_REQUESTS || stop.load(Ordering::Relaxed) {
                     return;
                 }
                 let o = stream_completion(router_addr, &body(i, true));
@@ -334,11 +342,17 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         let exit = decode[1].child.wait().unwrap();
         drain_time = drained.elapsed();
         assert!(exit.success(), "a drained node exits cleanly: {exit}");
+        progress.wait_for(progress.count() + AFTER_FAULTS);
+        stop.store(true, Ordering::Relaxed);
     });
 
     let mut outcomes = outcomes.into_inner().unwrap();
     outcomes.sort_by_key(|(i, _)| *i);
-    assert_eq!(outcomes.len(), REQUESTS);
+    let requests = outcomes.len();
+    assert!(
+        requests < MAX_REQUESTS,
+        "the faults took {MAX_REQUESTS} requests"
+    );
     let mut lost = Vec::new();
     for (i, o) in &outcomes {
         let expected = &reference[i % PROMPTS];
@@ -358,7 +372,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         .map(|&(name, at)| (name, stall_after(&just_outcomes, at)))
         .collect();
     println!(
-        "chaos: {REQUESTS} streamed requests, {} faults",
+        "chaos: {requests} streamed requests, {} faults",
         faults.len()
     );
     println!(
