@@ -14,6 +14,11 @@ mod serve;
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+/// mimalloc keeps freed megabyte buffers (KV chunks, activations) for reuse instead of
+/// returning them to the kernel and faulting them in again, as glibc's thread arenas do.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "kvmesh",
