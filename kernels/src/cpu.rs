@@ -1,6 +1,6 @@
-//! The CPU backend: SIMD kernels chosen at run time ([`Isa::detect`]: AVX-512 + VNNI, and AMX
-//! tiles for batched integer matmuls where Linux grants them), a portable fallback with the
-//! same arithmetic, and rayon's global pool for threading.
+//! The CPU backend: SIMD kernels chosen at run time ([`Isa::detect`]: AVX2 + FMA + F16C,
+//! AVX-512 + VNNI, and AMX tiles for batched integer matmuls where Linux grants them), a
+//! portable fallback with the same arithmetic, and rayon's global pool for threading.
 //!
 //! Every op defines one canonical order of floating-point operations per output element, and
 //! every path follows it. So results are bit-identical across ISAs, across batch sizes and

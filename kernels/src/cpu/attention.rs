@@ -17,6 +17,8 @@
 //! the lanes, for one query or many, so decode and prefill run the same kernel.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 
 use super::exp::exp;
@@ -244,6 +246,12 @@ impl Ctx<'_> {
         if self.isa.has_avx512() && avx512::supports(&self.shape) {
             // SAFETY: AVX-512 verified by `Isa::effective`; the task owns its output rows/heads.
             unsafe { avx512::task(self, s, t) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.isa.has_avx2() && avx2::supports(&self.shape) {
+            // SAFETY: AVX2, FMA and F16C verified by `Isa::effective`; as above.
+            unsafe { avx2::task(self, s, t) };
             return;
         }
         task_portable(self, s, t);

@@ -65,6 +65,9 @@ pub(crate) fn quantize(isa: Isa, x: &[f32], out: &mut Vec<ActBlock>) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` is only passed on when the CPU supports it.
         Isa::Avx512 | Isa::Amx => unsafe { quantize_avx512(xs, os) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, for `Isa::Avx2`.
+        Isa::Avx2 => unsafe { quantize_avx2(xs, os) },
         _ => quantize_portable(xs, os),
     };
     // Large batches (prefill) are worth splitting; decode rows are not.
@@ -88,7 +91,7 @@ fn finish(block: &mut ActBlock, d: f32, isum: i32) {
     block.corr = -128 * isum;
 }
 
-/// The reference: the AVX-512 version must match it bit for bit.
+/// The reference: the SIMD versions must match it bit for bit.
 pub(crate) fn quantize_portable(x: &[f32], out: &mut [ActBlock]) {
     for (xs, o) in x.chunks_exact(32).zip(out.iter_mut()) {
         let amax = xs.iter().fold(0.0f32, |a, v| a.max(v.abs()));
@@ -130,6 +133,46 @@ unsafe fn quantize_avx512(x: &[f32], out: &mut [ActBlock]) {
     }
 }
 
+/// `quantize_portable` on 8 lanes. `_mm256_cvtps_epi32` rounds by MXCSR, which Rust leaves
+/// at its default, round to nearest even; |x * id| <= 127 + rounding error, so no lane
+/// overflows and clamping afterwards matches the portable path.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_avx2(x: &[f32], out: &mut [ActBlock]) {
+    use std::arch::x86_64::*;
+    let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+    for (xs, o) in x.chunks_exact(32).zip(out.iter_mut()) {
+        // SAFETY: `xs` has 32 elements and `o.q` 32 bytes.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xs.as_ptr().add(8 * i)));
+            let m = v.map(|v| _mm256_and_ps(v, abs));
+            let m = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps::<1>(m, m)));
+            let d = amax / 127.0;
+            let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+            let (lo, hi) = (_mm256_set1_epi32(-128), _mm256_set1_epi32(127));
+            let q = v.map(|v| {
+                let q = _mm256_cvtps_epi32(_mm256_mul_ps(v, id));
+                _mm256_min_epi32(_mm256_max_epi32(q, lo), hi)
+            });
+            // The packs interleave 128-bit lanes; the permute restores element order.
+            let b = _mm256_packs_epi16(
+                _mm256_packs_epi32(q[0], q[1]),
+                _mm256_packs_epi32(q[2], q[3]),
+            );
+            let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(o.q.as_mut_ptr().cast(), b);
+            let s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+            finish(o, d, _mm_cvtsi128_si32(s));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,20 +200,27 @@ mod tests {
 
     proptest! {
         #[test]
-        fn avx512_matches_portable(v in proptest::collection::vec(-100.0f32..100.0, 32..=320)) {
-            if !Isa::Avx512.is_supported() {
-                return Ok(()); // nothing to compare on this CPU
-            }
+        fn simd_matches_portable(v in proptest::collection::vec(-100.0f32..100.0, 32..=320),
+                                 ties in proptest::collection::vec(-4i32..=4, 32)) {
             let n = v.len() / 32 * 32;
+            let mut v = v[..n].to_vec();
+            // A block whose max is 127 makes id = 1, so these land exactly on .5: ties.
+            v.extend(ties.iter().map(|&t| t as f32 + 0.5));
+            v[n] = 127.0;
             let mut a = Vec::new();
-            let mut b = Vec::new();
-            quantize(Isa::Portable, &v[..n], &mut a);
-            quantize(Isa::Avx512, &v[..n], &mut b);
-            for (x, y) in a.iter().zip(&b) {
-                prop_assert_eq!(x.q, y.q);
-                prop_assert_eq!(x.d.to_bits(), y.d.to_bits());
-                prop_assert_eq!(x.s.to_bits(), y.s.to_bits());
-                prop_assert_eq!(x.corr, y.corr);
+            quantize(Isa::Portable, &v, &mut a);
+            for isa in [Isa::Avx2, Isa::Avx512] {
+                if !isa.is_supported() {
+                    continue; // nothing to compare on this CPU
+                }
+                let mut b = Vec::new();
+                quantize(isa, &v, &mut b);
+                for (x, y) in a.iter().zip(&b) {
+                    prop_assert_eq!(x.q, y.q);
+                    prop_assert_eq!(x.d.to_bits(), y.d.to_bits());
+                    prop_assert_eq!(x.s.to_bits(), y.s.to_bits());
+                    prop_assert_eq!(x.corr, y.corr);
+                }
             }
         }
     }
