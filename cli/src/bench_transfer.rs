@@ -41,6 +41,10 @@ pub struct BenchTransferArgs {
     /// 2,000-token prompt: 125 blocks × 12,288 bytes (1.5 MB).
     #[arg(long, default_value_t = 125 * 12_288)]
     pub chunk_bytes: u64,
+    /// Rounds of each transport, alternating QUIC and TCP so both see the same machine; the
+    /// median is reported (a shared machine's neighbours move single runs by ±30%).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -61,9 +65,13 @@ pub struct BenchTransferReport {
     pub bytes: u64,
     pub chunk_bytes: u64,
     pub chunks: u64,
+    /// Medians over the rounds.
     pub quic_gb_s: f64,
     pub tcp_gb_s: f64,
     pub memcpy_gb_s: f64,
+    /// Every round, in order.
+    pub quic_rounds_gb_s: Vec<f64>,
+    pub tcp_rounds_gb_s: Vec<f64>,
     pub quic_over_tcp: f64,
     pub quic_over_memcpy: f64,
 }
@@ -92,8 +100,20 @@ pub fn print_report(r: &BenchTransferReport) {
         r.chunk_bytes,
         r.bytes as f64 / 1e9
     );
-    println!("quic    {:>7.2} GB/s", r.quic_gb_s);
-    println!("tcp     {:>7.2} GB/s", r.tcp_gb_s);
+    let rounds = |v: &[f64]| {
+        let v: Vec<String> = v.iter().map(|x| format!("{x:.2}")).collect();
+        v.join(" ")
+    };
+    println!(
+        "quic    {:>7.2} GB/s  (median; rounds {})",
+        r.quic_gb_s,
+        rounds(&r.quic_rounds_gb_s)
+    );
+    println!(
+        "tcp     {:>7.2} GB/s  (median; rounds {})",
+        r.tcp_gb_s,
+        rounds(&r.tcp_rounds_gb_s)
+    );
     println!("memcpy  {:>7.2} GB/s", r.memcpy_gb_s);
     println!(
         "quic/tcp {:.2}  quic/memcpy {:.3}",
@@ -110,11 +130,14 @@ pub fn run(args: &BenchTransferArgs) -> Result<BenchTransferReport> {
     let bytes = chunks * chunk_bytes;
     let payload: Vec<u8> = (0..chunk_bytes).map(|i| (i * 7 + i / 4093) as u8).collect();
 
-    let quic = time_quic(&payload, blocks as u32, chunks)?;
-    let tcp = time_tcp(&payload, chunks)?;
-    let memcpy = time_memcpy(&payload, chunks);
     let gb_s = |t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
-    let (quic_gb_s, tcp_gb_s, memcpy_gb_s) = (gb_s(quic), gb_s(tcp), gb_s(memcpy));
+    let (mut quic_rounds_gb_s, mut tcp_rounds_gb_s) = (Vec::new(), Vec::new());
+    for _ in 0..args.rounds {
+        quic_rounds_gb_s.push(gb_s(time_quic(&payload, blocks as u32, chunks)?));
+        tcp_rounds_gb_s.push(gb_s(time_tcp(&payload, chunks)?));
+    }
+    let memcpy_gb_s = gb_s(time_memcpy(&payload, chunks));
+    let (quic_gb_s, tcp_gb_s) = (median(&quic_rounds_gb_s), median(&tcp_rounds_gb_s));
     Ok(BenchTransferReport {
         bytes,
         chunk_bytes,
@@ -122,9 +145,17 @@ pub fn run(args: &BenchTransferArgs) -> Result<BenchTransferReport> {
         quic_gb_s,
         tcp_gb_s,
         memcpy_gb_s,
+        quic_rounds_gb_s,
+        tcp_rounds_gb_s,
         quic_over_tcp: quic_gb_s / tcp_gb_s,
         quic_over_memcpy: quic_gb_s / memcpy_gb_s,
     })
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn time_quic(payload: &[u8], blocks: u32, chunks: u64) -> Result<Duration> {
