@@ -18,7 +18,7 @@ use kvmesh_common::{NodeId, NodeInfo};
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease, TieredKvEvent};
-use kvmesh_transfer::{QuicConfig, QuicTransport, RdmaConfig, RdmaError, RdmaTransport, TlsConfig};
+use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -144,26 +144,16 @@ impl MeshArgs {
         }
     }
 
-    /// The KV transport on `listen` (UDP). RDMA is probed first so that a node on RDMA
-    /// hardware says at start-up why it does not use it; KV goes over QUIC until the control
-    /// plane exchanges RDMA memory keys between nodes.
+    /// The KV transport: QUIC on `listen` (UDP), plus RDMA when compiled in and a device
+    /// exists (it says at start-up which, and why not RDMA).
     pub fn kv_transport(
         &self,
         listen: SocketAddr,
         tls: Option<&ClusterTls>,
-    ) -> Result<QuicTransport> {
-        match RdmaTransport::open(RdmaConfig::default()) {
-            Err(RdmaError::NotCompiled) => {
-                tracing::info!("KV transfer over QUIC (built without the `rdma` feature)")
-            }
-            Err(e) => tracing::warn!("{e}"),
-            Ok(t) => tracing::warn!(
-                device = t.device_name(),
-                "RDMA device found, but nodes do not exchange RDMA memory keys yet; \
-                 KV transfer over QUIC"
-            ),
-        }
-        QuicTransport::start(self.quic_config(listen, tls)).context("starting the QUIC transport")
+    ) -> Result<NetworkTransport> {
+        let quic = QuicTransport::start(self.quic_config(listen, tls))
+            .context("starting the QUIC transport")?;
+        Ok(NetworkTransport::open(quic, RdmaConfig::default()))
     }
 
     pub async fn connect(&self) -> Result<EtcdDiscovery> {

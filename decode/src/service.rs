@@ -5,11 +5,12 @@ use futures::{Stream, StreamExt};
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{PrefillTarget, RemotePrefill};
+use kvmesh_prefill::{PrefillClient, PrefillTarget, RemotePrefill};
+use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
@@ -22,6 +23,8 @@ pub struct PrefillDirectory {
     tls: Option<ClusterTls>,
     connect_timeout: Duration,
     clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
+    /// This node and its transport, when it has RDMA to offer prefill nodes.
+    rdma: Option<(NodeId, Arc<NetworkTransport>)>,
 }
 
 impl PrefillDirectory {
@@ -35,7 +38,42 @@ impl PrefillDirectory {
             tls,
             connect_timeout,
             clients: Mutex::new(HashMap::new()),
+            rdma: None,
         }
+    }
+
+    /// Swaps RDMA details with each prefill node that offers RDMA before its first use, so
+    /// that it pushes `node`'s KV over RDMA (when `transport` has RDMA; else QUIC as before).
+    pub fn with_rdma(mut self, node: NodeId, transport: Arc<NetworkTransport>) -> Self {
+        self.rdma = transport.offers_rdma().then_some((node, transport));
+        self
+    }
+
+    /// Connects RDMA with `client`'s node unless done already or either side lacks it.
+    async fn rdma_exchange(&self, client: &RemotePrefill) -> Result<(), String> {
+        let Some((me, transport)) = self.rdma.clone() else {
+            return Ok(());
+        };
+        let peer = client.node_id();
+        if !client.offers_rdma() || transport.uses_rdma(peer) {
+            return Ok(());
+        }
+        // Verbs calls block in the device driver.
+        let t = transport.clone();
+        let mine = tokio::task::spawn_blocking(move || t.rdma_prepare(peer))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        let theirs = client
+            .rdma_connect(me, &mine)
+            .await
+            .map_err(|e| e.to_string())?;
+        tokio::task::spawn_blocking(move || transport.rdma_connect(peer, theirs))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        tracing::info!(node = %peer, "KV from this prefill node comes over RDMA");
+        Ok(())
     }
 
     /// The prefill node `target` names, or `None` (prefill locally) when it cannot be
@@ -56,6 +94,12 @@ impl PrefillDirectory {
         .await;
         match connected {
             Ok(client) if client.node_id_matches(target.node_id) => {
+                // The prefill node may already push over RDMA: a failed exchange must not
+                // leave it sending where this node does not listen.
+                if let Err(e) = self.rdma_exchange(&client).await {
+                    tracing::warn!(node = %target.node_id, "RDMA exchange failed: {e}; prefilling locally");
+                    return None;
+                }
                 self.lock()
                     .insert(target.node_id, (target.address.clone(), client.clone()));
                 Some(std::sync::Arc::new(client))

@@ -9,7 +9,10 @@ use kvmesh_common::grpc::{self, pb, PrefillTarget};
 use kvmesh_common::{GenerateEvent, NodeId};
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
-use kvmesh_transfer::{QuicConfig, QuicTransport, Transport};
+use kvmesh_transfer::{
+    LoopbackFabric, LoopbackRdma, NetworkTransport, QuicConfig, QuicTransport, RdmaPeering,
+    Transport,
+};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +22,9 @@ const LOOPBACK: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
 
 struct Mesh {
+    /// The prefill node's RDMA device (`mesh_with(true)`).
+    prefill_rdma: Option<Arc<LoopbackRdma>>,
+    decode_network: Arc<NetworkTransport>,
     _prefill: PrefillWorker,
     _decode: DecodeWorker,
     decode: DecodeHandle,
@@ -50,36 +56,49 @@ where
 }
 
 async fn mesh() -> Mesh {
-    let quic = |queue_chunks| QuicConfig {
-        listen: LOOPBACK,
-        queue_chunks,
-        ..QuicConfig::default()
+    mesh_with(false).await
+}
+
+/// The two nodes over QUIC, plus loopback RDMA devices on both when `rdma`.
+async fn mesh_with(rdma: bool) -> Mesh {
+    let (prefill_id, decode_id) = (NodeId(0x100), NodeId(0x200));
+    let fabric = LoopbackFabric::default();
+    let network = |node| {
+        let quic = QuicTransport::start(QuicConfig {
+            listen: LOOPBACK,
+            ..QuicConfig::default()
+        })
+        .unwrap();
+        let device = rdma.then(|| Arc::new(fabric.device(node)));
+        let peering = device.clone().map(|d| d as Arc<dyn RdmaPeering>);
+        (Arc::new(NetworkTransport::with_rdma(quic, peering)), device)
     };
-    let prefill_quic = Arc::new(QuicTransport::start(quic(256)).unwrap());
-    let decode_quic = QuicTransport::start(quic(256)).unwrap();
-    let transfer_address = decode_quic.local_addr().to_string();
-    let prefill_transport: Arc<dyn Transport> = prefill_quic.clone();
-    let prefill = PrefillWorker::spawn(
-        PrefillConfig::new(NodeId(0x100)),
-        engine(),
-        prefill_transport,
-    )
-    .unwrap();
-    let learn = Arc::new(move |node, addr| prefill_quic.add_peer(node, addr));
-    let service = PrefillService::new(prefill.handle(), loaded().fingerprint.0, learn);
+    let (prefill_network, prefill_rdma) = network(prefill_id);
+    let (decode_network, _) = network(decode_id);
+    let transfer_address = decode_network.quic().local_addr().to_string();
+    let prefill_transport: Arc<dyn Transport> = prefill_network.clone();
+    let prefill =
+        PrefillWorker::spawn(PrefillConfig::new(prefill_id), engine(), prefill_transport).unwrap();
+    let learn = {
+        let network = prefill_network.clone();
+        Arc::new(move |node, addr| network.add_peer(node, addr))
+    };
+    let service = PrefillService::new(prefill.handle(), loaded().fingerprint.0, learn)
+        .with_rdma(prefill_network);
     let prefill_addr = serve(service.into_server()).await;
 
-    let mut config = DecodeConfig::new(NodeId(0x200));
+    let mut config = DecodeConfig::new(decode_id);
     config.local_prefill_max_tokens = 32;
-    let decode = DecodeWorker::spawn(config, engine(), Arc::new(decode_quic)).unwrap();
-    let directory = Arc::new(PrefillDirectory::new(
-        transfer_address,
-        None,
-        Duration::from_secs(2),
-    ));
+    let decode = DecodeWorker::spawn(config, engine(), decode_network.clone()).unwrap();
+    let directory = Arc::new(
+        PrefillDirectory::new(transfer_address, None, Duration::from_secs(2))
+            .with_rdma(decode_id, decode_network.clone()),
+    );
     let service = DecodeService::new(decode.handle(), directory);
     let decode_addr = serve(service.into_server()).await;
     Mesh {
+        prefill_rdma,
+        decode_network,
         decode: decode.handle(),
         _prefill: prefill,
         _decode: decode,
@@ -100,6 +119,25 @@ async fn client(addr: SocketAddr) -> pb::decode_client::DecodeClient<tonic::tran
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn remote_prefill_over_grpc_and_quic_matches_a_local_run() {
     let m = mesh().await;
+    remote_prefills_match_local_runs(&m).await;
+    assert!(!m.decode_network.uses_rdma(m.prefill.node_id));
+}
+
+/// Both nodes have RDMA: the decode node swaps RDMA details with the prefill node over gRPC
+/// before its first remote prefill, and the KV then comes over RDMA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_rdma_on_both_nodes_the_kv_comes_over_rdma() {
+    let m = mesh_with(true).await;
+    remote_prefills_match_local_runs(&m).await;
+    assert!(m.decode_network.uses_rdma(m.prefill.node_id));
+    let sent = m.prefill_rdma.as_ref().unwrap().chunks_sent();
+    assert!(
+        sent >= 2 * 30,
+        "{sent} chunks over RDMA for 2 remote prefills of 30 layers"
+    );
+}
+
+async fn remote_prefills_match_local_runs(m: &Mesh) {
     let mut c = client(m.decode_addr).await;
     for (id, len) in [(1, 200), (2, 20), (3, 300)] {
         let req = request(id, prompt(id as usize, len), 12);

@@ -8,6 +8,7 @@ use kvmesh_common::grpc::{pb, tag_request};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::NodeId;
 use kvmesh_engine::runner::KvShape;
+use kvmesh_transfer::RdmaPeerInfo;
 use std::time::Duration;
 use tonic::transport::Channel;
 
@@ -23,6 +24,8 @@ pub struct RemotePrefill {
     runtime: tokio::runtime::Handle,
     /// Where this (the decode) node receives KV; sent with every request.
     transfer_address: String,
+    /// The node answers `RdmaConnect`.
+    offers_rdma: bool,
 }
 
 impl std::fmt::Debug for RemotePrefill {
@@ -67,7 +70,35 @@ impl RemotePrefill {
             client,
             runtime: tokio::runtime::Handle::current(),
             transfer_address,
+            offers_rdma: info.rdma,
         })
+    }
+
+    /// Whether the node has RDMA and will swap connection details (`rdma_connect`).
+    pub fn offers_rdma(&self) -> bool {
+        self.offers_rdma
+    }
+
+    /// Sends this (decode) node's side of an RDMA connection; returns the prefill node's,
+    /// which has connected to ours and from now on pushes our KV over RDMA.
+    pub async fn rdma_connect(
+        &self,
+        decode_node: NodeId,
+        mine: &RdmaPeerInfo,
+    ) -> Result<RdmaPeerInfo, PrefillError> {
+        let request = pb::RdmaConnectRequest {
+            node_id: decode_node.0,
+            info: Some(wire::rdma_info_to_pb(mine)),
+        };
+        let reply = self
+            .client
+            .clone()
+            .rdma_connect(request)
+            .await
+            .map_err(|s| wire::error_from_status(&s))?
+            .into_inner();
+        wire::rdma_info_from_pb("RdmaConnectReply", reply.info)
+            .map_err(|e| PrefillError::Rpc(e.to_string()))
     }
 }
 

@@ -4,6 +4,7 @@ use crate::wire;
 use crate::worker::PrefillHandle;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::NodeId;
+use kvmesh_transfer::{NetworkTransport, RdmaError, RdmaPeerInfo};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -16,6 +17,8 @@ pub struct PrefillService {
     handle: PrefillHandle,
     model_fingerprint: u64,
     learn_peer: LearnPeer,
+    /// The node's transport when it has RDMA: callers may swap RDMA details with it.
+    rdma: Option<Arc<NetworkTransport>>,
     accepted: AtomicU64,
 }
 
@@ -25,8 +28,15 @@ impl PrefillService {
             handle,
             model_fingerprint,
             learn_peer,
+            rdma: None,
             accepted: AtomicU64::new(0),
         }
+    }
+
+    /// Answers `RdmaConnect` over `transport` when it has RDMA (else refuses it).
+    pub fn with_rdma(mut self, transport: Arc<NetworkTransport>) -> Self {
+        self.rdma = transport.offers_rdma().then_some(transport);
+        self
     }
 
     pub fn into_server(self) -> pb::prefill_server::PrefillServer<Self> {
@@ -70,6 +80,34 @@ impl pb::prefill_server::Prefill for PrefillService {
             node_id: self.handle.node_id().0,
             model_fingerprint: self.model_fingerprint,
             kv_shape: Some(wire::kv_shape_to_pb(&self.handle.kv_shape())),
+            rdma: self.rdma.is_some(),
+        }))
+    }
+
+    async fn rdma_connect(
+        &self,
+        request: Request<pb::RdmaConnectRequest>,
+    ) -> Result<Response<pb::RdmaConnectReply>, Status> {
+        let Some(transport) = self.rdma.clone() else {
+            return Err(Status::failed_precondition(
+                "this prefill node has no RDMA device; KV goes over QUIC",
+            ));
+        };
+        let m = request.into_inner();
+        let theirs = wire::rdma_info_from_pb("RdmaConnectRequest", m.info)?;
+        let peer = NodeId(m.node_id);
+        // Verbs calls block in the device driver.
+        let mine = tokio::task::spawn_blocking(move || -> Result<RdmaPeerInfo, RdmaError> {
+            let mine = transport.rdma_prepare(peer)?;
+            transport.rdma_connect(peer, theirs)?;
+            Ok(mine)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("RDMA connect task: {e}")))?
+        .map_err(|e| Status::unavailable(format!("RDMA connect with node {peer}: {e}")))?;
+        tracing::info!(node = %peer, "KV to this decode node goes over RDMA");
+        Ok(Response::new(pb::RdmaConnectReply {
+            info: Some(wire::rdma_info_to_pb(&mine)),
         }))
     }
 

@@ -5,6 +5,7 @@ use kvmesh_common::grpc::{logprobs_from_pb, logprobs_to_pb, params_from, pb, Wir
 use kvmesh_common::{BlockId, NodeId, RequestId};
 use kvmesh_engine::runner::KvShape;
 use kvmesh_engine::sampler::Sampled;
+use kvmesh_transfer::{RdmaEndpoint, RdmaPeerInfo, RdmaRegion};
 use tonic::{Code, Status};
 
 pub fn request_to_pb(r: &PrefillRequest, transfer_address: &str) -> pb::PrefillRequest {
@@ -123,6 +124,49 @@ pub fn error_from_status(s: &Status) -> PrefillError {
     }
 }
 
+pub fn rdma_info_to_pb(i: &RdmaPeerInfo) -> pb::RdmaPeerInfo {
+    pb::RdmaPeerInfo {
+        qp_num: i.endpoint.qp_num,
+        lid: i.endpoint.lid.into(),
+        gid: i.endpoint.gid.to_vec(),
+        psn: i.endpoint.psn,
+        ring_addr: i.region.addr,
+        ring_rkey: i.region.rkey,
+        ring_len: i.region.len,
+    }
+}
+
+/// `message` names the enclosing message in errors; a missing `info` is an error too.
+pub fn rdma_info_from_pb(
+    message: &'static str,
+    m: Option<pb::RdmaPeerInfo>,
+) -> Result<RdmaPeerInfo, WireError> {
+    let m = m.ok_or_else(|| WireError::missing(message, "info"))?;
+    let bad = |reason: String| WireError { message, reason };
+    let lid = u16::try_from(m.lid).map_err(|_| bad(format!("lid {} is not 16-bit", m.lid)))?;
+    let gid: [u8; 16] = m
+        .gid
+        .as_slice()
+        .try_into()
+        .map_err(|_| bad(format!("gid has {} bytes, not 16", m.gid.len())))?;
+    if m.ring_len == 0 {
+        return Err(bad("the receive ring is empty".into()));
+    }
+    Ok(RdmaPeerInfo {
+        endpoint: RdmaEndpoint {
+            qp_num: m.qp_num,
+            lid,
+            gid,
+            psn: m.psn,
+        },
+        region: RdmaRegion {
+            addr: m.ring_addr,
+            rkey: m.ring_rkey,
+            len: m.ring_len,
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -184,5 +228,37 @@ mod tests {
             error_from_status(&Status::unavailable("refused")),
             PrefillError::Rpc(_)
         ));
+    }
+
+    #[test]
+    fn rdma_info_round_trips_and_bad_fields_are_refused() {
+        let info = RdmaPeerInfo {
+            endpoint: RdmaEndpoint {
+                qp_num: 77,
+                lid: 3,
+                gid: [9; 16],
+                psn: 0x12_3456,
+            },
+            region: RdmaRegion {
+                addr: 0x7f00_0000_1000,
+                rkey: 0xdead,
+                len: 128 << 20,
+            },
+        };
+        let m = rdma_info_to_pb(&info);
+        assert_eq!(rdma_info_from_pb("T", Some(m.clone())).unwrap(), info);
+        assert!(rdma_info_from_pb("T", None).is_err());
+        let short_gid = pb::RdmaPeerInfo {
+            gid: vec![1; 4],
+            ..m.clone()
+        };
+        assert!(rdma_info_from_pb("T", Some(short_gid)).is_err());
+        let big_lid = pb::RdmaPeerInfo {
+            lid: 70_000,
+            ..m.clone()
+        };
+        assert!(rdma_info_from_pb("T", Some(big_lid)).is_err());
+        let no_ring = pb::RdmaPeerInfo { ring_len: 0, ..m };
+        assert!(rdma_info_from_pb("T", Some(no_ring)).is_err());
     }
 }

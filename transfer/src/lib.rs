@@ -13,7 +13,8 @@
 //!   this node on a queue; end a transfer. [`InProcessTransport`] connects the workers of one
 //!   process (`kvmesh serve`, tests); [`QuicTransport`] (quinn, rustls on ring) connects
 //!   processes and hosts; [`RdmaTransport`] (feature `rdma`) writes one-sided into the
-//!   receiver's registered memory. [`select`] picks RDMA where it can, else QUIC.
+//!   receiver's registered memory. [`NetworkTransport`] is what a node runs: QUIC to every
+//!   peer, RDMA to those it exchanged RDMA details with over the control plane.
 //!
 //! A receiver verifies every chunk (`KvChunk::verify`; the network transports do it in the
 //! codec) before using it, and never decodes on partial or corrupt KV: a failed transfer is
@@ -22,15 +23,18 @@
 mod chunk;
 pub mod codec;
 mod in_process;
+mod network;
 pub mod quic;
 pub mod rdma;
-mod select;
 mod transport;
 
 pub use chunk::{BlockShape, ChunkError, KvChunk, KvChunkHeader, KvDtype};
 pub use crossbeam_channel;
 pub use in_process::InProcessTransport;
+pub use network::{NetworkTransport, RdmaPeering};
 pub use quic::{QuicConfig, QuicError, QuicTransport, TlsConfig};
-pub use rdma::{RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion, RdmaTransport};
-pub use select::{select, NetworkTransport, TransportKind};
+pub use rdma::{
+    LoopbackFabric, LoopbackRdma, RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion,
+    RdmaTransport,
+};
 pub use transport::{KvReceiver, Transport, TransportError};

@@ -1,11 +1,16 @@
 //! The RDMA transport where it cannot run (no device here, or not compiled in) and the
-//! fallback to QUIC. The data path needs an RDMA NIC (or rdma_rxe) to test.
+//! fallback to QUIC, and what a node's transport does with RDMA peers (on a stand-in
+//! device). The verbs data path needs an RDMA NIC (or rdma_rxe) to test.
 
+use kvmesh_common::{BlockId, NodeId, RequestId};
 use kvmesh_transfer::{
-    select, QuicConfig, RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion,
-    RdmaTransport, TransportKind,
+    BlockShape, KvChunk, KvDtype, LoopbackFabric, LoopbackRdma, NetworkTransport, QuicConfig,
+    QuicTransport, RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion, RdmaTransport,
+    Transport,
 };
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[cfg(feature = "rdma")]
 #[test]
@@ -32,19 +37,103 @@ fn without_the_feature_open_says_so() {
     assert!(e.to_string().contains("falling back to QUIC"));
 }
 
-#[test]
-fn select_falls_back_to_quic() {
-    let quic = QuicConfig {
+fn chunk(request: u64) -> KvChunk {
+    let shape = BlockShape {
+        num_kv_heads: 1,
+        block_size: 16,
+        head_dim: 32,
+    };
+    let payload = vec![request as u8; shape.block_bytes_per_layer(KvDtype::F16)];
+    KvChunk::seal(RequestId(request), 0..1, vec![BlockId(0)], shape, payload).unwrap()
+}
+
+fn quic() -> QuicTransport {
+    QuicTransport::start(QuicConfig {
         listen: SocketAddr::from(([127, 0, 0, 1], 0)),
         ..QuicConfig::default()
-    };
-    let rdma_opens = RdmaTransport::open(RdmaConfig::default()).is_ok();
-    let t = select(TransportKind::Rdma, RdmaConfig::default(), quic.clone()).unwrap();
-    if !rdma_opens {
-        assert_eq!(t.kind(), TransportKind::Quic);
+    })
+    .unwrap()
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+#[test]
+fn without_rdma_a_node_runs_quic_only() {
+    let (receiver, sender) = (
+        NetworkTransport::open(quic(), RdmaConfig::default()),
+        NetworkTransport::open(quic(), RdmaConfig::default()),
+    );
+    if receiver.offers_rdma() {
+        eprintln!("an RDMA device is present; nothing to check here");
+        return;
     }
-    let t = select(TransportKind::Quic, RdmaConfig::default(), quic).unwrap();
-    assert_eq!(t.kind(), TransportKind::Quic);
+    assert!(matches!(
+        sender.rdma_prepare(NodeId(1)),
+        Err(RdmaError::NotCompiled)
+    ));
+    let rx = receiver.bind(NodeId(1)).unwrap();
+    sender.add_peer(NodeId(1), receiver.quic().local_addr());
+    sender.send(NodeId(1), chunk(3), soon()).unwrap();
+    let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    assert_eq!(got.header.request_id, RequestId(3));
+    assert!(!sender.uses_rdma(NodeId(1)));
+}
+
+#[test]
+fn after_the_rdma_exchange_chunks_go_over_rdma_and_arrive_on_the_same_queue() {
+    let (decode, prefill) = (NodeId(1), NodeId(2));
+    let fabric = LoopbackFabric::default();
+    let (decode_rdma, prefill_rdma) = (
+        Arc::new(fabric.device(decode)),
+        Arc::new(fabric.device(prefill)),
+    );
+    let receiver = NetworkTransport::with_rdma(quic(), Some(decode_rdma.clone()));
+    let sender = NetworkTransport::with_rdma(quic(), Some(prefill_rdma.clone()));
+    assert!(receiver.offers_rdma() && sender.offers_rdma());
+    let rx = receiver.bind(decode).unwrap();
+    sender.add_peer(decode, receiver.quic().local_addr());
+
+    // Before the exchange: QUIC.
+    sender.send(decode, chunk(1), soon()).unwrap();
+    assert_eq!(
+        rx.recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .header
+            .request_id,
+        RequestId(1)
+    );
+    assert_eq!(prefill_rdma.chunks_sent(), 0);
+
+    // A swapped-wrong exchange is refused and changes nothing.
+    let mine = receiver.rdma_prepare(prefill).unwrap();
+    assert!(sender
+        .rdma_connect(decode, LoopbackRdma::info(NodeId(9), prefill))
+        .is_err());
+    assert!(!sender.uses_rdma(decode));
+
+    // The exchange as the control plane runs it: decode prepares, prefill prepares and
+    // connects to decode's, decode connects to prefill's.
+    let theirs = sender.rdma_prepare(decode).unwrap();
+    sender.rdma_connect(decode, mine).unwrap();
+    receiver.rdma_connect(prefill, theirs).unwrap();
+    assert!(sender.uses_rdma(decode) && receiver.uses_rdma(prefill));
+
+    for r in 2..5 {
+        sender.send(decode, chunk(r), soon()).unwrap();
+    }
+    sender.end_transfer(decode, RequestId(4));
+    for r in 2..5 {
+        let got = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        assert_eq!(got.header.request_id, RequestId(r));
+        got.verify().unwrap();
+    }
+    assert_eq!(prefill_rdma.chunks_sent(), 3);
+
+    // Unbound: nothing reaches the node on either path.
+    receiver.unbind(decode);
+    assert!(sender.send(decode, chunk(5), soon()).is_err());
 }
 
 #[test]

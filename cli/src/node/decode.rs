@@ -34,8 +34,8 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         .llama_engine(&loaded)
         .context("building the engine")?;
     let tls = args.mesh.cluster_tls()?;
-    let quic = args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?;
-    let transport: Arc<dyn Transport> = Arc::new(quic);
+    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?);
+    let transport: Arc<dyn Transport> = network.clone();
     let kv_events = KvPublisherSlot::default();
     let mut config = DecodeConfig::new(node_id);
     config.kv_events = Some(kv_event_sink(&kv_events));
@@ -56,11 +56,10 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
-        let prefill = Arc::new(PrefillDirectory::new(
-            advertise,
-            tls.clone(),
-            Duration::from_secs(1),
-        ));
+        let prefill = Arc::new(
+            PrefillDirectory::new(advertise, tls.clone(), Duration::from_secs(1))
+                .with_rdma(node_id, network),
+        );
         forget_departed_prefill_nodes(&discovery, prefill.clone());
         let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server());
         run_node(

@@ -1,5 +1,5 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
-//! their KV over QUIC to the decode node that asked.
+//! their KV to the decode node that asked: over RDMA where both have it, else QUIC.
 
 use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
@@ -30,8 +30,8 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     // Sends only: any UDP port on the listen address.
     let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
     let tls = args.mesh.cluster_tls()?;
-    let quic = Arc::new(args.mesh.kv_transport(quic_listen, tls.as_ref())?);
-    let transport: Arc<dyn Transport> = quic.clone();
+    let network = Arc::new(args.mesh.kv_transport(quic_listen, tls.as_ref())?);
+    let transport: Arc<dyn Transport> = network.clone();
     let kv_events = KvPublisherSlot::default();
     let config = PrefillConfig {
         kv_events: Some(kv_event_sink(&kv_events)),
@@ -41,10 +41,11 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         PrefillWorker::spawn(config, engine, transport).context("starting the prefill worker")?;
     let handle = worker.handle();
     let learn = {
-        let quic = quic.clone();
-        Arc::new(move |node, addr| quic.add_peer(node, addr))
+        let network = network.clone();
+        Arc::new(move |node, addr| network.add_peer(node, addr))
     };
-    let service = PrefillService::new(handle.clone(), loaded.fingerprint.0, learn);
+    let service =
+        PrefillService::new(handle.clone(), loaded.fingerprint.0, learn).with_rdma(network);
     let info = NodeInfo {
         node_id,
         role: NodeRole::Prefill,

@@ -14,6 +14,7 @@
 //! Without the feature, or on a machine without an RDMA device, [`RdmaTransport::open`]
 //! says so and the node uses QUIC (see [`select`](crate::select)).
 
+mod loopback;
 #[cfg(feature = "rdma")]
 mod verbs;
 #[cfg(feature = "rdma")]
@@ -23,6 +24,8 @@ pub use verbs::RdmaTransport;
 mod stub;
 #[cfg(not(feature = "rdma"))]
 pub use stub::RdmaTransport;
+
+pub use loopback::{LoopbackFabric, LoopbackRdma};
 
 use crate::codec::CodecLimits;
 use kvmesh_common::NodeId;
