@@ -16,8 +16,10 @@ image() {
   local name=$1 bin=$2 cmd=$3; shift 3
   local root; root="$(mktemp -d)"
   trap 'rm -rf "$root"' RETURN
-  mkdir -p "$root/usr/bin" "$root/tmp" "$root/etc"
+  mkdir -p "$root/usr/bin" "$root/tmp" "$root/etc" "$root/certs"
   chmod 1777 "$root/tmp"
+  # A fresh named volume mounted here takes this owner: the unprivileged user writes certs.
+  chown 65534:65534 "$root/certs"
   cp "$bin" "$root/usr/bin/"
   # The loader and every library the binary links, at the paths it expects.
   ldd "$bin" | grep -o '/[^ ]*' | while read -r lib; do
