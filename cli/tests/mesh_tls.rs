@@ -46,6 +46,7 @@ fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner:
         max_num_seqs: 8,
         max_model_len: Some(1024),
         enable_prefix_caching: true,
+        host_tier_blocks: 0,
     }
     .llama_engine(loaded())
     .unwrap()

@@ -233,9 +233,13 @@ pub fn worker_error_from_status(s: &tonic::Status) -> WorkerError {
     match s.code() {
         Code::InvalidArgument | Code::OutOfRange => WorkerError::InvalidRequest(m),
         Code::ResourceExhausted => WorkerError::Overloaded(m),
-        Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Aborted => {
-            WorkerError::Unavailable(m)
-        }
+        // tonic reports a connection that broke under a call (the node died) as UNKNOWN
+        // "transport error"; our servers never send UNKNOWN themselves.
+        Code::Unavailable
+        | Code::DeadlineExceeded
+        | Code::Cancelled
+        | Code::Aborted
+        | Code::Unknown => WorkerError::Unavailable(m),
         _ => WorkerError::Internal(format!("{:?}: {m}", s.code())),
     }
 }
@@ -433,6 +437,17 @@ mod tests {
         assert!(matches!(
             worker_error_from_status(&down),
             WorkerError::Unavailable(_)
+        ));
+        // A connection cut under the call: the router tries another node.
+        let cut = tonic::Status::unknown("transport error");
+        assert!(matches!(
+            worker_error_from_status(&cut),
+            WorkerError::Unavailable(_)
+        ));
+        let internal = tonic::Status::internal("engine failed");
+        assert!(matches!(
+            worker_error_from_status(&internal),
+            WorkerError::Internal(_)
         ));
     }
 }

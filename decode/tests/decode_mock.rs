@@ -86,6 +86,7 @@ fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
         max_num_seqs: 16,
         max_model_len: 512,
         enable_prefix_caching: true,
+        host_tier_blocks: 0,
         hasher: BlockHasher::new(kvmesh_common::ModelFingerprint(1), 16),
     };
     let (permit_tx, permits) = crossbeam_channel::unbounded();

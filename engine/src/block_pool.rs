@@ -7,14 +7,21 @@
 //! possible, allocation takes free blocks that hold no cached prefix first, and only then
 //! evicts cached ones, least recently freed first.
 //!
+//! With a host tier (`with_host_tier`), an evicted cached block is not forgotten: its KV is
+//! copied to host memory and stays a prefix hit from there; admission copies it back into a
+//! fresh block ("promotes" it). The pool keeps only the hashes; it records each copy as a
+//! [`TierMove`] that the engine carries out before the step's forward pass, in order.
+//!
 //! When recording is on (`set_record_events`), every hash that becomes a hit or stops being
-//! one is announced as a [`KvEvent`], so a cluster-wide prefix index can mirror this pool
-//! without scanning it. It is off by default so that a node without an index does not
-//! accumulate events nobody drains.
+//! one (in any tier) is announced as a [`KvEvent`], so a cluster-wide prefix index can mirror
+//! this pool without scanning it. It is off by default so that a node without an index does
+//! not accumulate events nobody drains.
 
 mod free_list;
+mod host_tier;
 
 use free_list::{FreeList, Links};
+use host_tier::HostTierIndex;
 use kvmesh_common::{BlockId, SequenceHash};
 use std::collections::HashMap;
 
@@ -31,6 +38,17 @@ pub enum BlockPoolError {
     /// A full block's content never changes, so it can only ever have one hash.
     #[error("block {} is already cached under a different hash", block.0)]
     AlreadyCached { block: BlockId },
+}
+
+/// A copy between the main pool and the host tier, for the engine to carry out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TierMove {
+    /// Copy `block`'s KV to host memory under `hash` (before the block is reused).
+    Offload { hash: SequenceHash, block: BlockId },
+    /// Copy `hash`'s KV from host memory into `block` (and forget the host copy).
+    Promote { hash: SequenceHash, block: BlockId },
+    /// The host tier is full: forget `hash`'s copy.
+    Drop { hash: SequenceHash },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -52,6 +70,8 @@ pub struct BlockPool {
     /// Free blocks that are still prefix hits, least recently freed at the front.
     free_cached: FreeList,
     cached: HashMap<SequenceHash, BlockId>,
+    host: HostTierIndex,
+    moves: Vec<TierMove>,
     record_events: bool,
     events: Vec<KvEvent>,
 }
@@ -78,9 +98,54 @@ impl BlockPool {
             free_uncached,
             free_cached: FreeList::default(),
             cached: HashMap::new(),
+            host: HostTierIndex::new(0),
+            moves: Vec::new(),
             record_events: false,
             events: Vec::new(),
         }
+    }
+
+    /// Keeps up to `host_blocks` evicted cached blocks in a host-memory tier (0: none).
+    pub fn with_host_tier(mut self, host_blocks: usize) -> Self {
+        self.host = HostTierIndex::new(host_blocks);
+        self
+    }
+
+    /// Blocks the host tier holds.
+    pub fn num_host_cached(&self) -> usize {
+        self.host.len()
+    }
+
+    /// How many of `hashes`, from the first, the host tier holds.
+    pub fn lookup_host(&self, hashes: &[SequenceHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|&&h| self.host.contains(h))
+            .count()
+    }
+
+    /// Takes `hashes` out of the host tier to promote them (so that no allocation meanwhile
+    /// pushes them out); then `promote` each into a fresh block.
+    pub fn take_host(&mut self, hashes: &[SequenceHash]) {
+        for &h in hashes {
+            let held = self.host.remove(h);
+            debug_assert!(held, "take_host of a hash the tier does not hold");
+        }
+    }
+
+    /// Registers fresh `block` (one reference, from `allocate`) as cached under `hash`, whose
+    /// KV the engine copies in from the host tier (`TierMove::Promote`).
+    pub fn promote(&mut self, hash: SequenceHash, block: BlockId) {
+        let meta = &mut self.blocks[block.0 as usize];
+        debug_assert!(meta.ref_count > 0 && meta.hash.is_none());
+        meta.hash = Some(hash);
+        self.cached.insert(hash, block);
+        self.moves.push(TierMove::Promote { hash, block });
+    }
+
+    /// The copies to carry out, in order, since the last call.
+    pub fn drain_tier_moves(&mut self) -> Vec<TierMove> {
+        std::mem::take(&mut self.moves)
     }
 
     pub fn block_size(&self) -> usize {
@@ -200,6 +265,11 @@ impl BlockPool {
         if self.cached.contains_key(&hash) {
             return Ok(false);
         }
+        // Recomputed while a host copy exists (it was not promoted): keep one copy.
+        if self.host.remove(hash) {
+            self.moves.push(TierMove::Drop { hash });
+        }
+        let meta = &mut self.blocks[block.0 as usize];
         meta.hash = Some(hash);
         self.cached.insert(hash, block);
         self.record(KvEvent::Stored(hash));
@@ -243,9 +313,10 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
-    /// Every hash currently cached, in no particular order: a snapshot for a prefix index.
+    /// Every hash currently cached (main pool or host tier), in no particular order: a
+    /// snapshot for a prefix index.
     pub fn cached_hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
-        self.cached.keys().copied()
+        self.cached.keys().copied().chain(self.host.hashes())
     }
 
     fn record(&mut self, event: KvEvent) {
@@ -260,7 +331,19 @@ impl BlockPool {
             .take()
             .expect("blocks on the cached free list have a hash");
         self.cached.remove(&hash);
-        self.record(KvEvent::Removed(hash));
+        if self.host.capacity() == 0 {
+            self.record(KvEvent::Removed(hash));
+            return;
+        }
+        // Still a hit on this node, from host memory.
+        self.moves.push(TierMove::Offload {
+            hash,
+            block: BlockId(id),
+        });
+        for dropped in self.host.insert(hash) {
+            self.moves.push(TierMove::Drop { hash: dropped });
+            self.record(KvEvent::Removed(dropped));
+        }
     }
 
     fn check_range(&self, block: BlockId) -> Result<(), BlockPoolError> {
@@ -405,5 +488,64 @@ mod tests {
             pool.cache_full_block(b[0], h(1)),
             Err(BlockPoolError::NotReferenced { block: b[0] })
         );
+    }
+
+    #[test]
+    fn with_a_host_tier_evicted_hits_move_there_and_come_back() {
+        let mut pool = BlockPool::new(2, 16).with_host_tier(1);
+        pool.set_record_events(true);
+        let b = pool.allocate(2).unwrap();
+        pool.cache_full_block(b[0], h(1)).unwrap();
+        pool.cache_full_block(b[1], h(2)).unwrap();
+        pool.free(&b).unwrap();
+        pool.drain_events();
+        // Evicting 1 offloads it; evicting 2 offloads it and pushes 1 out of the tier.
+        let c = pool.allocate(2).unwrap();
+        assert_eq!(
+            pool.drain_tier_moves(),
+            vec![
+                TierMove::Offload {
+                    hash: h(2),
+                    block: b[1]
+                },
+                TierMove::Offload {
+                    hash: h(1),
+                    block: b[0]
+                },
+                TierMove::Drop { hash: h(2) },
+            ]
+        );
+        assert_eq!(pool.drain_events(), vec![KvEvent::Removed(h(2))]);
+        assert_eq!(pool.lookup_host(&[h(1), h(2)]), 1);
+        assert_eq!(pool.num_host_cached(), 1);
+        assert!(pool.cached_hashes().any(|x| x == h(1)));
+        // Promotion: out of the tier, cached in the pool again.
+        pool.take_host(&[h(1)]);
+        pool.promote(h(1), c[0]);
+        assert_eq!(
+            pool.drain_tier_moves(),
+            vec![TierMove::Promote {
+                hash: h(1),
+                block: c[0]
+            }]
+        );
+        assert_eq!(pool.lookup_prefix(&[h(1)]), vec![c[0]]);
+        assert_eq!(pool.num_host_cached(), 0);
+        // Recomputing a hash the tier holds drops the host copy.
+        pool.free(&c).unwrap();
+        let d = pool.allocate(1).unwrap();
+        assert_eq!(d, vec![c[1]]);
+        pool.drain_tier_moves();
+        let e = pool.allocate(1).unwrap();
+        assert_eq!(
+            pool.drain_tier_moves(),
+            vec![TierMove::Offload {
+                hash: h(1),
+                block: c[0]
+            }]
+        );
+        pool.cache_full_block(e[0], h(1)).unwrap();
+        assert_eq!(pool.drain_tier_moves(), vec![TierMove::Drop { hash: h(1) }]);
+        assert_eq!(pool.num_host_cached(), 0);
     }
 }

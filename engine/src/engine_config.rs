@@ -23,6 +23,10 @@ pub struct EngineConfig {
     /// Longest sequence (prompt plus output); `None` = the model's context length.
     pub max_model_len: Option<usize>,
     pub enable_prefix_caching: bool,
+    /// Evicted prefix-cache blocks kept in a host-memory tier and copied back on a hit (0:
+    /// none). On CPU the pool is host memory too, so a bigger `num_blocks` serves the same
+    /// purpose without the copies; the tier pays where the pool is scarcer (a GPU).
+    pub host_tier_blocks: usize,
 }
 
 impl Default for EngineConfig {
@@ -34,6 +38,7 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             max_model_len: None,
             enable_prefix_caching: true,
+            host_tier_blocks: 0,
         }
     }
 }
@@ -52,6 +57,7 @@ impl EngineConfig {
             max_num_seqs: self.max_num_seqs,
             max_model_len: self.max_model_len.unwrap_or(max_context).min(max_context),
             enable_prefix_caching: self.enable_prefix_caching,
+            host_tier_blocks: self.host_tier_blocks,
             hasher: BlockHasher::new(fingerprint, self.block_size.max(1)),
         }
     }

@@ -7,6 +7,7 @@ pub mod chat_template;
 pub mod detokenizer;
 pub mod engine_config;
 pub mod gguf;
+pub mod host_tier;
 pub mod kv_blocks;
 pub mod kv_events;
 pub mod llama_runner;

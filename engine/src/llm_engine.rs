@@ -11,6 +11,7 @@
 //!   blocks of transfers that never complete. See the scheduler's module docs.
 
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::host_tier::HostKv;
 use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
 use crate::sampler::{Sampled, Sampler};
 use crate::scheduler::{Admission, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError};
@@ -101,6 +102,7 @@ pub struct LlmEngine<R: ModelRunner> {
     admitted: Vec<Admission>,
     remote_admitted: Vec<RemoteAdmission>,
     last_step_tokens: usize,
+    host_kv: HostKv,
 }
 
 impl<R: ModelRunner> LlmEngine<R> {
@@ -113,7 +115,13 @@ impl<R: ModelRunner> LlmEngine<R> {
             admitted: Vec::new(),
             remote_admitted: Vec::new(),
             last_step_tokens: 0,
+            host_kv: HostKv::default(),
         }
+    }
+
+    /// Blocks whose KV the host-memory tier holds.
+    pub fn host_tier_blocks(&self) -> usize {
+        self.host_kv.len()
     }
 
     /// Queues a sequence. `top_logits` asks for the raw logits of that many best tokens at
@@ -355,6 +363,12 @@ impl<R: ModelRunner> LlmEngine<R> {
         on_layer: &mut (dyn FnMut(usize, &StepInput, &dyn KvSource) + Send),
     ) -> Result<Vec<SeqOutput>, EngineError> {
         let plan = self.scheduler.schedule();
+        // Before anything reuses a block the plan evicted, or reads one it promoted.
+        let moves = self.scheduler.drain_tier_moves();
+        if let Err(e) = self.host_kv.apply(moves, &mut self.runner) {
+            self.scheduler.abort_step(plan);
+            return Err(e.into());
+        }
         self.last_step_tokens = plan.step.num_tokens();
         self.admitted.clone_from(&plan.admitted);
         self.remote_admitted.clone_from(&plan.remote_admitted);

@@ -53,9 +53,9 @@
 
 mod sequence;
 
-use crate::block_pool::{BlockPool, KvEvent};
+use crate::block_pool::{BlockPool, KvEvent, TierMove};
 use crate::runner::{SeqChunk, SeqId, StepInput};
-use kvmesh_common::{BlockHasher, BlockId, TokenId};
+use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -72,6 +72,8 @@ pub struct SchedulerConfig {
     /// Most tokens (prompt plus generated) in one sequence.
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
+    /// Capacity of the host-memory tier behind the prefix cache, in blocks (0: none).
+    pub host_tier_blocks: usize,
     pub hasher: BlockHasher,
 }
 
@@ -211,7 +213,8 @@ impl Scheduler {
             panic!("{e}");
         }
         Scheduler {
-            pool: BlockPool::new(config.num_blocks, config.block_size),
+            pool: BlockPool::new(config.num_blocks, config.block_size)
+                .with_host_tier(config.host_tier_blocks),
             config,
             seqs: HashMap::new(),
             running: Vec::new(),
@@ -563,10 +566,50 @@ impl Scheduler {
         if !self.config.enable_prefix_caching || prompt.is_empty() {
             return 0;
         }
-        let bs = self.config.block_size;
         let hashes = self.config.hasher.sequence_hashes(prompt);
-        let hits = self.pool.lookup_prefix(&hashes).len();
-        hits.min((prompt.len() - 1) / bs) * bs
+        let (hits, host) = self.cached_prefix(&hashes, prompt.len());
+        (hits.len() + host) * self.config.block_size
+    }
+
+    /// The cached prefix of a sequence of `len` tokens with block hashes `hashes`: the main
+    /// pool's blocks, then how many blocks after them the host tier holds; at most
+    /// `(len - 1) / block_size` blocks in all, so at least one token is left to compute.
+    fn cached_prefix(&self, hashes: &[SequenceHash], len: usize) -> (Vec<BlockId>, usize) {
+        if !self.config.enable_prefix_caching || len == 0 {
+            return (Vec::new(), 0);
+        }
+        let limit = (len - 1) / self.config.block_size;
+        let mut hits = self.pool.lookup_prefix(hashes);
+        hits.truncate(limit);
+        let host = self.pool.lookup_host(&hashes[hits.len()..]);
+        let host = host.min(limit - hits.len());
+        (hits, host)
+    }
+
+    /// Takes `hits` and `fresh` blocks for sequence `id`, the first `host` of them filled
+    /// from the host tier (copies the engine carries out). The caller checked the room.
+    fn take_blocks(
+        &mut self,
+        id: SeqId,
+        hits: &[BlockId],
+        host: usize,
+        fresh: usize,
+    ) -> Vec<BlockId> {
+        // Take the hits (and the host copies) first, or the allocation could evict them.
+        self.pool.take(hits).expect("hits are pool blocks");
+        let promoted = self.seqs[&id].hashes[hits.len()..hits.len() + host].to_vec();
+        self.pool.take_host(&promoted);
+        let fresh = self.pool.allocate(fresh).expect("checked num_free");
+        for (&hash, &block) in promoted.iter().zip(&fresh) {
+            self.pool.promote(hash, block);
+        }
+        fresh
+    }
+
+    /// Copies between the main pool and the host tier that the engine must carry out before
+    /// running the next step, in order.
+    pub fn drain_tier_moves(&mut self) -> Vec<TierMove> {
+        self.pool.drain_tier_moves()
     }
 
     pub fn sequence_tokens(&self, seq_id: SeqId) -> Option<SequenceTokens<'_>> {
@@ -664,29 +707,17 @@ impl Scheduler {
     fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<(usize, Admission)> {
         let bs = self.config.block_size;
         let seq = &self.seqs[&id];
-        let mut hits = Vec::new();
-        if self.config.enable_prefix_caching {
-            hits = self.pool.lookup_prefix(&seq.hashes);
-            // Leave at least one token to compute, so the step yields logits.
-            hits.truncate((seq.tokens.len() - 1) / bs);
-        }
-        let num_cached = hits.len() * bs;
+        let (hits, host) = self.cached_prefix(&seq.hashes, seq.tokens.len());
+        let num_cached = (hits.len() + host) * bs;
         let n = (seq.tokens.len() - num_cached).min(budget);
         let new_blocks = blocks_for(num_cached + n, bs) - hits.len();
-        // Hits that sit on the free list cost a free block, like a fresh allocation.
-        let revived = hits
-            .iter()
-            .filter(|&&b| self.pool.ref_count(b) == 0)
-            .count();
-        if new_blocks + revived > self.pool.num_free() {
+        if new_blocks + self.revived(&hits) > self.pool.num_free() {
             return None;
         }
-        // Take the hits before allocating, or the allocation could evict them.
-        self.pool.take(&hits).expect("hits are pool blocks");
-        let fresh = self.pool.allocate(new_blocks).expect("checked num_free");
+        let fresh = self.take_blocks(id, &hits, host, new_blocks);
 
         let seq = self.seqs.get_mut(&id).unwrap();
-        seq.num_cached_blocks = hits.len();
+        seq.num_cached_blocks = hits.len() + host;
         seq.blocks = hits;
         seq.blocks.extend(fresh);
         seq.num_computed = num_cached;
@@ -708,27 +739,20 @@ impl Scheduler {
     fn try_admit_remote(&mut self, id: SeqId) -> Option<RemoteAdmission> {
         let bs = self.config.block_size;
         let seq = &self.seqs[&id];
-        let mut hits = Vec::new();
-        if self.config.enable_prefix_caching {
-            hits = self.pool.lookup_prefix(&seq.hashes);
-            hits.truncate((seq.tokens.len() - 1) / bs);
-        }
+        let (hits, host) = self.cached_prefix(&seq.hashes, seq.tokens.len());
         let new_blocks = blocks_for(seq.tokens.len(), bs) - hits.len();
-        let revived = hits
-            .iter()
-            .filter(|&&b| self.pool.ref_count(b) == 0)
-            .count();
-        if new_blocks + revived > self.pool.num_free() {
+        if new_blocks + self.revived(&hits) > self.pool.num_free() {
             return None;
         }
-        self.pool.take(&hits).expect("hits are pool blocks");
-        let fresh = self.pool.allocate(new_blocks).expect("checked num_free");
+        let mut fresh = self.take_blocks(id, &hits, host, new_blocks);
 
         let seq = self.seqs.get_mut(&id).unwrap();
-        let num_cached = hits.len() * bs;
-        seq.num_cached_blocks = hits.len();
+        let num_cached = (hits.len() + host) * bs;
+        seq.num_cached_blocks = hits.len() + host;
         seq.blocks = hits;
         seq.blocks.extend(&fresh);
+        // The promoted blocks are filled here; the transfer fills the rest.
+        fresh.drain(..host);
         seq.num_computed = num_cached;
         seq.admitted_before = true;
         self.waiting.pop_front();
@@ -738,6 +762,13 @@ impl Scheduler {
             num_cached_tokens: num_cached,
             blocks: fresh,
         })
+    }
+
+    /// Hits that sit on the free list cost a free block, like a fresh allocation.
+    fn revived(&self, hits: &[BlockId]) -> usize {
+        hits.iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count()
     }
 
     fn push_chunk(&self, id: SeqId, n: usize, out: &mut SchedulerOutput) {

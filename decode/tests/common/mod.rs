@@ -33,6 +33,7 @@ pub fn engine_config() -> EngineConfig {
         max_num_seqs: 64,
         max_model_len: Some(2048),
         enable_prefix_caching: true,
+        host_tier_blocks: 0,
     }
 }
 
