@@ -88,7 +88,7 @@ impl EtcdPrefixIndex {
         let deadline = tokio::time::Instant::now() + follower.config.connect_timeout;
         let mut backoff = Backoff::default();
         let revision = loop {
-            match follower.resync().await {
+            match follower.resync(false).await {
                 Ok(revision) => break revision,
                 Err(e) => {
                     let retry_at = tokio::time::Instant::now() + backoff.next();
@@ -175,9 +175,8 @@ impl Follower {
             warn!(reason = %broke, "prefix index watch broke; serving the last known index");
             listed_at = loop {
                 tokio::time::sleep(backoff.next()).await;
-                match self.resync().await {
+                match self.resync(true).await {
                     Ok(revision) => {
-                        self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
                         info!(revision, "prefix index re-listed; watching again");
                         break revision;
                     }
@@ -187,14 +186,19 @@ impl Follower {
         }
     }
 
-    /// Lists the whole prefix into the index; returns the revision it was read at.
-    async fn resync(&mut self) -> Result<i64, StoreError> {
+    /// Lists the whole prefix into the index (counted as a resync `after_break`); returns
+    /// the revision it was read at.
+    async fn resync(&mut self, after_break: bool) -> Result<i64, StoreError> {
         let (kvs, revision) = list(&self.client, &self.config, &self.prefix).await?;
         let mut listing: HashMap<NodeId, Vec<(KvKey, Record)>> = HashMap::new();
         for kv in &kvs {
             if let Some((key, record)) = self.decode(kv) {
                 listing.entry(key.node()).or_default().push((key, record));
             }
+        }
+        // Counted before the new state shows, so that whoever sees it sees the count too.
+        if after_break {
+            self.counters.resyncs.fetch_add(1, Ordering::Relaxed);
         }
         self.replica.load_all(listing, revision);
         Ok(revision)
@@ -204,8 +208,8 @@ impl Follower {
         let dir = node_dir(&self.prefix, node);
         let (kvs, revision) = list(&self.client, &self.config, &dir).await?;
         let listing = kvs.iter().filter_map(|kv| self.decode(kv)).collect();
-        self.replica.load_node(node, listing, revision);
         self.counters.node_resyncs.fetch_add(1, Ordering::Relaxed);
+        self.replica.load_node(node, listing, revision);
         debug!(%node, revision, "prefix index re-listed a node after a gap");
         Ok(())
     }
