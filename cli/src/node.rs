@@ -6,6 +6,7 @@
 //! accepted, then exits.
 
 pub mod decode;
+pub mod engine_args;
 pub mod metrics;
 pub mod prefill;
 pub mod router;

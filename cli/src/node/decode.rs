@@ -2,13 +2,13 @@
 //! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
 //! continuous batching and streams tokens back.
 
+use super::engine_args::EngineArgs;
 use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_kvstore::Discovery;
 use kvmesh_transfer::Transport;
 use std::collections::HashSet;
@@ -21,6 +21,8 @@ pub struct DecodeArgs {
     pub mesh: MeshArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Prompts whose uncached part is shorter than this are prefilled here.
     #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS")]
     pub local_prefill_max_tokens: Option<usize>,
@@ -30,7 +32,9 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let path = args.model.prepare()?;
     let loaded = model_args::load(&path)?;
     let node_id = args.mesh.node_id();
-    let engine = EngineConfig::default()
+    let engine = args
+        .engine
+        .config()
         .llama_engine(&loaded)
         .context("building the engine")?;
     let tls = args.mesh.cluster_tls()?;

@@ -1,12 +1,12 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
 //! their KV to the decode node that asked: over RDMA where both have it, else QUIC.
 
+use super::engine_args::EngineArgs;
 use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::Transport;
 use std::net::SocketAddr;
@@ -18,13 +18,17 @@ pub struct PrefillArgs {
     pub mesh: MeshArgs,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 pub fn run(args: &PrefillArgs) -> Result<()> {
     let path = args.model.prepare()?;
     let loaded = model_args::load(&path)?;
     let node_id = args.mesh.node_id();
-    let engine = EngineConfig::default()
+    let engine = args
+        .engine
+        .config()
         .llama_engine(&loaded)
         .context("building the engine")?;
     // Sends only: any UDP port on the listen address.
