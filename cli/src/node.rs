@@ -18,7 +18,7 @@ use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::{NodeId, NodeInfo};
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease, TieredKvEvent};
+use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
 use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -173,7 +173,7 @@ pub fn kv_event_sink(slot: &KvPublisherSlot) -> KvEventSink {
     let slot = slot.clone();
     KvEventSink::new(move |_node, events| {
         if let Some(publisher) = slot.get() {
-            publisher.publish(events.into_iter().map(TieredKvEvent::from).collect());
+            publisher.publish(events);
         }
     })
 }

@@ -4,6 +4,7 @@
 pub mod block_hash;
 pub mod grpc;
 pub mod ids;
+pub mod kv_tier;
 pub mod metrics;
 pub mod protocol;
 pub mod sampling;

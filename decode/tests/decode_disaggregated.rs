@@ -328,7 +328,7 @@ fn a_worker_announces_the_prefixes_it_caches() {
             .expect("the prompt's blocks are announced");
         assert_eq!(node, NodeId(0x2ff));
         for e in events {
-            if let KvEvent::Stored(h) = e {
+            if let KvEvent::Stored(h) = e.event {
                 missing.retain(|m| *m != h);
             }
         }

@@ -13,7 +13,7 @@
 //! [`TierMove`] that the engine carries out before the step's forward pass, in order.
 //!
 //! When recording is on (`set_record_events`), every hash that becomes a hit or stops being
-//! one (in any tier) is announced as a [`KvEvent`], so a cluster-wide prefix index can mirror
+//! one, in each tier, is announced as a [`TieredKvEvent`], so a cluster-wide prefix index can mirror
 //! this pool without scanning it. It is off by default so that a node without an index does
 //! not accumulate events nobody drains.
 
@@ -22,6 +22,7 @@ mod host_tier;
 
 use free_list::{FreeList, Links};
 use host_tier::HostTierIndex;
+use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
 use std::collections::HashMap;
 
@@ -73,7 +74,7 @@ pub struct BlockPool {
     host: HostTierIndex,
     moves: Vec<TierMove>,
     record_events: bool,
-    events: Vec<KvEvent>,
+    events: Vec<TieredKvEvent>,
 }
 
 impl BlockPool {
@@ -141,6 +142,8 @@ impl BlockPool {
         meta.hash = Some(hash);
         self.cached.insert(hash, block);
         self.moves.push(TierMove::Promote { hash, block });
+        self.record(TieredKvEvent::removed(Tier::Host, hash));
+        self.record(TieredKvEvent::stored(Tier::Device, hash));
     }
 
     /// The copies to carry out, in order, since the last call.
@@ -268,11 +271,12 @@ impl BlockPool {
         // Recomputed while a host copy exists (it was not promoted): keep one copy.
         if self.host.remove(hash) {
             self.moves.push(TierMove::Drop { hash });
+            self.record(TieredKvEvent::removed(Tier::Host, hash));
         }
         let meta = &mut self.blocks[block.0 as usize];
         meta.hash = Some(hash);
         self.cached.insert(hash, block);
-        self.record(KvEvent::Stored(hash));
+        self.record(TieredKvEvent::stored(Tier::Device, hash));
         Ok(true)
     }
 
@@ -309,7 +313,7 @@ impl BlockPool {
     }
 
     /// Events since the last call, oldest first (none unless recording is on).
-    pub fn drain_events(&mut self) -> Vec<KvEvent> {
+    pub fn drain_events(&mut self) -> Vec<TieredKvEvent> {
         std::mem::take(&mut self.events)
     }
 
@@ -319,7 +323,7 @@ impl BlockPool {
         self.cached.keys().copied().chain(self.host.hashes())
     }
 
-    fn record(&mut self, event: KvEvent) {
+    fn record(&mut self, event: TieredKvEvent) {
         if self.record_events {
             self.events.push(event);
         }
@@ -331,8 +335,8 @@ impl BlockPool {
             .take()
             .expect("blocks on the cached free list have a hash");
         self.cached.remove(&hash);
+        self.record(TieredKvEvent::removed(Tier::Device, hash));
         if self.host.capacity() == 0 {
-            self.record(KvEvent::Removed(hash));
             return;
         }
         // Still a hit on this node, from host memory.
@@ -340,9 +344,10 @@ impl BlockPool {
             hash,
             block: BlockId(id),
         });
+        self.record(TieredKvEvent::stored(Tier::Host, hash));
         for dropped in self.host.insert(hash) {
             self.moves.push(TierMove::Drop { hash: dropped });
-            self.record(KvEvent::Removed(dropped));
+            self.record(TieredKvEvent::removed(Tier::Host, dropped));
         }
     }
 
@@ -435,9 +440,9 @@ mod tests {
         assert_eq!(
             pool.drain_events(),
             vec![
-                KvEvent::Stored(h(1)),
-                KvEvent::Stored(h(2)),
-                KvEvent::Removed(h(2))
+                TieredKvEvent::stored(Tier::Device, h(1)),
+                TieredKvEvent::stored(Tier::Device, h(2)),
+                TieredKvEvent::removed(Tier::Device, h(2))
             ]
         );
     }
@@ -450,7 +455,10 @@ mod tests {
         assert!(pool.drain_events().is_empty());
         pool.set_record_events(true);
         pool.cache_full_block(b[1], h(2)).unwrap();
-        assert_eq!(pool.drain_events(), vec![KvEvent::Stored(h(2))]);
+        assert_eq!(
+            pool.drain_events(),
+            vec![TieredKvEvent::stored(Tier::Device, h(2))]
+        );
         let mut snapshot: Vec<_> = pool.cached_hashes().collect();
         snapshot.sort();
         assert_eq!(snapshot, vec![h(1), h(2)]);
@@ -515,7 +523,16 @@ mod tests {
                 TierMove::Drop { hash: h(2) },
             ]
         );
-        assert_eq!(pool.drain_events(), vec![KvEvent::Removed(h(2))]);
+        assert_eq!(
+            pool.drain_events(),
+            vec![
+                TieredKvEvent::removed(Tier::Device, h(2)),
+                TieredKvEvent::stored(Tier::Host, h(2)),
+                TieredKvEvent::removed(Tier::Device, h(1)),
+                TieredKvEvent::stored(Tier::Host, h(1)),
+                TieredKvEvent::removed(Tier::Host, h(2)),
+            ]
+        );
         assert_eq!(pool.lookup_host(&[h(1), h(2)]), 1);
         assert_eq!(pool.num_host_cached(), 1);
         assert!(pool.cached_hashes().any(|x| x == h(1)));

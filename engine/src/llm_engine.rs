@@ -242,7 +242,7 @@ impl<R: ModelRunner> LlmEngine<R> {
     }
 
     /// Prefix-cache changes since the last call.
-    pub fn drain_kv_events(&mut self) -> Vec<kvmesh_common::KvEvent> {
+    pub fn drain_kv_events(&mut self) -> Vec<kvmesh_common::kv_tier::TieredKvEvent> {
         self.scheduler.drain_kv_events()
     }
 

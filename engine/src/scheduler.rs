@@ -53,8 +53,9 @@
 
 mod sequence;
 
-use crate::block_pool::{BlockPool, KvEvent, TierMove};
+use crate::block_pool::{BlockPool, TierMove};
 use crate::runner::{SeqChunk, SeqId, StepInput};
+use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::{HashMap, VecDeque};
@@ -652,7 +653,7 @@ impl Scheduler {
     }
 
     /// Prefix-cache changes since the last call, for the cluster's prefix index.
-    pub fn drain_kv_events(&mut self) -> Vec<KvEvent> {
+    pub fn drain_kv_events(&mut self) -> Vec<TieredKvEvent> {
         self.pool.drain_events()
     }
 

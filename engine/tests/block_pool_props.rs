@@ -142,7 +142,7 @@ fn check_invariants(pool: &mut BlockPool, model: &mut Model) -> Result<(), TestC
     }
     // The event stream, replayed, yields exactly the cached set.
     for event in pool.drain_events() {
-        match event {
+        match event.event {
             KvEvent::Stored(h) => prop_assert!(model.announced.insert(h), "stored twice"),
             KvEvent::Removed(h) => prop_assert!(model.announced.remove(&h), "removed unknown"),
         }

@@ -2,6 +2,7 @@
 //! workloads run under a virtual clock in `tests/scheduler_virtual_time.rs`.
 
 use super::*;
+use kvmesh_common::kv_tier::Tier;
 use kvmesh_common::ModelFingerprint;
 
 fn config(num_blocks: usize, budget: usize) -> SchedulerConfig {
@@ -210,12 +211,18 @@ fn full_blocks_are_announced_as_they_are_computed() {
     let hashes = s.config().hasher.sequence_hashes(&prompt(9));
     let out = s.schedule();
     let _ = s.update_from_output(out, &[]).unwrap();
-    assert_eq!(s.drain_kv_events(), vec![KvEvent::Stored(hashes[0])]);
+    assert_eq!(
+        s.drain_kv_events(),
+        vec![TieredKvEvent::stored(Tier::Device, hashes[0])]
+    );
     let out = s.schedule();
     let _ = s.update_from_output(out, &[]).unwrap();
     let out = s.schedule(); // the last prompt token: no new full block
     let _ = s.update_from_output(out, &[(1, 5)]).unwrap();
-    assert_eq!(s.drain_kv_events(), vec![KvEvent::Stored(hashes[1])]);
+    assert_eq!(
+        s.drain_kv_events(),
+        vec![TieredKvEvent::stored(Tier::Device, hashes[1])]
+    );
 }
 
 // ---- Remote prefill ----

@@ -1,28 +1,9 @@
 //! Where a cached block lives on its node, and the events that say so.
 
-use kvmesh_common::{KvEvent, SequenceHash};
-use serde::{Deserialize, Serialize};
-
-/// A KV storage tier of one node, fastest first: a block in a faster tier is cheaper to reuse.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Tier {
-    /// The node's main KV pool (the engine's BlockPool): reusable as is.
-    Device,
-    /// Host memory: copied into the main pool before use.
-    Host,
-    /// Local disk: read, then copied.
-    Disk,
-}
-
-impl Tier {
-    /// Every tier, fastest first.
-    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
-
-    fn bit(self) -> u8 {
-        1 << self as u8
-    }
-}
+pub use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
+use kvmesh_common::KvEvent;
+#[cfg(test)]
+use kvmesh_common::SequenceHash;
 
 /// The tiers one node holds one block in. A block can sit in several at once (kept on the
 /// device and also spilled to host memory), so this is a set, not a single tier.
@@ -74,45 +55,6 @@ impl TierSet {
         match event.event {
             KvEvent::Stored(_) => self.with(event.tier),
             KvEvent::Removed(_) => self.without(event.tier),
-        }
-    }
-}
-
-/// A [`KvEvent`] of one tier. The engine's BlockPool speaks of its main pool only, so a plain
-/// `KvEvent` converts into the [`Tier::Device`] event.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct TieredKvEvent {
-    pub tier: Tier,
-    pub event: KvEvent,
-}
-
-impl TieredKvEvent {
-    pub fn stored(tier: Tier, hash: SequenceHash) -> Self {
-        TieredKvEvent {
-            tier,
-            event: KvEvent::Stored(hash),
-        }
-    }
-
-    pub fn removed(tier: Tier, hash: SequenceHash) -> Self {
-        TieredKvEvent {
-            tier,
-            event: KvEvent::Removed(hash),
-        }
-    }
-
-    pub fn hash(&self) -> SequenceHash {
-        match self.event {
-            KvEvent::Stored(h) | KvEvent::Removed(h) => h,
-        }
-    }
-}
-
-impl From<KvEvent> for TieredKvEvent {
-    fn from(event: KvEvent) -> Self {
-        TieredKvEvent {
-            tier: Tier::Device,
-            event,
         }
     }
 }
