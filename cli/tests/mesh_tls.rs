@@ -47,6 +47,8 @@ fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner:
         max_model_len: Some(1024),
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
+        disk_tier_dir: None,
     }
     .llama_engine(loaded())
     .unwrap()

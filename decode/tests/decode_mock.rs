@@ -87,6 +87,7 @@ fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
         max_model_len: 512,
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
         hasher: BlockHasher::new(kvmesh_common::ModelFingerprint(1), 16),
     };
     let (permit_tx, permits) = crossbeam_channel::unbounded();

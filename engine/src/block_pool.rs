@@ -7,10 +7,11 @@
 //! possible, allocation takes free blocks that hold no cached prefix first, and only then
 //! evicts cached ones, least recently freed first.
 //!
-//! With a host tier (`with_host_tier`), an evicted cached block is not forgotten: its KV is
-//! copied to host memory and stays a prefix hit from there; admission copies it back into a
-//! fresh block ("promotes" it). The pool keeps only the hashes; it records each copy as a
-//! [`TierMove`] that the engine carries out before the step's forward pass, in order.
+//! With lower tiers (`with_tiers`), an evicted cached block is not forgotten: its KV is
+//! copied to host memory, and from there, when host memory is full, to disk; it stays a
+//! prefix hit from either, and admission copies it back into a fresh block ("promotes" it).
+//! The pool keeps only the hashes; it records each copy as a [`TierMove`] that the engine
+//! carries out before the step's forward pass, in order.
 //!
 //! When recording is on (`set_record_events`), every hash that becomes a hit or stops being
 //! one, in each tier, is announced as a [`TieredKvEvent`], so a cluster-wide prefix index can mirror
@@ -18,13 +19,13 @@
 //! not accumulate events nobody drains.
 
 mod free_list;
-mod host_tier;
+mod tier_index;
 
 use free_list::{FreeList, Links};
-use host_tier::HostTierIndex;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
 use std::collections::HashMap;
+use tier_index::TierIndex;
 
 pub use kvmesh_common::KvEvent;
 
@@ -41,15 +42,21 @@ pub enum BlockPoolError {
     AlreadyCached { block: BlockId },
 }
 
-/// A copy between the main pool and the host tier, for the engine to carry out.
+/// A copy between the tiers, for the engine to carry out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TierMove {
     /// Copy `block`'s KV to host memory under `hash` (before the block is reused).
     Offload { hash: SequenceHash, block: BlockId },
-    /// Copy `hash`'s KV from host memory into `block` (and forget the host copy).
-    Promote { hash: SequenceHash, block: BlockId },
-    /// The host tier is full: forget `hash`'s copy.
-    Drop { hash: SequenceHash },
+    /// Move `hash`'s KV from host memory to disk.
+    Demote { hash: SequenceHash },
+    /// Copy `hash`'s KV from tier `from` (host or disk) into `block`, and forget that copy.
+    Promote {
+        hash: SequenceHash,
+        block: BlockId,
+        from: Tier,
+    },
+    /// Forget `hash`'s copy in `tier` (full, or recomputed into the pool meanwhile).
+    Drop { hash: SequenceHash, tier: Tier },
 }
 
 #[derive(Clone, Debug, Default)]
@@ -71,7 +78,8 @@ pub struct BlockPool {
     /// Free blocks that are still prefix hits, least recently freed at the front.
     free_cached: FreeList,
     cached: HashMap<SequenceHash, BlockId>,
-    host: HostTierIndex,
+    host: TierIndex,
+    disk: TierIndex,
     moves: Vec<TierMove>,
     record_events: bool,
     events: Vec<TieredKvEvent>,
@@ -99,17 +107,39 @@ impl BlockPool {
             free_uncached,
             free_cached: FreeList::default(),
             cached: HashMap::new(),
-            host: HostTierIndex::new(0),
+            host: TierIndex::new(0),
+            disk: TierIndex::new(0),
             moves: Vec::new(),
             record_events: false,
             events: Vec::new(),
         }
     }
 
-    /// Keeps up to `host_blocks` evicted cached blocks in a host-memory tier (0: none).
-    pub fn with_host_tier(mut self, host_blocks: usize) -> Self {
-        self.host = HostTierIndex::new(host_blocks);
+    /// Keeps up to `host_blocks` evicted cached blocks in host memory and, behind it, up to
+    /// `disk_blocks` on disk (0: no such tier). `on_disk` are the hashes a disk tier already
+    /// holds (a restarted node's); they are announced when recording starts.
+    pub fn with_tiers(
+        mut self,
+        host_blocks: usize,
+        disk_blocks: usize,
+        on_disk: impl IntoIterator<Item = SequenceHash>,
+    ) -> Self {
+        self.host = TierIndex::new(host_blocks);
+        self.disk = TierIndex::new(disk_blocks);
+        self.restore_disk(on_disk);
         self
+    }
+
+    /// Adds what a restarted node's disk tier holds; past its capacity, files are dropped.
+    pub fn restore_disk(&mut self, on_disk: impl IntoIterator<Item = SequenceHash>) {
+        for hash in on_disk {
+            for dropped in self.disk.insert(hash) {
+                self.moves.push(TierMove::Drop {
+                    hash: dropped,
+                    tier: Tier::Disk,
+                });
+            }
+        }
     }
 
     /// Blocks the host tier holds.
@@ -117,32 +147,63 @@ impl BlockPool {
         self.host.len()
     }
 
-    /// How many of `hashes`, from the first, the host tier holds.
-    pub fn lookup_host(&self, hashes: &[SequenceHash]) -> usize {
-        hashes
-            .iter()
-            .take_while(|&&h| self.host.contains(h))
-            .count()
+    /// Blocks the disk tier holds.
+    pub fn num_disk_cached(&self) -> usize {
+        self.disk.len()
     }
 
-    /// Takes `hashes` out of the host tier to promote them (so that no allocation meanwhile
-    /// pushes them out); then `promote` each into a fresh block.
-    pub fn take_host(&mut self, hashes: &[SequenceHash]) {
-        for &h in hashes {
-            let held = self.host.remove(h);
-            debug_assert!(held, "take_host of a hash the tier does not hold");
+    /// The tiers below the pool that hold `hashes`, from the first, as long as one does.
+    pub fn lookup_lower(&self, hashes: &[SequenceHash]) -> Vec<Tier> {
+        hashes
+            .iter()
+            .map_while(|&h| self.lower_tier_of(h))
+            .collect()
+    }
+
+    fn lower_tier_of(&self, hash: SequenceHash) -> Option<Tier> {
+        if self.host.contains(hash) {
+            Some(Tier::Host)
+        } else if self.disk.contains(hash) {
+            Some(Tier::Disk)
+        } else {
+            None
+        }
+    }
+
+    /// Takes `hashes` out of the lower tiers to promote them (so that no allocation
+    /// meanwhile pushes them out); then `promote` each, with its tier, into a fresh block.
+    pub fn take_lower(&mut self, hashes: &[SequenceHash]) -> Vec<Tier> {
+        hashes
+            .iter()
+            .map(|&h| {
+                if self.host.remove(h) {
+                    Tier::Host
+                } else {
+                    let held = self.disk.remove(h);
+                    debug_assert!(held, "take_lower of a hash no tier holds");
+                    Tier::Disk
+                }
+            })
+            .collect()
+    }
+
+    /// Forgets `hash` in the lower tiers (its copy was lost), announcing it.
+    pub fn forget_lower(&mut self, hash: SequenceHash) {
+        if let Some(tier) = self.lower_tier_of(hash) {
+            self.take_lower(&[hash]);
+            self.record(TieredKvEvent::removed(tier, hash));
         }
     }
 
     /// Registers fresh `block` (one reference, from `allocate`) as cached under `hash`, whose
-    /// KV the engine copies in from the host tier (`TierMove::Promote`).
-    pub fn promote(&mut self, hash: SequenceHash, block: BlockId) {
+    /// KV the engine copies in from tier `from` (`TierMove::Promote`).
+    pub fn promote(&mut self, hash: SequenceHash, block: BlockId, from: Tier) {
         let meta = &mut self.blocks[block.0 as usize];
         debug_assert!(meta.ref_count > 0 && meta.hash.is_none());
         meta.hash = Some(hash);
         self.cached.insert(hash, block);
-        self.moves.push(TierMove::Promote { hash, block });
-        self.record(TieredKvEvent::removed(Tier::Host, hash));
+        self.moves.push(TierMove::Promote { hash, block, from });
+        self.record(TieredKvEvent::removed(from, hash));
         self.record(TieredKvEvent::stored(Tier::Device, hash));
     }
 
@@ -268,10 +329,11 @@ impl BlockPool {
         if self.cached.contains_key(&hash) {
             return Ok(false);
         }
-        // Recomputed while a host copy exists (it was not promoted): keep one copy.
-        if self.host.remove(hash) {
-            self.moves.push(TierMove::Drop { hash });
-            self.record(TieredKvEvent::removed(Tier::Host, hash));
+        // Recomputed while a lower tier holds a copy (it was not promoted): keep one copy.
+        if let Some(tier) = self.lower_tier_of(hash) {
+            self.take_lower(&[hash]);
+            self.moves.push(TierMove::Drop { hash, tier });
+            self.record(TieredKvEvent::removed(tier, hash));
         }
         let meta = &mut self.blocks[block.0 as usize];
         meta.hash = Some(hash);
@@ -307,8 +369,13 @@ impl BlockPool {
     /// with `cached_hashes` first; stopping discards undrained events.
     pub fn set_record_events(&mut self, on: bool) {
         self.record_events = on;
-        if !on {
-            self.events.clear();
+        self.events.clear();
+        if on {
+            // What a restarted node's disk tier holds, announced once.
+            let on_disk: Vec<SequenceHash> = self.disk.hashes().collect();
+            for hash in on_disk {
+                self.record(TieredKvEvent::stored(Tier::Disk, hash));
+            }
         }
     }
 
@@ -317,10 +384,14 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
-    /// Every hash currently cached (main pool or host tier), in no particular order: a
-    /// snapshot for a prefix index.
+    /// Every hash currently cached (in any tier), in no particular order: a snapshot for a
+    /// prefix index.
     pub fn cached_hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
-        self.cached.keys().copied().chain(self.host.hashes())
+        self.cached
+            .keys()
+            .copied()
+            .chain(self.host.hashes())
+            .chain(self.disk.hashes())
     }
 
     fn record(&mut self, event: TieredKvEvent) {
@@ -336,18 +407,33 @@ impl BlockPool {
             .expect("blocks on the cached free list have a hash");
         self.cached.remove(&hash);
         self.record(TieredKvEvent::removed(Tier::Device, hash));
-        if self.host.capacity() == 0 {
+        if self.host.capacity() == 0 && self.disk.capacity() == 0 {
             return;
         }
-        // Still a hit on this node, from host memory.
+        // Still a hit on this node, from host memory (or, past it, from disk).
         self.moves.push(TierMove::Offload {
             hash,
             block: BlockId(id),
         });
         self.record(TieredKvEvent::stored(Tier::Host, hash));
-        for dropped in self.host.insert(hash) {
-            self.moves.push(TierMove::Drop { hash: dropped });
-            self.record(TieredKvEvent::removed(Tier::Host, dropped));
+        for spilled in self.host.insert(hash) {
+            self.record(TieredKvEvent::removed(Tier::Host, spilled));
+            if self.disk.capacity() == 0 {
+                self.moves.push(TierMove::Drop {
+                    hash: spilled,
+                    tier: Tier::Host,
+                });
+                continue;
+            }
+            self.moves.push(TierMove::Demote { hash: spilled });
+            self.record(TieredKvEvent::stored(Tier::Disk, spilled));
+            for dropped in self.disk.insert(spilled) {
+                self.moves.push(TierMove::Drop {
+                    hash: dropped,
+                    tier: Tier::Disk,
+                });
+                self.record(TieredKvEvent::removed(Tier::Disk, dropped));
+            }
         }
     }
 
@@ -499,70 +585,110 @@ mod tests {
     }
 
     #[test]
-    fn with_a_host_tier_evicted_hits_move_there_and_come_back() {
-        let mut pool = BlockPool::new(2, 16).with_host_tier(1);
+    fn evicted_hits_move_down_the_tiers_and_come_back() {
+        use TierMove::*;
+        let mut pool = BlockPool::new(2, 16).with_tiers(1, 1, []);
         pool.set_record_events(true);
         let b = pool.allocate(2).unwrap();
         pool.cache_full_block(b[0], h(1)).unwrap();
         pool.cache_full_block(b[1], h(2)).unwrap();
         pool.free(&b).unwrap();
         pool.drain_events();
-        // Evicting 1 offloads it; evicting 2 offloads it and pushes 1 out of the tier.
+        // Evicting 2 then 1 (least recently freed first): 2 goes to host, then on to disk
+        // when 1 takes the host's one slot.
         let c = pool.allocate(2).unwrap();
         assert_eq!(
             pool.drain_tier_moves(),
             vec![
-                TierMove::Offload {
+                Offload {
                     hash: h(2),
                     block: b[1]
                 },
-                TierMove::Offload {
+                Offload {
                     hash: h(1),
                     block: b[0]
                 },
-                TierMove::Drop { hash: h(2) },
+                Demote { hash: h(2) },
             ]
         );
+        let (dev, host, disk) = (Tier::Device, Tier::Host, Tier::Disk);
         assert_eq!(
             pool.drain_events(),
             vec![
-                TieredKvEvent::removed(Tier::Device, h(2)),
-                TieredKvEvent::stored(Tier::Host, h(2)),
-                TieredKvEvent::removed(Tier::Device, h(1)),
-                TieredKvEvent::stored(Tier::Host, h(1)),
-                TieredKvEvent::removed(Tier::Host, h(2)),
+                TieredKvEvent::removed(dev, h(2)),
+                TieredKvEvent::stored(host, h(2)),
+                TieredKvEvent::removed(dev, h(1)),
+                TieredKvEvent::stored(host, h(1)),
+                TieredKvEvent::removed(host, h(2)),
+                TieredKvEvent::stored(disk, h(2)),
             ]
         );
-        assert_eq!(pool.lookup_host(&[h(1), h(2)]), 1);
-        assert_eq!(pool.num_host_cached(), 1);
-        assert!(pool.cached_hashes().any(|x| x == h(1)));
-        // Promotion: out of the tier, cached in the pool again.
-        pool.take_host(&[h(1)]);
-        pool.promote(h(1), c[0]);
+        assert_eq!(pool.lookup_lower(&[h(1), h(2), h(3)]), vec![host, disk]);
+        assert_eq!((pool.num_host_cached(), pool.num_disk_cached()), (1, 1));
+        assert_eq!(pool.cached_hashes().count(), 2);
+        // Promotion: out of its tier, cached in the pool again.
+        assert_eq!(pool.take_lower(&[h(1), h(2)]), vec![host, disk]);
+        pool.promote(h(1), c[0], host);
+        pool.promote(h(2), c[1], disk);
         assert_eq!(
             pool.drain_tier_moves(),
-            vec![TierMove::Promote {
-                hash: h(1),
-                block: c[0]
-            }]
+            vec![
+                Promote {
+                    hash: h(1),
+                    block: c[0],
+                    from: host
+                },
+                Promote {
+                    hash: h(2),
+                    block: c[1],
+                    from: disk
+                },
+            ]
         );
-        assert_eq!(pool.lookup_prefix(&[h(1)]), vec![c[0]]);
-        assert_eq!(pool.num_host_cached(), 0);
-        // Recomputing a hash the tier holds drops the host copy.
+        assert_eq!(pool.lookup_prefix(&[h(1), h(2)]), c);
+        assert_eq!((pool.num_host_cached(), pool.num_disk_cached()), (0, 0));
+        // Recomputing a hash a lower tier holds drops that copy.
         pool.free(&c).unwrap();
-        let d = pool.allocate(1).unwrap();
-        assert_eq!(d, vec![c[1]]);
-        pool.drain_tier_moves();
-        let e = pool.allocate(1).unwrap();
+        pool.allocate(1).unwrap();
         assert_eq!(
             pool.drain_tier_moves(),
-            vec![TierMove::Offload {
-                hash: h(1),
-                block: c[0]
+            vec![Offload {
+                hash: h(2),
+                block: c[1]
             }]
         );
-        pool.cache_full_block(e[0], h(1)).unwrap();
-        assert_eq!(pool.drain_tier_moves(), vec![TierMove::Drop { hash: h(1) }]);
-        assert_eq!(pool.num_host_cached(), 0);
+        let d = pool.allocate(1).unwrap();
+        pool.drain_tier_moves();
+        pool.cache_full_block(d[0], h(2)).unwrap();
+        assert_eq!(
+            pool.drain_tier_moves(),
+            vec![Drop {
+                hash: h(2),
+                tier: disk
+            }]
+        );
+    }
+
+    #[test]
+    fn a_restarted_disk_tier_is_announced_and_bounded() {
+        let mut pool = BlockPool::new(2, 16).with_tiers(0, 2, [h(7), h(8), h(9)]);
+        assert_eq!(
+            pool.drain_tier_moves(),
+            vec![TierMove::Drop {
+                hash: h(7),
+                tier: Tier::Disk
+            }]
+        );
+        pool.set_record_events(true);
+        let mut announced = pool.drain_events();
+        announced.sort_by_key(|e| e.hash().0);
+        assert_eq!(
+            announced,
+            vec![
+                TieredKvEvent::stored(Tier::Disk, h(8)),
+                TieredKvEvent::stored(Tier::Disk, h(9)),
+            ]
+        );
+        assert_eq!(pool.lookup_lower(&[h(8), h(9)]).len(), 2);
     }
 }

@@ -27,6 +27,11 @@ pub struct EngineConfig {
     /// none). On CPU the pool is host memory too, so a bigger `num_blocks` serves the same
     /// purpose without the copies; the tier pays where the pool is scarcer (a GPU).
     pub host_tier_blocks: usize,
+    /// Blocks pushed out of the host tier kept on disk, in `disk_tier_dir`, and copied back
+    /// on a hit (0: none). A restarted node finds and announces them again.
+    pub disk_tier_blocks: usize,
+    /// The disk tier's directory (one file per block); required when `disk_tier_blocks` > 0.
+    pub disk_tier_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -39,6 +44,8 @@ impl Default for EngineConfig {
             max_model_len: None,
             enable_prefix_caching: true,
             host_tier_blocks: 0,
+            disk_tier_blocks: 0,
+            disk_tier_dir: None,
         }
     }
 }
@@ -58,6 +65,7 @@ impl EngineConfig {
             max_model_len: self.max_model_len.unwrap_or(max_context).min(max_context),
             enable_prefix_caching: self.enable_prefix_caching,
             host_tier_blocks: self.host_tier_blocks,
+            disk_tier_blocks: self.disk_tier_blocks,
             hasher: BlockHasher::new(fingerprint, self.block_size.max(1)),
         }
     }
@@ -67,6 +75,15 @@ impl EngineConfig {
         let config = self.scheduler_config(loaded.fingerprint, loaded.model.config.max_context);
         config.validate()?;
         let runner = LlamaRunner::new(loaded.model.clone(), self.num_blocks, self.block_size);
-        Ok(LlmEngine::new(config, runner, loaded.tokenizer.clone()))
+        let engine = LlmEngine::new(config, runner, loaded.tokenizer.clone());
+        match (&self.disk_tier_dir, self.disk_tier_blocks) {
+            (_, 0) => Ok(engine),
+            (None, _) => Err(SchedulerError::InvalidConfig(
+                "disk_tier_blocks needs disk_tier_dir",
+            )),
+            (Some(dir), _) => engine.with_disk_tier(dir.clone()).map_err(|e| {
+                SchedulerError::DiskTier(format!("cannot use {}: {e}", dir.display()))
+            }),
+        }
     }
 }

@@ -11,11 +11,11 @@
 //!   blocks of transfers that never complete. See the scheduler's module docs.
 
 use crate::detokenizer::IncrementalDetokenizer;
-use crate::host_tier::HostKv;
 use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
 use crate::sampler::{Sampled, Sampler};
 use crate::scheduler::{Admission, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError};
 use crate::stop::StopChecker;
+use crate::tier_store::{TierError, TierStore};
 use crate::tokenizer::Tokenizer;
 use kvmesh_common::{BlockId, FinishReason, SamplingParams, SamplingParamsError, TokenId};
 use std::collections::HashMap;
@@ -31,6 +31,8 @@ pub enum EngineError {
     Rejected(#[from] SchedulerError),
     #[error("model execution failed: {0}")]
     Runner(#[from] RunnerError),
+    #[error("KV tier: {0}")]
+    Tier(#[from] TierError),
 }
 
 /// What one step produced for one sequence.
@@ -102,7 +104,7 @@ pub struct LlmEngine<R: ModelRunner> {
     admitted: Vec<Admission>,
     remote_admitted: Vec<RemoteAdmission>,
     last_step_tokens: usize,
-    host_kv: HostKv,
+    tiers: TierStore,
 }
 
 impl<R: ModelRunner> LlmEngine<R> {
@@ -115,13 +117,27 @@ impl<R: ModelRunner> LlmEngine<R> {
             admitted: Vec::new(),
             remote_admitted: Vec::new(),
             last_step_tokens: 0,
-            host_kv: HostKv::default(),
+            tiers: TierStore::default(),
         }
+    }
+
+    /// Keeps the disk tier (`SchedulerConfig::disk_tier_blocks`) in `dir`, taking over the
+    /// blocks it already holds.
+    pub fn with_disk_tier(mut self, dir: std::path::PathBuf) -> std::io::Result<Self> {
+        let (store, found) = TierStore::with_disk(dir)?;
+        self.tiers = store;
+        self.scheduler.restore_disk_tier(found);
+        Ok(self)
     }
 
     /// Blocks whose KV the host-memory tier holds.
     pub fn host_tier_blocks(&self) -> usize {
-        self.host_kv.len()
+        self.tiers.host_blocks()
+    }
+
+    /// Blocks the disk tier holds.
+    pub fn disk_tier_blocks(&self) -> usize {
+        self.scheduler.pool().num_disk_cached()
     }
 
     /// Queues a sequence. `top_logits` asks for the raw logits of that many best tokens at
@@ -365,9 +381,14 @@ impl<R: ModelRunner> LlmEngine<R> {
         let plan = self.scheduler.schedule();
         // Before anything reuses a block the plan evicted, or reads one it promoted.
         let moves = self.scheduler.drain_tier_moves();
-        if let Err(e) = self.host_kv.apply(moves, &mut self.runner) {
-            self.scheduler.abort_step(plan);
-            return Err(e.into());
+        match self.tiers.apply(moves, &mut self.runner) {
+            Ok(lost) => lost
+                .into_iter()
+                .for_each(|h| self.scheduler.forget_lower(h)),
+            Err(e) => {
+                self.scheduler.abort_step(plan);
+                return Err(e.into());
+            }
         }
         self.last_step_tokens = plan.step.num_tokens();
         self.admitted.clone_from(&plan.admitted);

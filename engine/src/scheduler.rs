@@ -75,6 +75,8 @@ pub struct SchedulerConfig {
     pub enable_prefix_caching: bool,
     /// Capacity of the host-memory tier behind the prefix cache, in blocks (0: none).
     pub host_tier_blocks: usize,
+    /// Capacity of the disk tier behind the host tier, in blocks (0: none).
+    pub disk_tier_blocks: usize,
     pub hasher: BlockHasher,
 }
 
@@ -116,6 +118,8 @@ pub enum SchedulerError {
     DuplicateToken(SeqId),
     #[error("sequence {0} is not awaiting remote KV")]
     NotAwaitingKv(SeqId),
+    #[error("disk tier: {0}")]
+    DiskTier(String),
 }
 
 /// A sequence that got KV blocks this step.
@@ -214,8 +218,11 @@ impl Scheduler {
             panic!("{e}");
         }
         Scheduler {
-            pool: BlockPool::new(config.num_blocks, config.block_size)
-                .with_host_tier(config.host_tier_blocks),
+            pool: BlockPool::new(config.num_blocks, config.block_size).with_tiers(
+                config.host_tier_blocks,
+                config.disk_tier_blocks,
+                [],
+            ),
             config,
             seqs: HashMap::new(),
             running: Vec::new(),
@@ -573,7 +580,7 @@ impl Scheduler {
     }
 
     /// The cached prefix of a sequence of `len` tokens with block hashes `hashes`: the main
-    /// pool's blocks, then how many blocks after them the host tier holds; at most
+    /// pool's blocks, then how many blocks after them the lower tiers hold; at most
     /// `(len - 1) / block_size` blocks in all, so at least one token is left to compute.
     fn cached_prefix(&self, hashes: &[SequenceHash], len: usize) -> (Vec<BlockId>, usize) {
         if !self.config.enable_prefix_caching || len == 0 {
@@ -582,13 +589,13 @@ impl Scheduler {
         let limit = (len - 1) / self.config.block_size;
         let mut hits = self.pool.lookup_prefix(hashes);
         hits.truncate(limit);
-        let host = self.pool.lookup_host(&hashes[hits.len()..]);
-        let host = host.min(limit - hits.len());
-        (hits, host)
+        let lower = self.pool.lookup_lower(&hashes[hits.len()..]).len();
+        let lower = lower.min(limit - hits.len());
+        (hits, lower)
     }
 
     /// Takes `hits` and `fresh` blocks for sequence `id`, the first `host` of them filled
-    /// from the host tier (copies the engine carries out). The caller checked the room.
+    /// from the lower tiers (copies the engine carries out). The caller checked the room.
     fn take_blocks(
         &mut self,
         id: SeqId,
@@ -599,12 +606,23 @@ impl Scheduler {
         // Take the hits (and the host copies) first, or the allocation could evict them.
         self.pool.take(hits).expect("hits are pool blocks");
         let promoted = self.seqs[&id].hashes[hits.len()..hits.len() + host].to_vec();
-        self.pool.take_host(&promoted);
+        let tiers = self.pool.take_lower(&promoted);
         let fresh = self.pool.allocate(fresh).expect("checked num_free");
-        for (&hash, &block) in promoted.iter().zip(&fresh) {
-            self.pool.promote(hash, block);
+        for ((&hash, &block), from) in promoted.iter().zip(&fresh).zip(tiers) {
+            self.pool.promote(hash, block, from);
         }
         fresh
+    }
+
+    /// Tells the pool what a restarted node's disk tier holds (it is announced when
+    /// recording starts).
+    pub fn restore_disk_tier(&mut self, on_disk: Vec<SequenceHash>) {
+        self.pool.restore_disk(on_disk);
+    }
+
+    /// Forgets `hash`'s copy in a lower tier (the engine could not keep it).
+    pub fn forget_lower(&mut self, hash: SequenceHash) {
+        self.pool.forget_lower(hash);
     }
 
     /// Copies between the main pool and the host tier that the engine must carry out before

@@ -24,6 +24,7 @@ fn config(num_blocks: usize) -> SchedulerConfig {
         max_model_len: 1_024,
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
         hasher: BlockHasher::new(ModelFingerprint(42), 4),
     }
 }

@@ -20,6 +20,7 @@ fn config(block_size: usize, num_blocks: usize, budget: usize) -> SchedulerConfi
         max_model_len: 4_096,
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
         hasher: BlockHasher::new(ModelFingerprint(42), block_size),
     }
 }

@@ -34,6 +34,8 @@ pub fn engine_config() -> EngineConfig {
         max_model_len: Some(2048),
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
+        disk_tier_dir: None,
     }
 }
 

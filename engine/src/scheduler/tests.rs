@@ -14,6 +14,7 @@ fn config(num_blocks: usize, budget: usize) -> SchedulerConfig {
         max_model_len: 64,
         enable_prefix_caching: true,
         host_tier_blocks: 0,
+        disk_tier_blocks: 0,
         hasher: BlockHasher::new(ModelFingerprint(1), 4),
     }
 }

@@ -1,12 +1,12 @@
-//! Which evicted blocks the host-memory tier holds: hashes in least-recently-used order,
-//! bounded by a capacity in blocks. The bytes live with the engine, which copies them at the
-//! [`TierMove`](super::TierMove)s the pool records.
+//! Which blocks a tier below the main pool (host memory, disk) holds: hashes in
+//! least-recently-used order, bounded by a capacity in blocks. The bytes live with the
+//! engine, which copies them at the [`TierMove`](super::TierMove)s the pool records.
 
 use kvmesh_common::SequenceHash;
 use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, Default)]
-pub(super) struct HostTierIndex {
+pub(super) struct TierIndex {
     capacity: usize,
     /// Use stamp → hash, oldest first.
     order: BTreeMap<u64, SequenceHash>,
@@ -14,9 +14,9 @@ pub(super) struct HostTierIndex {
     next_stamp: u64,
 }
 
-impl HostTierIndex {
+impl TierIndex {
     pub fn new(capacity: usize) -> Self {
-        HostTierIndex {
+        TierIndex {
             capacity,
             ..Default::default()
         }
@@ -72,7 +72,7 @@ mod tests {
     #[test]
     fn keeps_the_most_recent_within_capacity() {
         let h = SequenceHash;
-        let mut t = HostTierIndex::new(2);
+        let mut t = TierIndex::new(2);
         assert!(t.insert(h(1)).is_empty());
         assert!(t.insert(h(2)).is_empty());
         // Re-inserting 1 makes 2 the oldest.
@@ -81,7 +81,7 @@ mod tests {
         assert!(t.contains(h(1)) && t.contains(h(3)) && !t.contains(h(2)));
         assert!(t.remove(h(1)) && !t.remove(h(1)));
         assert_eq!(t.len(), 1);
-        let mut off = HostTierIndex::new(0);
+        let mut off = TierIndex::new(0);
         assert_eq!(off.insert(h(5)), vec![h(5)]);
     }
 }
