@@ -29,6 +29,11 @@ pub const WORKER_KV_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_blocks_total";
 pub const WORKER_PREFIX_QUERIED_TOKENS_TOTAL: &str =
     "kvmesh_worker_prefix_cache_queried_tokens_total";
 pub const WORKER_PREFIX_HIT_TOKENS_TOTAL: &str = "kvmesh_worker_prefix_cache_hit_tokens_total";
+/// Prefix-cache blocks held in a tier below the pool (label `tier`: host, disk).
+pub const WORKER_KV_TIER_BLOCKS: &str = "kvmesh_worker_kv_tier_blocks";
+/// Prefix hits served from a tier below the pool, in blocks copied back (label `tier`).
+pub const WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL: &str =
+    "kvmesh_worker_kv_tier_promoted_blocks_total";
 pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
 
 // KV transfer.

@@ -80,6 +80,8 @@ pub struct BlockPool {
     cached: HashMap<SequenceHash, BlockId>,
     host: TierIndex,
     disk: TierIndex,
+    /// Blocks promoted from each tier since start, by `Tier as usize`.
+    promoted: [u64; 3],
     moves: Vec<TierMove>,
     record_events: bool,
     events: Vec<TieredKvEvent>,
@@ -109,6 +111,7 @@ impl BlockPool {
             cached: HashMap::new(),
             host: TierIndex::new(0),
             disk: TierIndex::new(0),
+            promoted: [0; 3],
             moves: Vec::new(),
             record_events: false,
             events: Vec::new(),
@@ -150,6 +153,11 @@ impl BlockPool {
     /// Blocks the disk tier holds.
     pub fn num_disk_cached(&self) -> usize {
         self.disk.len()
+    }
+
+    /// Prefix hits served from `tier` (below the pool) since start, in blocks.
+    pub fn num_promoted(&self, tier: Tier) -> u64 {
+        self.promoted[tier as usize]
     }
 
     /// The tiers below the pool that hold `hashes`, from the first, as long as one does.
@@ -203,6 +211,7 @@ impl BlockPool {
         meta.hash = Some(hash);
         self.cached.insert(hash, block);
         self.moves.push(TierMove::Promote { hash, block, from });
+        self.promoted[from as usize] += 1;
         self.record(TieredKvEvent::removed(from, hash));
         self.record(TieredKvEvent::stored(Tier::Device, hash));
     }
@@ -647,6 +656,7 @@ mod tests {
         );
         assert_eq!(pool.lookup_prefix(&[h(1), h(2)]), c);
         assert_eq!((pool.num_host_cached(), pool.num_disk_cached()), (0, 0));
+        assert_eq!((pool.num_promoted(host), pool.num_promoted(disk)), (1, 1));
         // Recomputing a hash a lower tier holds drops that copy.
         pool.free(&c).unwrap();
         pool.allocate(1).unwrap();

@@ -3,6 +3,8 @@
 //! and `role`. Several workers of one process share each metric family under their own
 //! labels, so registration happens once, on first use (`describe` forces it at start-up).
 
+use crate::block_pool::BlockPool;
+use kvmesh_common::kv_tier::Tier;
 use kvmesh_common::metrics as names;
 use kvmesh_common::NodeId;
 use prometheus::{
@@ -11,6 +13,9 @@ use prometheus::{
 use std::sync::OnceLock;
 
 const LABELS: &[&str] = &["node", "role"];
+const TIER_LABELS: &[&str] = &["node", "role", "tier"];
+/// The tiers below the pool, with their label values.
+const LOWER_TIERS: [(Tier, &str); 2] = [(Tier::Host, "host"), (Tier::Disk, "disk")];
 
 struct Families {
     queue_seconds: HistogramVec,
@@ -23,6 +28,8 @@ struct Families {
     preemptions: IntCounterVec,
     transfer_bytes: IntCounterVec,
     transfer_seconds: HistogramVec,
+    tier_blocks: IntGaugeVec,
+    tier_promoted: IntCounterVec,
 }
 
 fn register<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
@@ -88,6 +95,26 @@ fn families() -> &'static Families {
                 "Time from asking a prefill worker for a prompt to having all of its KV.",
                 latency,
             ),
+            tier_blocks: register(
+                IntGaugeVec::new(
+                    Opts::new(
+                        names::WORKER_KV_TIER_BLOCKS,
+                        "Prefix-cache blocks held in a tier below the KV pool.",
+                    ),
+                    TIER_LABELS,
+                )
+                .expect("valid metric"),
+            ),
+            tier_promoted: register(
+                IntCounterVec::new(
+                    Opts::new(
+                        names::WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL,
+                        "Prefix hits served from a tier below the KV pool, in blocks.",
+                    ),
+                    TIER_LABELS,
+                )
+                .expect("valid metric"),
+            ),
         }
     })
 }
@@ -111,6 +138,8 @@ pub struct WorkerMetrics {
     pub preemptions: IntCounter,
     pub transfer_bytes: IntCounter,
     pub transfer_seconds: Histogram,
+    /// Per lower tier (host, disk): blocks held, and hits promoted from it.
+    tiers: [(Tier, IntGauge, IntCounter); 2],
 }
 
 impl WorkerMetrics {
@@ -130,6 +159,26 @@ impl WorkerMetrics {
             preemptions: f.preemptions.with_label_values(&l),
             transfer_bytes: f.transfer_bytes.with_label_values(&l),
             transfer_seconds: f.transfer_seconds.with_label_values(&l),
+            tiers: LOWER_TIERS.map(|(tier, name)| {
+                let l = [node.as_str(), role, name];
+                (
+                    tier,
+                    f.tier_blocks.with_label_values(&l),
+                    f.tier_promoted.with_label_values(&l),
+                )
+            }),
+        }
+    }
+
+    /// Brings the tier metrics up to `pool`'s state.
+    pub fn observe_tiers(&self, pool: &BlockPool) {
+        for (tier, blocks, promoted) in &self.tiers {
+            let held = match tier {
+                Tier::Host => pool.num_host_cached(),
+                _ => pool.num_disk_cached(),
+            };
+            blocks.set(held as i64);
+            promoted.inc_by(pool.num_promoted(*tier).saturating_sub(promoted.get()));
         }
     }
 }

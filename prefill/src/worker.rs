@@ -468,6 +468,7 @@ impl<R: ModelRunner> Loop<R> {
         self.metrics.running.set(load.running as i64);
         self.metrics.waiting.set(load.waiting as i64);
         self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
+        self.metrics.observe_tiers(s.pool());
         let preemptions = s.num_preemptions();
         self.metrics
             .preemptions
