@@ -21,21 +21,59 @@ pub(super) fn supports(shape: &super::AttentionShape) -> bool {
 
 /// # Safety
 /// AVX-512 F/BW/DQ/VL, FMA and F16C must be available; the task must own its output.
-pub(super) unsafe fn task(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+/// `next`: the task this thread probably runs next, whose cache rows it prefetches.
+pub(super) unsafe fn task(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    next: Option<(&AttentionSeq, &Task)>,
+) {
     // SAFETY: forwarded.
     unsafe {
         match ctx.shape.head_dim / 16 {
-            2 => task_d::<2, 4>(ctx, s, t),
-            4 => task_d::<4, 4>(ctx, s, t),
-            6 => task_d::<6, 2>(ctx, s, t),
-            _ => task_d::<8, 2>(ctx, s, t),
+            2 => task_d::<2, 4>(ctx, s, t, next),
+            4 => task_d::<4, 4>(ctx, s, t, next),
+            6 => task_d::<6, 2>(ctx, s, t, next),
+            _ => task_d::<8, 2>(ctx, s, t, next),
         }
+    }
+}
+
+/// Positions a task attends over (its last query row's, plus one).
+fn task_positions(s: &AttentionSeq, t: &Task) -> usize {
+    s.start_pos + t.row0 + t.n_rows
+}
+
+/// During chunk `c` of `n` of one pass over this task, prefetches into L2 the matching share of
+/// the next task's rows from `cache` (its K during the K pass, its V during the V pass), so
+/// the next task starts on cached rows instead of waiting on memory for its first chunks.
+#[inline(always)]
+fn prefetch_next(
+    ctx: &Ctx,
+    next: Option<(&AttentionSeq, &Task)>,
+    cache: &[f16],
+    c: usize,
+    n: usize,
+) {
+    let Some((ns, nt)) = next else { return };
+    let npos = task_positions(ns, nt);
+    let nn = npos.div_ceil(LANES);
+    if 2 * npos * ctx.shape.head_dim * 2 > V_EARLY_BYTES {
+        return; // too big to hold in L2 until it runs
+    }
+    for nc in c * nn / n..(c + 1) * nn / n {
+        prefetch_chunk::<_MM_HINT_T1>(ctx, ns, nt, cache, nc * LANES, npos);
     }
 }
 
 /// `D` registers per head vector; P·V handles up to `G` queries of a row per pass.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
-unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+unsafe fn task_d<const D: usize, const G: usize>(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    next: Option<(&AttentionSeq, &Task)>,
+) {
     let sh = &ctx.shape;
     let hd = D * 16;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -79,7 +117,7 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
         // them: fetch two chunks ahead explicitly. When K and V together fit in L2, V is
         // fetched during the K pass too, so the P·V pass never waits on memory.
         let v_early = 2 * npos * hd * 2 <= V_EARLY_BYTES;
-        for c in 0..2 {
+        for c in 0..AHEAD {
             prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.k, c * LANES, npos);
             if v_early {
                 prefetch_chunk::<_MM_HINT_T1>(ctx, s, t, ctx.v, c * LANES, npos);
@@ -88,10 +126,11 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
 
         // 1. Scores.
         for c in 0..nchunks {
-            prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.k, (c + 2) * LANES, npos);
+            prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.k, (c + AHEAD) * LANES, npos);
             if v_early {
-                prefetch_chunk::<_MM_HINT_T1>(ctx, s, t, ctx.v, (c + 2) * LANES, npos);
+                prefetch_chunk::<_MM_HINT_T1>(ctx, s, t, ctx.v, (c + AHEAD) * LANES, npos);
             }
+            prefetch_next(ctx, next, ctx.k, c, nchunks);
             load_chunk::<D>(ctx, s, t, ctx.k, kv, c * LANES, npos);
             for v in 0..nv {
                 if pos_of(v) < c * LANES {
@@ -134,14 +173,15 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
 
         // 3. P·V, row by row; the heads of a row share p and each converted V row.
         if !v_early {
-            for c in 0..2 {
+            for c in 0..AHEAD {
                 prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.v, c * LANES, npos);
             }
         }
         for c in 0..nchunks {
             if !v_early {
-                prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.v, (c + 2) * LANES, npos);
+                prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.v, (c + AHEAD) * LANES, npos);
             }
+            prefetch_next(ctx, next, ctx.v, c, nchunks);
             load_chunk::<D>(ctx, s, t, ctx.v, kv, c * LANES, npos);
             for r in 0..t.n_rows {
                 let p = first_pos + r;
@@ -179,6 +219,9 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
     }
     return_scratch(&SCORES, buf);
 }
+
+/// Chunks a pass prefetches ahead of the one it converts (6 measured no better).
+const AHEAD: usize = 2;
 
 /// K plus V bytes of a task up to which V is prefetched (into L2) during the K pass.
 const V_EARLY_BYTES: usize = 256 << 10;
