@@ -140,6 +140,9 @@ struct Scratch {
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     act: Vec<f32>,
+    /// LM head output; reused, as a fresh `[m, vocab]` buffer faults in megabytes a step.
+    logits: Vec<f32>,
+    last_rows: Vec<f32>,
 }
 
 fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
@@ -189,6 +192,7 @@ impl Forward {
         for ch in chunks {
             positions.extend(ch.start_pos..ch.start_pos + ch.tokens.len());
         }
+        let rope_table = cpu::rope_table(&positions, hd, c.rope_theta);
         let s = &mut self.scratch;
 
         let x = sized(&mut s.x, n * hs);
@@ -221,8 +225,8 @@ impl Forward {
                 v[t * kv_dim..(t + 1) * kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
             }
             let interleaved = c.rope_style == RopeStyle::Interleaved;
-            cpu::rope(q, &positions, c.num_heads, hd, c.rope_theta, interleaved);
-            cpu::rope(k, &positions, c.num_kv_heads, hd, c.rope_theta, interleaved);
+            cpu::rope_with(q, &rope_table, c.num_heads, hd, interleaved);
+            cpu::rope_with(k, &rope_table, c.num_kv_heads, hd, interleaved);
 
             let mut offset = 0;
             let mut seqs = Vec::with_capacity(chunks.len());
@@ -265,7 +269,8 @@ impl Forward {
         }
 
         // Only the rows that end a chunk asking for logits go through the (large) LM head.
-        let mut last_rows = Vec::new();
+        let last_rows = &mut s.last_rows;
+        last_rows.clear();
         let mut end = 0;
         for ch in chunks {
             end += ch.tokens.len();
@@ -278,10 +283,10 @@ impl Forward {
             return Ok(Vec::new());
         }
         let h = sized(&mut s.h, m * hs);
-        cpu::rmsnorm(&last_rows, &model.output_norm, c.rms_norm_eps, h);
+        cpu::rmsnorm(last_rows, &model.output_norm, c.rms_norm_eps, h);
         let vocab = c.vocab_size;
-        let mut logits = vec![0.0; m * vocab];
-        cpu::matmul(model.lm_head(), h, m, &mut logits);
+        let logits = sized(&mut s.logits, m * vocab);
+        cpu::matmul(model.lm_head(), h, m, logits);
         Ok(logits.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
     }
 }

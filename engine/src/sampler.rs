@@ -270,15 +270,35 @@ fn descending(logits: &[f32], a: u32, b: u32) -> Ordering {
 /// Index of the largest logit, lowest id on ties; one pass.
 /// The index of the largest logit (the first on ties): greedy decoding.
 pub fn argmax(logits: &[f32]) -> TokenId {
-    let mut best = 0;
-    let mut best_logit = f32::NEG_INFINITY;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > best_logit {
-            best = i;
-            best_logit = l;
+    // Two passes the compiler vectorizes, instead of one branchy scan (batched decode argmaxes
+    // a whole vocabulary per sequence per step): the largest non-NaN logit, then the first
+    // index holding it. That is the first strict maximum, as a scan would find.
+    const L: usize = 16;
+    let pick = |a: f32, l: f32| if l > a { l } else { a };
+    let mut lanes = [f32::NEG_INFINITY; L];
+    let chunks = logits.chunks_exact(L);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &l) in lanes.iter_mut().zip(c) {
+            *a = pick(*a, l);
         }
     }
-    best as TokenId
+    let max = lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, pick);
+    if max == f32::NEG_INFINITY {
+        return 0; // nothing beats -inf: the scan's answer
+    }
+    let first = logits
+        .chunks(L)
+        .position(|c| c.iter().fold(false, |hit, &l| hit | (l == max)))
+        .unwrap_or(0);
+    let at = logits[first * L..]
+        .iter()
+        .position(|&l| l == max)
+        .unwrap_or(0);
+    (first * L + at) as TokenId
 }
 
 /// `ln(sum(exp(logits)))`, stable against overflow.

@@ -29,4 +29,4 @@ pub use attention::{
 pub use isa::{Isa, ISA_ENV};
 pub use matmul::{matmul, matmul_with};
 pub use norm::{add_in_place, rmsnorm, silu_mul, softmax};
-pub use rope::rope;
+pub use rope::{rope, rope_table, rope_with};

@@ -25,6 +25,24 @@ fn greedy_picks_the_argmax_and_the_lowest_id_on_ties() {
     assert_eq!(sample(&greedy(), &[f32::NAN, 0.5, 0.2], &[], &[]).token, 1);
 }
 
+proptest::proptest! {
+    /// The two-pass argmax is the first strict maximum a plain scan finds, with NaN, ±inf,
+    /// signed zeros and ties in the mix.
+    #[test]
+    fn argmax_matches_a_scan(picks in proptest::collection::vec(0usize..8, 0..100)) {
+        const V: [f32; 8] = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, -0.0, 0.0, 1.5, -2.0, 1.5];
+        let logits: Vec<f32> = picks.iter().map(|&i| V[i]).collect();
+        let mut want = 0;
+        let mut best = f32::NEG_INFINITY;
+        for (i, &l) in logits.iter().enumerate() {
+            if l > best {
+                (want, best) = (i, l);
+            }
+        }
+        proptest::prop_assert_eq!(argmax(&logits), want as TokenId);
+    }
+}
+
 #[test]
 fn top_k_one_equals_greedy() {
     let logits: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32 / 10.0).collect();

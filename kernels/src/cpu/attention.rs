@@ -171,9 +171,17 @@ pub fn paged_attention_with(
     };
     let work: usize = tasks.iter().map(|t| t.work).sum();
     if work < 1 << 15 || rayon::current_num_threads() == 1 {
-        tasks.iter().for_each(|t| ctx.run(seqs, t));
+        tasks
+            .iter()
+            .enumerate()
+            .for_each(|(i, t)| ctx.run(seqs, t, tasks.get(i + 1)));
     } else {
-        tasks.par_iter().for_each(|t| ctx.run(seqs, t));
+        // A thread runs a contiguous range of tasks in order, so task i + 1 is usually the
+        // next one on the same thread: each task prefetches the next one's cache rows.
+        tasks
+            .par_iter()
+            .enumerate()
+            .for_each(|(i, t)| ctx.run(seqs, t, tasks.get(i + 1)));
     }
 }
 
@@ -240,12 +248,14 @@ thread_local! {
 }
 
 impl Ctx<'_> {
-    fn run(&self, seqs: &[AttentionSeq], t: &Task) {
+    /// Runs task `t`; `next` is the task this thread probably runs after it (a hint).
+    fn run(&self, seqs: &[AttentionSeq], t: &Task, next: Option<&Task>) {
         let s = &seqs[t.seq];
         #[cfg(target_arch = "x86_64")]
         if self.isa.has_avx512() && avx512::supports(&self.shape) {
+            let next = next.map(|n| (&seqs[n.seq], n));
             // SAFETY: AVX-512 verified by `Isa::effective`; the task owns its output rows/heads.
-            unsafe { avx512::task(self, s, t) };
+            unsafe { avx512::task(self, s, t, next) };
             return;
         }
         #[cfg(target_arch = "x86_64")]
@@ -254,6 +264,7 @@ impl Ctx<'_> {
             unsafe { avx2::task(self, s, t) };
             return;
         }
+        let _ = next;
         task_portable(self, s, t);
     }
 

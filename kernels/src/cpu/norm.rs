@@ -95,8 +95,11 @@ pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
         gate_up.len(),
         "silu_mul: out is not [n, inter]"
     );
-    if out.len() > 2 * PAR_ELEMS {
-        let rows = (PAR_ELEMS / inter).max(1);
+    // An `exp` and a division per element: worth splitting at smaller sizes than the other
+    // ops (batched decode's [32, 1536] would otherwise leave the other threads idle).
+    const SILU_PAR_ELEMS: usize = 1 << 13;
+    if out.len() >= 2 * SILU_PAR_ELEMS && rayon::current_num_threads() > 1 {
+        let rows = (SILU_PAR_ELEMS / inter).max(1);
         gate_up
             .par_chunks(rows * 2 * inter)
             .zip(out.par_chunks_mut(rows * inter))

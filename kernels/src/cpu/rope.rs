@@ -21,35 +21,79 @@ pub fn rope(
     interleaved: bool,
 ) {
     assert!(head_dim.is_multiple_of(2), "rope: odd head_dim");
-    let row = n_heads * head_dim;
-    assert_eq!(
-        x.len(),
-        positions.len() * row,
-        "rope: x is not [n_tokens, n_heads*head_dim]"
-    );
-    if row == 0 {
-        return;
-    }
+    let table = rope_table(positions, head_dim, base);
+    rope_with(x, &table, n_heads, head_dim, interleaved);
+}
+
+/// The `(cos, sin)` pairs [`rope`] rotates by, `[positions.len(), head_dim / 2]`. A forward
+/// pass computes them once per step and hands them to [`rope_with`] for every layer's q and
+/// k, instead of redoing identical `sin_cos`s per call.
+///
+/// Panics if `head_dim` is odd.
+pub fn rope_table(positions: &[usize], head_dim: usize, base: f32) -> Vec<(f32, f32)> {
+    assert!(head_dim.is_multiple_of(2), "rope: odd head_dim");
     let half = head_dim / 2;
+    let mut table = vec![(0.0f32, 0.0f32); positions.len() * half];
+    if half == 0 {
+        return table;
+    }
     let inv_freq: Vec<f64> = (0..half)
         .map(|i| (base as f64).powf(-2.0 * i as f64 / head_dim as f64))
         .collect();
-    let token = |xt: &mut [f32], pos: usize| {
-        let mut cs = vec![(0.0f32, 0.0f32); half];
+    let token = |cs: &mut [(f32, f32)], pos: usize| {
         for (c, &f) in cs.iter_mut().zip(&inv_freq) {
             let (s, co) = (pos as f64 * f).sin_cos();
             *c = (co as f32, s as f32);
         }
-        rotate(xt, &cs, interleaved);
     };
     if positions.len() >= 64 {
-        x.par_chunks_mut(row)
+        table
+            .par_chunks_mut(half)
             .zip(positions.par_iter())
             .with_min_len(16)
-            .for_each(|(xt, &p)| token(xt, p));
+            .for_each(|(cs, &p)| token(cs, p));
     } else {
-        for (xt, &p) in x.chunks_mut(row).zip(positions) {
-            token(xt, p);
+        for (cs, &p) in table.chunks_mut(half).zip(positions) {
+            token(cs, p);
+        }
+    }
+    table
+}
+
+/// [`rope`] with the rotations precomputed by [`rope_table`]; bit-identical to it.
+///
+/// Panics if `head_dim` is odd, `table` is not whole tokens of `head_dim / 2` pairs or `x` is
+/// not `[tokens, n_heads * head_dim]` for those tokens.
+pub fn rope_with(
+    x: &mut [f32],
+    table: &[(f32, f32)],
+    n_heads: usize,
+    head_dim: usize,
+    interleaved: bool,
+) {
+    assert!(head_dim.is_multiple_of(2), "rope: odd head_dim");
+    let row = n_heads * head_dim;
+    let half = head_dim / 2;
+    if row == 0 {
+        return;
+    }
+    assert!(
+        table.len().is_multiple_of(half),
+        "rope: table is not whole tokens"
+    );
+    assert_eq!(
+        x.len(),
+        table.len() / half * row,
+        "rope: x is not [n_tokens, n_heads*head_dim]"
+    );
+    if x.len() / row >= 64 {
+        x.par_chunks_mut(row)
+            .zip(table.par_chunks(half))
+            .with_min_len(16)
+            .for_each(|(xt, cs)| rotate(xt, cs, interleaved));
+    } else {
+        for (xt, cs) in x.chunks_mut(row).zip(table.chunks(half)) {
+            rotate(xt, cs, interleaved);
         }
     }
 }

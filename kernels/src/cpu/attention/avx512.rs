@@ -21,21 +21,59 @@ pub(super) fn supports(shape: &super::AttentionShape) -> bool {
 
 /// # Safety
 /// AVX-512 F/BW/DQ/VL, FMA and F16C must be available; the task must own its output.
-pub(super) unsafe fn task(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+/// `next`: the task this thread probably runs next, whose cache rows it prefetches.
+pub(super) unsafe fn task(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    next: Option<(&AttentionSeq, &Task)>,
+) {
     // SAFETY: forwarded.
     unsafe {
         match ctx.shape.head_dim / 16 {
-            2 => task_d::<2, 4>(ctx, s, t),
-            4 => task_d::<4, 4>(ctx, s, t),
-            6 => task_d::<6, 2>(ctx, s, t),
-            _ => task_d::<8, 2>(ctx, s, t),
+            2 => task_d::<2, 4>(ctx, s, t, next),
+            4 => task_d::<4, 4>(ctx, s, t, next),
+            6 => task_d::<6, 2>(ctx, s, t, next),
+            _ => task_d::<8, 2>(ctx, s, t, next),
         }
+    }
+}
+
+/// Positions a task attends over (its last query row's, plus one).
+fn task_positions(s: &AttentionSeq, t: &Task) -> usize {
+    s.start_pos + t.row0 + t.n_rows
+}
+
+/// During chunk `c` of `n` of one pass over this task, prefetches into L2 the matching share of
+/// the next task's rows from `cache` (its K during the K pass, its V during the V pass), so
+/// the next task starts on cached rows instead of waiting on memory for its first chunks.
+#[inline(always)]
+fn prefetch_next(
+    ctx: &Ctx,
+    next: Option<(&AttentionSeq, &Task)>,
+    cache: &[f16],
+    c: usize,
+    n: usize,
+) {
+    let Some((ns, nt)) = next else { return };
+    let npos = task_positions(ns, nt);
+    let nn = npos.div_ceil(LANES);
+    if 2 * npos * ctx.shape.head_dim * 2 > V_EARLY_BYTES {
+        return; // too big to hold in L2 until it runs
+    }
+    for nc in c * nn / n..(c + 1) * nn / n {
+        prefetch_chunk::<_MM_HINT_T1>(ctx, ns, nt, cache, nc * LANES, npos);
     }
 }
 
 /// `D` registers per head vector; P·V handles up to `G` queries of a row per pass.
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")]
-unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t: &Task) {
+unsafe fn task_d<const D: usize, const G: usize>(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    next: Option<(&AttentionSeq, &Task)>,
+) {
     let sh = &ctx.shape;
     let hd = D * 16;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -48,25 +86,51 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
     let stride = nchunks * LANES;
 
     let mut buf = take_scratch(&SCORES);
-    buf.clear();
-    buf.resize(nv * stride + 2 * nv * hd + LANES * hd, 0.0);
+    // Only `acc` must start at zero: every other slot is written before it is read, and
+    // zeroing all of it costs as much as a short decode task's arithmetic.
+    let len = nv * stride + 2 * nv * hd + LANES * hd;
+    if buf.len() < len {
+        buf.resize(len, 0.0);
+    }
     let (sc, rest) = buf.split_at_mut(nv * stride);
     let (qs, rest) = rest.split_at_mut(nv * hd);
     let (acc, kv) = rest.split_at_mut(nv * hd);
+    acc.fill(0.0);
     for v in 0..nv {
         let row = s.q_offset + t.row0 + v / t.n_heads;
         let h = t.h0 + v % t.n_heads;
         let q = &ctx.q[row * sh.q_row() + h * hd..][..hd];
-        for (a, &b) in qs[v * hd..(v + 1) * hd].iter_mut().zip(q) {
-            *a = f16::from_f32(b).to_f32();
+        for j in 0..D {
+            // SAFETY: `q` and this query's slot of `qs` hold hd = 16 * D floats.
+            unsafe {
+                let x = _mm512_loadu_ps(q.as_ptr().add(16 * j));
+                let x = _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+                _mm512_storeu_ps(qs.as_mut_ptr().add(v * hd + 16 * j), x);
+            }
         }
     }
 
     // SAFETY: cache rows come from the validated block table; all scratch indexing stays
     // inside the slices carved above; output writes are this task's (row, head) slots.
     unsafe {
+        // The task's K and V are scattered blocks, so hardware prefetchers cannot follow
+        // them: fetch two chunks ahead explicitly. When K and V together fit in L2, V is
+        // fetched during the K pass too, so the P·V pass never waits on memory.
+        let v_early = 2 * npos * hd * 2 <= V_EARLY_BYTES;
+        for c in 0..AHEAD {
+            prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.k, c * LANES, npos);
+            if v_early {
+                prefetch_chunk::<_MM_HINT_T1>(ctx, s, t, ctx.v, c * LANES, npos);
+            }
+        }
+
         // 1. Scores.
         for c in 0..nchunks {
+            prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.k, (c + AHEAD) * LANES, npos);
+            if v_early {
+                prefetch_chunk::<_MM_HINT_T1>(ctx, s, t, ctx.v, (c + AHEAD) * LANES, npos);
+            }
+            prefetch_next(ctx, next, ctx.k, c, nchunks);
             load_chunk::<D>(ctx, s, t, ctx.k, kv, c * LANES, npos);
             for v in 0..nv {
                 if pos_of(v) < c * LANES {
@@ -108,7 +172,16 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
         }
 
         // 3. P·V, row by row; the heads of a row share p and each converted V row.
+        if !v_early {
+            for c in 0..AHEAD {
+                prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.v, c * LANES, npos);
+            }
+        }
         for c in 0..nchunks {
+            if !v_early {
+                prefetch_chunk::<_MM_HINT_T0>(ctx, s, t, ctx.v, (c + AHEAD) * LANES, npos);
+            }
+            prefetch_next(ctx, next, ctx.v, c, nchunks);
             load_chunk::<D>(ctx, s, t, ctx.v, kv, c * LANES, npos);
             for r in 0..t.n_rows {
                 let p = first_pos + r;
@@ -147,6 +220,49 @@ unsafe fn task_d<const D: usize, const G: usize>(ctx: &Ctx, s: &AttentionSeq, t:
     return_scratch(&SCORES, buf);
 }
 
+/// Chunks a pass prefetches ahead of the one it converts (6 measured no better).
+const AHEAD: usize = 2;
+
+/// K plus V bytes of a task up to which V is prefetched (into L2) during the K pass.
+const V_EARLY_BYTES: usize = 256 << 10;
+
+/// Start of the cache row of `pos` (below the sequence's validated length).
+#[inline(always)]
+fn row_ptr(ctx: &Ctx, s: &AttentionSeq, t: &Task, cache: &[f16], pos: usize) -> *const f16 {
+    let sh = &ctx.shape;
+    // Block sizes are powers of two in practice: a shift and a mask instead of a division.
+    let (b, slot) = if sh.block_size.is_power_of_two() {
+        let sh_bits = sh.block_size.trailing_zeros();
+        (pos >> sh_bits, pos & (sh.block_size - 1))
+    } else {
+        (pos / sh.block_size, pos % sh.block_size)
+    };
+    let block = s.block_table[b] as usize;
+    cache
+        .as_ptr()
+        .wrapping_add(sh.cache_offset(block, t.kv, slot))
+}
+
+/// Prefetches the cache rows of chunk `pos0..pos0 + 16` below `npos` with hint `H`.
+#[inline(always)]
+fn prefetch_chunk<const H: i32>(
+    ctx: &Ctx,
+    s: &AttentionSeq,
+    t: &Task,
+    cache: &[f16],
+    pos0: usize,
+    npos: usize,
+) {
+    let row_bytes = ctx.shape.head_dim * 2;
+    for pos in pos0..npos.min(pos0 + LANES) {
+        let src = row_ptr(ctx, s, t, cache, pos).cast::<i8>();
+        for line in (0..row_bytes).step_by(64) {
+            // SAFETY: a prefetch is a hint; it never faults.
+            unsafe { _mm_prefetch::<H>(src.wrapping_add(line)) };
+        }
+    }
+}
+
 /// Converts the 16 cache rows from position `pos0` (zeros from `npos` on) into `kv` as f32.
 #[inline]
 #[target_feature(enable = "avx512f,f16c")]
@@ -159,35 +275,15 @@ unsafe fn load_chunk<const D: usize>(
     pos0: usize,
     npos: usize,
 ) {
-    let sh = &ctx.shape;
     let hd = D * 16;
     assert!(kv.len() >= LANES * hd);
-    // The blocks are scattered, so hardware prefetchers cannot guess the next chunk: fetch
-    // the rows two chunks ahead while this one converts.
-    let ahead = pos0 + 2 * LANES;
-    for i in 0..LANES {
-        let pos = ahead + i;
-        if pos >= npos {
-            break;
-        }
-        let block = s.block_table[pos / sh.block_size] as usize;
-        let src = cache
-            .as_ptr()
-            .wrapping_add(sh.cache_offset(block, t.kv, pos % sh.block_size));
-        for line in (0..hd * 2).step_by(64) {
-            _mm_prefetch::<_MM_HINT_T0>(src.cast::<i8>().wrapping_add(line));
-        }
-    }
     for i in 0..LANES {
         let pos = pos0 + i;
         // SAFETY: `kv` holds 16 rows of hd; cache rows come from the validated block table.
         unsafe {
             let dst = kv.as_mut_ptr().add(i * hd);
             if pos < npos {
-                let block = s.block_table[pos / sh.block_size] as usize;
-                let src = cache
-                    .as_ptr()
-                    .add(sh.cache_offset(block, t.kv, pos % sh.block_size));
+                let src = row_ptr(ctx, s, t, cache, pos);
                 for j in 0..D {
                     _mm512_storeu_ps(dst.add(16 * j), load_f16x16(src.add(16 * j)));
                 }

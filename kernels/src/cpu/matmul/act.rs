@@ -108,7 +108,7 @@ pub(crate) fn quantize_portable(x: &[f32], out: &mut [ActBlock]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
+#[target_feature(enable = "avx512f,avx512bw,f16c")]
 unsafe fn quantize_avx512(x: &[f32], out: &mut [ActBlock]) {
     use std::arch::x86_64::*;
     for (xs, o) in x.chunks_exact(32).zip(out.iter_mut()) {
@@ -128,7 +128,16 @@ unsafe fn quantize_avx512(x: &[f32], out: &mut [ActBlock]) {
             _mm_storeu_si128(o.q.as_mut_ptr().add(16).cast(), b1);
             // Sum the saturated bytes, as the portable path does.
             let s = _mm512_add_epi32(_mm512_cvtepi8_epi32(b0), _mm512_cvtepi8_epi32(b1));
-            finish(o, d, _mm512_reduce_add_epi32(s));
+            let isum = _mm512_reduce_add_epi32(s);
+            // `finish` with F16C inline: `half`'s conversions are out-of-line calls, and
+            // decode quantizes its activations on one thread. Both round to nearest even.
+            let f16_round = |x: f32| {
+                let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(x));
+                _mm_cvtss_f32(_mm_cvtph_ps(h))
+            };
+            o.d = f16_round(d);
+            o.s = f16_round(d * isum as f32);
+            o.corr = -128 * isum;
         }
     }
 }
