@@ -10,7 +10,6 @@ use kvmesh_common::{SamplingParams, TokenId};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
-use kvmesh_engine::Loaded;
 
 /// 20 blocks of 16 tokens: two prompts of about 190 tokens cannot both stay cached.
 fn engine(host_tier_blocks: usize) -> LlmEngine<LlamaRunner> {
@@ -22,21 +21,13 @@ fn engine_with(
     disk_tier_blocks: usize,
     disk_tier_dir: Option<&std::path::Path>,
 ) -> LlmEngine<LlamaRunner> {
-    let (m, tokenizer) = model();
-    let loaded = Loaded {
-        model: m.clone(),
-        tokenizer: tokenizer.clone(),
-        fingerprint: kvmesh_common::ModelFingerprint(1),
-    };
-    EngineConfig {
+    common::engine(EngineConfig {
         num_blocks: 20,
         host_tier_blocks,
         disk_tier_blocks,
         disk_tier_dir: disk_tier_dir.map(Into::into),
         ..EngineConfig::default()
-    }
-    .llama_engine(&loaded)
-    .expect("engine")
+    })
 }
 
 fn prompt(topic: &str) -> Vec<TokenId> {

@@ -9,21 +9,12 @@ use kvmesh_common::{FinishReason, SamplingParams, TokenId};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
-use kvmesh_engine::Loaded;
 
 fn engine() -> LlmEngine<LlamaRunner> {
-    let (m, tokenizer) = model();
-    let loaded = Loaded {
-        model: m.clone(),
-        tokenizer: tokenizer.clone(),
-        fingerprint: kvmesh_common::ModelFingerprint(1),
-    };
-    EngineConfig {
+    common::engine(EngineConfig {
         num_blocks: 64,
         ..EngineConfig::default()
-    }
-    .llama_engine(&loaded)
-    .expect("engine")
+    })
 }
 
 /// Every token, the text each one released, and how the run ended.

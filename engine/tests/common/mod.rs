@@ -34,3 +34,16 @@ pub fn model() -> &'static (Arc<LlamaModel>, Arc<Tokenizer>) {
         (loaded.model, loaded.tokenizer)
     })
 }
+
+/// An engine over the default model with `config`'s KV pool.
+pub fn engine(
+    config: kvmesh_engine::engine_config::EngineConfig,
+) -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner::LlamaRunner> {
+    let (m, tokenizer) = model();
+    let loaded = kvmesh_engine::Loaded {
+        model: m.clone(),
+        tokenizer: tokenizer.clone(),
+        fingerprint: kvmesh_common::ModelFingerprint(1),
+    };
+    config.llama_engine(&loaded).expect("engine")
+}
