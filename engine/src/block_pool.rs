@@ -195,12 +195,12 @@ impl BlockPool {
             .collect()
     }
 
-    /// Forgets `hash` in the lower tiers (its copy was lost), announcing it.
-    pub fn forget_lower(&mut self, hash: SequenceHash) {
-        if let Some(tier) = self.lower_tier_of(hash) {
-            self.take_lower(&[hash]);
-            self.record(TieredKvEvent::removed(tier, hash));
-        }
+    /// Forgets `hash` in the lower tiers, announcing it; returns the tier that held it.
+    pub fn forget_lower(&mut self, hash: SequenceHash) -> Option<Tier> {
+        let tier = self.lower_tier_of(hash)?;
+        self.take_lower(&[hash]);
+        self.record(TieredKvEvent::removed(tier, hash));
+        Some(tier)
     }
 
     /// Registers fresh `block` (one reference, from `allocate`) as cached under `hash`, whose
@@ -339,10 +339,8 @@ impl BlockPool {
             return Ok(false);
         }
         // Recomputed while a lower tier holds a copy (it was not promoted): keep one copy.
-        if let Some(tier) = self.lower_tier_of(hash) {
-            self.take_lower(&[hash]);
+        if let Some(tier) = self.forget_lower(hash) {
             self.moves.push(TierMove::Drop { hash, tier });
-            self.record(TieredKvEvent::removed(tier, hash));
         }
         let meta = &mut self.blocks[block.0 as usize];
         meta.hash = Some(hash);

@@ -132,7 +132,7 @@ impl<R: ModelRunner> LlmEngine<R> {
 
     /// Blocks whose KV the host-memory tier holds.
     pub fn host_tier_blocks(&self) -> usize {
-        self.tiers.host_blocks()
+        self.scheduler.pool().num_host_cached()
     }
 
     /// Blocks the disk tier holds.

@@ -622,7 +622,7 @@ impl Scheduler {
 
     /// Forgets `hash`'s copy in a lower tier (the engine could not keep it).
     pub fn forget_lower(&mut self, hash: SequenceHash) {
-        self.pool.forget_lower(hash);
+        let _ = self.pool.forget_lower(hash);
     }
 
     /// Copies between the main pool and the host tier that the engine must carry out before

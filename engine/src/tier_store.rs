@@ -56,11 +56,6 @@ impl TierStore {
         Ok((store, found))
     }
 
-    /// Blocks held in host memory.
-    pub fn host_blocks(&self) -> usize {
-        self.host.len()
-    }
-
     /// Carries out `moves` in order; call before the runner reuses an offloaded block.
     /// Returns the hashes whose copy could not be kept (a disk write failed): the pool must
     /// forget them. A promotion that cannot read its copy fails the call.
