@@ -223,7 +223,11 @@ async fn generate(
     prefill: Option<&PrefillTarget>,
 ) -> Result<Vec<TokenId>, tonic::Status> {
     let mut client = pb::decode_client::DecodeClient::new(channel);
-    let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, prefill));
+    let placement = grpc::Placement {
+        prefill: prefill.cloned(),
+        pull: None,
+    };
+    let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, &placement));
     call.set_timeout(PATIENCE);
     let mut stream = client.generate(call).await?.into_inner();
     let mut tokens = Vec::new();

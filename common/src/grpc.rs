@@ -133,38 +133,76 @@ pub struct PrefillTarget {
     pub address: String,
 }
 
-/// `Generate`'s message: the request and where to prefill it (`None`: on the decode node).
-pub fn generate_request_to_pb(
-    req: &GenerateRequest,
-    prefill: Option<&PrefillTarget>,
-) -> pb::GenerateRequest {
+/// A node holding more of the prompt's leading blocks than the decode node, which may pull
+/// them from there (`KvCache.Export`) instead of recomputing them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvHolder {
+    pub node_id: NodeId,
+    /// host:port of its control plane.
+    pub address: String,
+    /// Leading prompt blocks it holds, by the prefix index.
+    pub blocks: usize,
+}
+
+/// Where the router wants a request's prompt KV to come from, besides the decode node's own
+/// prefix cache: a prefill node (`None`: prefill on the decode node) and a holder to pull
+/// cached blocks from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    pub prefill: Option<PrefillTarget>,
+    pub pull: Option<KvHolder>,
+}
+
+impl From<PrefillTarget> for Placement {
+    fn from(prefill: PrefillTarget) -> Self {
+        Placement {
+            prefill: Some(prefill),
+            pull: None,
+        }
+    }
+}
+
+/// `Generate`'s message: the request and where its prompt KV comes from.
+pub fn generate_request_to_pb(req: &GenerateRequest, placement: &Placement) -> pb::GenerateRequest {
     pb::GenerateRequest {
         request_id: req.request_id.0,
         prompt: req.prompt.clone(),
         params: Some((&req.params).into()),
         resume: req.resume.clone(),
-        prefill: prefill.map(|p| pb::PrefillTarget {
+        prefill: placement.prefill.as_ref().map(|p| pb::PrefillTarget {
             node_id: p.node_id.0,
             address: p.address.clone(),
+        }),
+        pull: placement.pull.as_ref().map(|h| pb::KvHolder {
+            node_id: h.node_id.0,
+            address: h.address.clone(),
+            blocks: u32::try_from(h.blocks).unwrap_or(u32::MAX),
         }),
     }
 }
 
 pub fn generate_request_from_pb(
     m: pb::GenerateRequest,
-) -> Result<(GenerateRequest, Option<PrefillTarget>), WireError> {
+) -> Result<(GenerateRequest, Placement), WireError> {
     let params = params_from("GenerateRequest", m.params)?;
-    let prefill = m.prefill.map(|p| PrefillTarget {
-        node_id: NodeId(p.node_id),
-        address: p.address,
-    });
+    let placement = Placement {
+        prefill: m.prefill.map(|p| PrefillTarget {
+            node_id: NodeId(p.node_id),
+            address: p.address,
+        }),
+        pull: m.pull.map(|h| KvHolder {
+            node_id: NodeId(h.node_id),
+            address: h.address,
+            blocks: h.blocks as usize,
+        }),
+    };
     let req = GenerateRequest {
         request_id: RequestId(m.request_id),
         prompt: m.prompt,
         params,
         resume: m.resume,
     };
-    Ok((req, prefill))
+    Ok((req, placement))
 }
 
 pub fn logprobs_to_pb(top: &[(TokenId, f32)]) -> Vec<pb::TokenLogprob> {
@@ -359,14 +397,24 @@ mod tests {
             },
             resume: vec![4, 5],
         };
-        let target = PrefillTarget {
-            node_id: NodeId(3),
-            address: "127.0.0.2:7000".into(),
+        let placement = Placement {
+            prefill: Some(PrefillTarget {
+                node_id: NodeId(3),
+                address: "127.0.0.2:7000".into(),
+            }),
+            pull: Some(KvHolder {
+                node_id: NodeId(4),
+                address: "127.0.0.3:7000".into(),
+                blocks: 62,
+            }),
         };
-        let wire = generate_request_to_pb(&req, Some(&target));
-        let (back, prefill) = generate_request_from_pb(wire).unwrap();
+        let wire = generate_request_to_pb(&req, &placement);
+        let (back, placement_back) = generate_request_from_pb(wire).unwrap();
         assert_eq!(back, req);
-        assert_eq!(prefill, Some(target));
+        assert_eq!(placement_back, placement);
+        let (_, none) =
+            generate_request_from_pb(generate_request_to_pb(&req, &Placement::default())).unwrap();
+        assert_eq!(none, Placement::default());
     }
 
     #[test]

@@ -34,6 +34,13 @@ pub const WORKER_KV_TIER_BLOCKS: &str = "kvmesh_worker_kv_tier_blocks";
 /// Prefix hits served from a tier below the pool, in blocks copied back (label `tier`).
 pub const WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL: &str =
     "kvmesh_worker_kv_tier_promoted_blocks_total";
+/// Prefix blocks pulled from other nodes' caches instead of recomputed (decode workers).
+pub const WORKER_KV_PULLED_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_pulled_blocks_total";
+pub const WORKER_KV_PULLED_BYTES_TOTAL: &str = "kvmesh_worker_kv_pulled_bytes_total";
+/// Pulls that fell back to recomputing (the holder lacked the blocks, failed or was slow).
+pub const WORKER_KV_PULL_FAILURES_TOTAL: &str = "kvmesh_worker_kv_pull_failures_total";
+/// Cached blocks this node sent to pullers.
+pub const WORKER_KV_EXPORTED_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_exported_blocks_total";
 pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
 
 // KV transfer.

@@ -21,6 +21,12 @@ pub struct DecodeConfig {
     /// from each KV chunk that arrives) before its blocks are released and the prompt is
     /// prefilled here.
     pub remote_prefill_timeout: Duration,
+    /// How long a request waits for its prefix to be pulled from another node before it
+    /// recomputes it instead.
+    pub pull_timeout: Duration,
+    /// How long serving one pull from another node may hold up this node's engine (it runs
+    /// between two steps) before the transfer counts as failed.
+    pub export_timeout: Duration,
     /// Where this node announces its prefix-cache changes (none: not announced).
     pub kv_events: Option<KvEventSink>,
 }
@@ -32,6 +38,8 @@ impl DecodeConfig {
             local_prefill_max_tokens: 256,
             max_queued_requests: 256,
             remote_prefill_timeout: Duration::from_secs(10),
+            pull_timeout: Duration::from_secs(2),
+            export_timeout: Duration::from_secs(1),
             kv_events: None,
         }
     }

@@ -113,6 +113,16 @@ impl IncomingTransfer {
         self.missing == 0
     }
 
+    /// Every layer of the first `n` reserved blocks (in the order given to `new`) has
+    /// arrived: a pull whose holder had only part of what was asked for.
+    pub fn is_complete_upto(&self, n: usize) -> bool {
+        let blocks = self.slots.len();
+        let n = n.min(blocks);
+        self.received
+            .chunks(blocks.max(1))
+            .all(|layer| layer[..n].iter().all(|&r| r))
+    }
+
     /// Payload bytes received intact.
     pub fn bytes(&self) -> u64 {
         self.bytes
@@ -168,6 +178,21 @@ mod tests {
         t.record(&last);
         assert!(t.is_complete());
         assert_eq!(t.bytes(), 4 * 16 + 16);
+    }
+
+    #[test]
+    fn a_leading_run_completes_when_each_of_its_layers_arrived() {
+        let mut t = IncomingTransfer::new(RequestId(5), &shape(), &[BlockId(4), BlockId(9)]);
+        assert!(t.is_complete_upto(0));
+        let c = chunk(0, &[4]);
+        t.check(&c).unwrap();
+        t.record(&c);
+        assert!(!t.is_complete_upto(1), "layer 1 of block 4 is missing");
+        let c = chunk(1, &[4]);
+        t.check(&c).unwrap();
+        t.record(&c);
+        assert!(t.is_complete_upto(1));
+        assert!(!t.is_complete_upto(2) && !t.is_complete());
     }
 
     #[test]

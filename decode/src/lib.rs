@@ -13,6 +13,7 @@
 mod config;
 mod incoming;
 mod mesh;
+mod pull;
 mod service;
 mod worker;
 
@@ -20,5 +21,6 @@ pub use config::DecodeConfig;
 pub use incoming::{IncomingError, IncomingTransfer};
 pub use kvmesh_engine::worker_load::WorkerLoad;
 pub use mesh::{LocalMesh, LocalMeshConfig, MeshError};
+pub use pull::KvPull;
 pub use service::{DecodeService, PrefillDirectory};
 pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};

@@ -1,11 +1,13 @@
 //! The decode node's gRPC service (`kvmesh.v1.Decode`) over a local [`DecodeHandle`].
 
+use crate::pull::KvPull;
 use crate::worker::DecodeHandle;
 use futures::{Stream, StreamExt};
+use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{PrefillClient, PrefillTarget, RemotePrefill};
+use kvmesh_prefill::{PrefillClient, PrefillTarget, RemoteExporter, RemotePrefill};
 use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
@@ -15,7 +17,8 @@ use std::time::Duration;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-/// Connections to the prefill nodes the router names, made on first use and kept.
+/// Connections to the prefill nodes the router names, and to the nodes it names to pull
+/// cached KV from, made on first use and kept.
 pub struct PrefillDirectory {
     /// Where this node receives KV (told to every prefill node).
     transfer_address: String,
@@ -23,6 +26,7 @@ pub struct PrefillDirectory {
     tls: Option<ClusterTls>,
     connect_timeout: Duration,
     clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
+    holders: Mutex<HashMap<NodeId, (String, RemoteExporter)>>,
     /// This node and its transport, when it has RDMA to offer prefill nodes.
     rdma: Option<(NodeId, Arc<NetworkTransport>)>,
 }
@@ -38,6 +42,7 @@ impl PrefillDirectory {
             tls,
             connect_timeout,
             clients: Mutex::new(HashMap::new()),
+            holders: Mutex::new(HashMap::new()),
             rdma: None,
         }
     }
@@ -116,14 +121,53 @@ impl PrefillDirectory {
         }
     }
 
+    /// Where to pull the cached prefix `holder` has (the connection is made on first use);
+    /// `None` when its address is unusable (then the prefix is recomputed).
+    pub fn pull_source(&self, holder: &KvHolder) -> Option<KvPull> {
+        let mut holders = lock(&self.holders);
+        let known = holders
+            .get(&holder.node_id)
+            .filter(|(address, _)| *address == holder.address);
+        let client = match known {
+            Some((_, client)) => client.clone(),
+            None => {
+                let client = RemoteExporter::new(
+                    holder.node_id,
+                    &holder.address,
+                    self.tls.as_ref(),
+                    self.transfer_address.clone(),
+                    self.connect_timeout,
+                );
+                let client = match client {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(node = %holder.node_id, "{e}; not pulling from it");
+                        return None;
+                    }
+                };
+                holders.insert(holder.node_id, (holder.address.clone(), client.clone()));
+                client
+            }
+        };
+        Some(KvPull {
+            source: Arc::new(client),
+            blocks: holder.blocks,
+        })
+    }
+
     /// Forgets the connections to nodes not in `alive` (they left the mesh).
     pub fn retain(&self, alive: &HashSet<NodeId>) {
         self.lock().retain(|id, _| alive.contains(id));
+        lock(&self.holders).retain(|id, _| alive.contains(id));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, (String, RemotePrefill)>> {
-        self.clients.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.clients)
     }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 pub struct DecodeService {
@@ -181,14 +225,18 @@ impl pb::decode_server::Decode for DecodeService {
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<EventStream>, Status> {
         let timeout = grpc::timeout_of(request.metadata());
-        let (request, target) = grpc::generate_request_from_pb(request.into_inner())?;
-        let prefill = match &target {
+        let (request, placement) = grpc::generate_request_from_pb(request.into_inner())?;
+        let prefill = match &placement.prefill {
             Some(t) => self.prefill.get(t).await,
             None => None,
         };
+        let pull = placement
+            .pull
+            .as_ref()
+            .and_then(|h| self.prefill.pull_source(h));
         // Dropping the stream (the router cancelled or went away) drops the receiver, which
         // the worker takes as a cancellation.
-        let events = self.handle.generate(request, prefill)?;
+        let events = self.handle.generate_pulling(request, prefill, pull)?;
         self.accepted.fetch_add(1, Ordering::Relaxed);
         let stream: EventStream = match timeout {
             None => Box::pin(

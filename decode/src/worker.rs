@@ -2,6 +2,7 @@
 
 use crate::config::DecodeConfig;
 use crate::incoming::IncomingTransfer;
+use crate::pull::{KvPull, PendingPull, PullCost};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{
     GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
@@ -12,7 +13,8 @@ use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
 use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_prefill::{
-    CancelToken, KvDestination, PrefillDone, PrefillReply, PrefillRequest, PrefillTarget,
+    CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, KvDestination, KvExporter,
+    PrefillDone, PrefillReply, PrefillRequest, PrefillTarget,
 };
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use std::collections::HashMap;
@@ -38,12 +40,15 @@ pub enum DecodeError {
 struct Submission {
     request: GenerateRequest,
     prefill: Option<PrefillTarget>,
+    pull: Option<KvPull>,
     events: UnboundedSender<GenerateEvent>,
     enqueued_at: Instant,
 }
 
 enum Inbox {
     Generate(Box<Submission>),
+    /// Another node pulls cached KV: served before the next step (see `kvmesh_prefill::export`).
+    Export(Box<ExportJob>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
@@ -102,6 +107,18 @@ impl DecodeHandle {
         request: GenerateRequest,
         prefill: Option<PrefillTarget>,
     ) -> Result<EventReceiver, WorkerError> {
+        self.generate_pulling(request, prefill, None)
+    }
+
+    /// `generate`, first pulling the prompt's cached prefix from `pull`'s node when that is
+    /// cheaper than recomputing it (see [`crate::pull`]); whatever is not pulled is prefilled
+    /// as `generate` would.
+    pub fn generate_pulling(
+        &self,
+        request: GenerateRequest,
+        prefill: Option<PrefillTarget>,
+        pull: Option<KvPull>,
+    ) -> Result<EventReceiver, WorkerError> {
         if self.shared.draining.load(Ordering::Acquire) {
             return Err(WorkerError::Unavailable(
                 "the decode worker is draining".into(),
@@ -119,6 +136,7 @@ impl DecodeHandle {
         let msg = Inbox::Generate(Box::new(Submission {
             request,
             prefill,
+            pull,
             events,
             enqueued_at: Instant::now(),
         }));
@@ -174,6 +192,22 @@ impl DecodeHandle {
     }
 }
 
+impl KvExporter for DecodeHandle {
+    fn node_id(&self) -> NodeId {
+        DecodeHandle::node_id(self)
+    }
+
+    fn export(
+        &self,
+        request: ExportRequest,
+        reply: Sender<ExportReply>,
+    ) -> Result<(), ExportError> {
+        self.inbox
+            .try_send(Inbox::Export(Box::new(ExportJob { request, reply })))
+            .map_err(|_| ExportError::Unavailable)
+    }
+}
+
 /// Owns the decode thread. Dropping it stops the thread (every open stream ends with
 /// `Error(Unavailable)`); `drain` + `join` lets open requests finish first.
 pub struct DecodeWorker {
@@ -200,6 +234,7 @@ impl DecodeWorker {
         let (tx, rx) =
             crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
         let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+        let (export_reply_tx, export_reply_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             node_id: config.node_id,
             limits,
@@ -218,6 +253,10 @@ impl DecodeWorker {
             kv_rx,
             reply_tx,
             reply_rx,
+            export_reply_tx,
+            export_reply_rx,
+            pulls: HashMap::new(),
+            pull_cost: PullCost::default(),
             shared: shared.clone(),
             active: HashMap::new(),
             by_request: HashMap::new(),
@@ -315,6 +354,11 @@ struct Loop<R: ModelRunner> {
     kv_rx: KvReceiver,
     reply_tx: Sender<PrefillReply>,
     reply_rx: Receiver<PrefillReply>,
+    export_reply_tx: Sender<ExportReply>,
+    export_reply_rx: Receiver<ExportReply>,
+    /// Requests waiting for their prefix to be pulled, by the pull's transfer id.
+    pulls: HashMap<RequestId, PendingPull<Submission>>,
+    pull_cost: PullCost,
     shared: Arc<Shared>,
     active: HashMap<SeqId, Active>,
     by_request: HashMap<RequestId, SeqId>,
@@ -337,10 +381,14 @@ impl<R: ModelRunner> Loop<R> {
                 !self.engine.has_work() || (self.engine.last_step_tokens() == 0 && !self.kicked);
             if idle {
                 let draining = self.shared.draining.load(Ordering::Acquire) || self.inbox_closed;
-                if draining && self.active.is_empty() && self.inbox.is_empty() {
+                if draining
+                    && self.active.is_empty()
+                    && self.pulls.is_empty()
+                    && self.inbox.is_empty()
+                {
                     break;
                 }
-                self.wait(self.engine.next_timeout());
+                self.wait(self.next_timeout());
             }
             if !self.receive() {
                 break;
@@ -357,17 +405,25 @@ impl<R: ModelRunner> Loop<R> {
         }
         self.transport.unbind(self.config.node_id);
         // Requests that raced the drain or the stop: answer rather than strand them.
+        let stopped = || WorkerError::Unavailable("the decode worker stopped".into());
         while let Ok(msg) = self.inbox.try_recv() {
-            if let Inbox::Generate(s) = msg {
-                self.shared.queue.give_back();
-                let e = WorkerError::Unavailable("the decode worker stopped".into());
-                let _ = s.events.send(GenerateEvent::Error(e));
+            match msg {
+                Inbox::Generate(s) => {
+                    self.shared.queue.give_back();
+                    let _ = s.events.send(GenerateEvent::Error(stopped()));
+                }
+                Inbox::Export(job) => job.refuse(),
+                Inbox::Wake | Inbox::Stop => {}
             }
+        }
+        for (_, p) in self.pulls.drain() {
+            self.engine.finish_import(p.import, 0);
+            self.shared.queue.give_back();
+            let _ = p.request.events.send(GenerateEvent::Error(stopped()));
         }
         let ids: Vec<SeqId> = self.active.keys().copied().collect();
         for seq_id in ids {
-            let e = WorkerError::Unavailable("the decode worker stopped".into());
-            self.fail(seq_id, e);
+            self.fail(seq_id, stopped());
         }
         self.publish_load();
     }
@@ -382,6 +438,7 @@ impl<R: ModelRunner> Loop<R> {
             sel.recv(&self.kv_rx);
         }
         sel.recv(&self.reply_rx);
+        sel.recv(&self.export_reply_rx);
         match deadline {
             Some(d) => {
                 let _ = sel.ready_deadline(d);
@@ -392,9 +449,24 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
-    /// Takes everything that has arrived: prefill replies first, then KV (so a reply's chunks,
-    /// sent before it, are all here), then new requests. False on `Stop`.
+    /// When the engine's transfers or a pull next time out.
+    fn next_timeout(&self) -> Option<Instant> {
+        let pulls = self.pulls.values().map(|p| p.deadline).min();
+        match (self.engine.next_timeout(), pulls) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Takes everything that has arrived: prefill and export replies first, then KV (so a
+    /// reply's chunks, sent before it, are all here), then new requests. False on `Stop`.
     fn receive(&mut self) -> bool {
+        for _ in 0..self.export_reply_rx.len() {
+            let Ok(reply) = self.export_reply_rx.try_recv() else {
+                break;
+            };
+            self.on_export_reply(reply);
+        }
         for _ in 0..self.reply_rx.len() {
             let Ok(reply) = self.reply_rx.try_recv() else {
                 break;
@@ -414,6 +486,12 @@ impl<R: ModelRunner> Loop<R> {
         loop {
             match self.inbox.try_recv() {
                 Ok(Inbox::Generate(s)) => self.accept(*s),
+                Ok(Inbox::Export(job)) => {
+                    let timeout = self.config.export_timeout;
+                    if let Ok(done) = job.serve(&self.engine, &*self.transport, timeout) {
+                        self.metrics.kv_exported_blocks.inc_by(done.blocks as u64);
+                    }
+                }
                 Ok(Inbox::Wake) => {}
                 Ok(Inbox::Stop) => return false,
                 Err(TryRecvError::Empty) => break,
@@ -427,11 +505,169 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn accept(&mut self, submission: Submission) {
+        let request_id = submission.request.request_id;
+        let pulling = self.pulls.values().any(|p| p.request_id == request_id);
+        if pulling || self.by_request.contains_key(&request_id) {
+            self.shared.queue.give_back();
+            let e = WorkerError::InvalidRequest(format!("request {request_id} is already running"));
+            let _ = submission.events.send(GenerateEvent::Error(e));
+            return;
+        }
+        if let Some(submission) = self.start_pull(submission) {
+            self.admit(submission);
+        }
+    }
+
+    /// Starts pulling `s`'s cached prefix from the node the router named, when that node has
+    /// blocks this one lacks and moving them is cheaper than recomputing them; otherwise
+    /// hands `s` back to be admitted at once.
+    fn start_pull(&mut self, mut s: Submission) -> Option<Submission> {
+        let Some(pull) = s.pull.take() else {
+            return Some(s);
+        };
+        let prompt = &s.request.prompt;
+        if !s.request.resume.is_empty() || pull.source.node_id() == self.config.node_id {
+            return Some(s);
+        }
+        let shape = self.kv_shape;
+        let held = self.engine.scheduler().probe_prefix(prompt) / shape.block_size;
+        let upto = pull.blocks.min((prompt.len() - 1) / shape.block_size);
+        let blocks = upto.saturating_sub(held);
+        let bytes = blocks * shape.block_bytes_per_layer() * shape.num_layers;
+        if blocks == 0
+            || !self
+                .pull_cost
+                .worth_pulling(bytes, blocks * shape.block_size)
+        {
+            return Some(s);
+        }
+        let Some(import) = self.engine.reserve_import(prompt, upto) else {
+            return Some(s);
+        };
+        let transfer_id = RequestId(rand::random());
+        let request = ExportRequest {
+            transfer_id,
+            hashes: import.hashes.clone(),
+            destination: KvDestination {
+                node: self.config.node_id,
+                blocks: import.blocks.clone(),
+            },
+        };
+        if let Err(e) = pull.source.export(request, self.export_reply_tx.clone()) {
+            tracing::info!(request_id = %s.request.request_id, "cannot pull from node {}: {e}; recomputing", pull.source.node_id());
+            self.engine.finish_import(import, 0);
+            self.metrics.kv_pull_failures.inc();
+            return Some(s);
+        }
+        let now = Instant::now();
+        self.pulls.insert(
+            transfer_id,
+            PendingPull {
+                request_id: s.request.request_id,
+                incoming: IncomingTransfer::new(transfer_id, &shape, &import.blocks),
+                import,
+                request: s,
+                sent: None,
+                started: now,
+                deadline: now + self.config.pull_timeout,
+            },
+        );
+        None
+    }
+
+    fn on_export_reply(&mut self, reply: ExportReply) {
+        let id = reply.transfer_id;
+        let Some(p) = self.pulls.get_mut(&id) else {
+            return; // timed out or its client left
+        };
+        match reply.result {
+            Ok(done) if done.blocks <= p.import.blocks.len() => {
+                p.sent = Some(done.blocks);
+                self.try_finish_pull(id);
+            }
+            Ok(done) => {
+                tracing::warn!(request_id = %p.request_id, "the holder claims {} blocks of {} asked for; recomputing", done.blocks, p.import.blocks.len());
+                self.end_pull(id, 0);
+            }
+            Err(e) => {
+                tracing::info!(request_id = %p.request_id, "pull failed: {e}; recomputing");
+                self.end_pull(id, 0);
+            }
+        }
+    }
+
+    fn on_pull_chunk(&mut self, chunk: KvChunk) {
+        let id = chunk.header.request_id;
+        let Some(p) = self.pulls.get_mut(&id) else {
+            return;
+        };
+        if let Err(e) = p.incoming.check(&chunk) {
+            tracing::warn!(request_id = %p.request_id, "refusing pulled KV: {e}; recomputing");
+            return self.end_pull(id, 0);
+        }
+        let h = &chunk.header;
+        if let Err(e) = self
+            .engine
+            .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
+        {
+            tracing::warn!(request_id = %p.request_id, "writing pulled KV: {e}; recomputing");
+            return self.end_pull(id, 0);
+        }
+        p.incoming.record(&chunk);
+        self.try_finish_pull(id);
+    }
+
+    fn try_finish_pull(&mut self, id: RequestId) {
+        if let Some(p) = self.pulls.get(&id) {
+            if p.is_complete() {
+                let sent = p.sent.expect("complete pulls have a reply");
+                self.end_pull(id, sent);
+            }
+        }
+    }
+
+    /// Ends a pull whose first `arrived` blocks came whole (0: it failed) and queues its
+    /// request, which finds those blocks in the prefix cache.
+    fn end_pull(&mut self, id: RequestId, arrived: usize) {
+        let Some(p) = self.pulls.remove(&id) else {
+            return;
+        };
+        self.engine.finish_import(p.import, arrived);
+        if arrived > 0 {
+            let bytes = p.incoming.bytes();
+            self.metrics.kv_pulled_blocks.inc_by(arrived as u64);
+            self.metrics.kv_pulled_bytes.inc_by(bytes);
+            self.pull_cost.observe_pull(bytes, p.started.elapsed());
+        } else {
+            self.metrics.kv_pull_failures.inc();
+        }
+        self.kicked = true;
+        self.admit(p.request);
+    }
+
+    /// Pulls that ran out of time: their requests recompute.
+    fn expire_pulls(&mut self) {
+        let now = Instant::now();
+        let expired: Vec<RequestId> = self
+            .pulls
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in expired {
+            tracing::info!("pull {id} timed out; recomputing");
+            self.end_pull(id, 0);
+        }
+    }
+
+    /// Queues a request in the engine.
+    fn admit(&mut self, submission: Submission) {
         let Submission {
             request,
             prefill,
             events,
             enqueued_at,
+            ..
         } = submission;
         let GenerateRequest {
             request_id,
@@ -439,12 +675,6 @@ impl<R: ModelRunner> Loop<R> {
             mut params,
             resume,
         } = request;
-        if self.by_request.contains_key(&request_id) {
-            self.shared.queue.give_back();
-            let e = WorkerError::InvalidRequest(format!("request {request_id} is already running"));
-            let _ = events.send(GenerateEvent::Error(e));
-            return;
-        }
         // The prefill worker samples the first token; with the same seed, this node's later
         // draws continue the same random stream.
         params.seed.get_or_insert_with(rand::random);
@@ -519,6 +749,9 @@ impl<R: ModelRunner> Loop<R> {
 
     fn on_chunk(&mut self, chunk: KvChunk) {
         let request_id = chunk.header.request_id;
+        if self.pulls.contains_key(&request_id) {
+            return self.on_pull_chunk(chunk);
+        }
         let Some(&seq_id) = self.by_request.get(&request_id) else {
             return; // finished, cancelled or fell back: a late chunk
         };
@@ -609,6 +842,7 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn handle_timeouts(&mut self) {
+        self.expire_pulls();
         for seq_id in self.engine.handle_timeouts(Instant::now()) {
             if let Some(a) = self.active.get_mut(&seq_id) {
                 tracing::warn!(request_id = %a.request_id, "remote prefill timed out; prefilling locally");
@@ -631,10 +865,24 @@ impl<R: ModelRunner> Loop<R> {
         for seq_id in gone {
             self.remove(seq_id);
         }
+        let gone: Vec<RequestId> = self
+            .pulls
+            .iter()
+            .filter(|(_, p)| p.request.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            let p = self.pulls.remove(&id).expect("listed");
+            self.engine.finish_import(p.import, 0);
+            self.shared.queue.give_back();
+        }
     }
 
     fn step(&mut self) {
+        let started = Instant::now();
         let outputs = self.engine.step();
+        self.pull_cost
+            .observe_step(self.engine.last_step_tokens(), started.elapsed());
         self.record_admissions();
         match outputs {
             Ok(outputs) => {
@@ -803,7 +1051,7 @@ impl<R: ModelRunner> Loop<R> {
         let s = self.engine.scheduler();
         let load = WorkerLoad {
             running: s.num_running() + s.num_awaiting_kv(),
-            waiting: s.num_waiting(),
+            waiting: s.num_waiting() + self.pulls.len(),
             kv_blocks_used: s.pool().num_used(),
             kv_blocks_total: s.pool().num_blocks(),
         };

@@ -147,7 +147,7 @@ async fn remote_prefills_match_local_runs(m: &Mesh) {
         })
         .await
         .unwrap();
-        let call = grpc::generate_request_to_pb(&req, Some(&m.prefill));
+        let call = grpc::generate_request_to_pb(&req, &m.prefill.clone().into());
         let mut stream = c.generate(call).await.unwrap().into_inner();
         let mut got = Vec::new();
         while let Some(e) = stream.message().await.unwrap() {
@@ -168,7 +168,10 @@ async fn a_deadline_ends_the_call_and_frees_its_blocks() {
     let m = mesh().await;
     let mut c = client(m.decode_addr).await;
     let req = request(7, prompt(7, 100), 100_000);
-    let mut call = tonic::Request::new(grpc::generate_request_to_pb(&req, Some(&m.prefill)));
+    let mut call = tonic::Request::new(grpc::generate_request_to_pb(
+        &req,
+        &m.prefill.clone().into(),
+    ));
     call.set_timeout(Duration::from_millis(1500));
     let mut stream = c.generate(call).await.unwrap().into_inner();
     let status = loop {
@@ -190,7 +193,7 @@ async fn dropping_the_call_cancels_the_request() {
     let m = mesh().await;
     let mut c = client(m.decode_addr).await;
     let req = request(8, prompt(8, 100), 100_000);
-    let call = grpc::generate_request_to_pb(&req, Some(&m.prefill));
+    let call = grpc::generate_request_to_pb(&req, &m.prefill.clone().into());
     let mut stream = c.generate(call).await.unwrap().into_inner();
     for _ in 0..3 {
         let e = stream.message().await.unwrap().expect("a token");

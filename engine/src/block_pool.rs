@@ -59,6 +59,14 @@ pub enum TierMove {
     Drop { hash: SequenceHash, tier: Tier },
 }
 
+/// Where a pool holds a cached block's KV (`BlockPool::locate`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Held {
+    Device(BlockId),
+    /// In a tier below the pool: host memory or disk.
+    Lower(Tier),
+}
+
 #[derive(Clone, Debug, Default)]
 struct BlockMeta {
     ref_count: u32,
@@ -175,6 +183,14 @@ impl BlockPool {
             Some(Tier::Disk)
         } else {
             None
+        }
+    }
+
+    /// Where this pool holds `hash`'s KV, if anywhere.
+    pub fn locate(&self, hash: SequenceHash) -> Option<Held> {
+        match self.cached.get(&hash) {
+            Some(&block) => Some(Held::Device(block)),
+            None => self.lower_tier_of(hash).map(Held::Lower),
         }
     }
 

@@ -10,14 +10,19 @@
 //!   `fail_remote_prefill` (prefill locally instead). `handle_timeouts(now)` releases the
 //!   blocks of transfers that never complete. See the scheduler's module docs.
 
+use crate::block_pool::Held;
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
 use crate::sampler::{Sampled, Sampler};
-use crate::scheduler::{Admission, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError};
+use crate::scheduler::{
+    Admission, Import, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError,
+};
 use crate::stop::StopChecker;
 use crate::tier_store::{TierError, TierStore};
 use crate::tokenizer::Tokenizer;
-use kvmesh_common::{BlockId, FinishReason, SamplingParams, SamplingParamsError, TokenId};
+use kvmesh_common::{
+    BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, TokenId,
+};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
@@ -84,6 +89,15 @@ impl SeqState {
             self.stop.push_text(&piece);
         }
     }
+}
+
+/// Cached KV read out for another node ([`LlmEngine::export_prefix`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExportedKv {
+    /// Leading blocks of the asked-for run that this engine held.
+    pub blocks: usize,
+    /// Per layer: those blocks' K and V in the transfer layout.
+    pub layers: Vec<Vec<u8>>,
 }
 
 /// How a sequence's prompt is computed.
@@ -282,8 +296,9 @@ impl<R: ModelRunner> LlmEngine<R> {
         self.last_step_tokens
     }
 
-    /// Writes KV received for a remote prefill into `blocks` (transfer layout; see
-    /// [`KvSource`]). Only blocks of a `RemoteAdmission` still awaiting KV may be written.
+    /// Writes KV received for a remote prefill or a pull into `blocks` (transfer layout; see
+    /// [`KvSource`]). Only blocks of a `RemoteAdmission` still awaiting KV, or of an
+    /// [`Import`], may be written.
     pub fn write_kv_blocks(
         &mut self,
         layers: Range<usize>,
@@ -291,6 +306,63 @@ impl<R: ModelRunner> LlmEngine<R> {
         payload: &[u8],
     ) -> Result<(), EngineError> {
         Ok(self.runner.write_kv_blocks(layers, blocks, payload)?)
+    }
+
+    /// Reserves blocks to pull `prompt`'s cached blocks, up to block `upto`, from another
+    /// node; see [`Scheduler::reserve_import`].
+    pub fn reserve_import(&mut self, prompt: &[TokenId], upto: usize) -> Option<Import> {
+        self.scheduler.reserve_import(prompt, upto)
+    }
+
+    /// Ends a pull whose first `arrived` blocks came whole; see [`Scheduler::finish_import`].
+    pub fn finish_import(&mut self, import: Import, arrived: usize) {
+        self.scheduler.finish_import(import, arrived)
+    }
+
+    /// The KV of the longest leading run of `hashes` this engine holds, in its pool or a
+    /// tier below, for another node to pull: one payload per layer, each the run's blocks in
+    /// order in the transfer layout. A lower-tier copy that cannot be read ends the run.
+    pub fn export_prefix(&self, hashes: &[SequenceHash]) -> Result<ExportedKv, EngineError> {
+        let pool = self.scheduler.pool();
+        let held: Vec<Held> = hashes.iter().map_while(|&h| pool.locate(h)).collect();
+        let mut copies = HashMap::new();
+        let mut blocks = held.len();
+        for (i, (&hash, place)) in hashes.iter().zip(&held).enumerate() {
+            let Held::Lower(tier) = *place else { continue };
+            match self.tiers.read(hash, tier) {
+                Ok(bytes) => {
+                    copies.insert(i, bytes);
+                }
+                Err(e) => {
+                    tracing::warn!("exporting cached KV: {e}; sending the blocks before it");
+                    blocks = i;
+                    break;
+                }
+            }
+        }
+        let shape = self.runner.kv_shape();
+        let per_layer = shape.block_bytes_per_layer();
+        let mut layers = vec![Vec::with_capacity(blocks * per_layer); shape.num_layers];
+        for (layer, out) in layers.iter_mut().enumerate() {
+            for (i, place) in held[..blocks].iter().enumerate() {
+                match place {
+                    Held::Device(block) => self.runner.read_kv_blocks(layer, &[*block], out)?,
+                    Held::Lower(_) => {
+                        let bytes = &copies[&i];
+                        let range = layer * per_layer..(layer + 1) * per_layer;
+                        let Some(slice) = bytes.get(range) else {
+                            return Err(RunnerError::KvPayloadSize {
+                                expected: shape.num_layers * per_layer,
+                                got: bytes.len(),
+                            }
+                            .into());
+                        };
+                        out.extend_from_slice(slice);
+                    }
+                }
+            }
+        }
+        Ok(ExportedKv { blocks, layers })
     }
 
     /// Ends a remote prefill whose KV arrived intact: appends `first`, the token the prefill

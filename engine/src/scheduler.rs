@@ -51,6 +51,7 @@
 //! `next_timeout` says when to call it again. Blocks that await KV are never registered in the
 //! prefix cache, so nothing ever reads partial or corrupt KV.
 
+mod import;
 mod sequence;
 
 use crate::block_pool::{BlockPool, TierMove};
@@ -60,6 +61,8 @@ use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
+
+pub use import::Import;
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {

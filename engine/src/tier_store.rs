@@ -32,6 +32,8 @@ pub enum TierError {
     Runner(#[from] RunnerError),
     #[error("disk tier: {0}")]
     Disk(String),
+    #[error("the host tier has no copy of block {0:?}")]
+    HostMissing(SequenceHash),
 }
 
 impl TierStore {
@@ -127,12 +129,20 @@ impl TierStore {
 
     /// Reads, checks and deletes `hash`'s file.
     fn take_file(&self, hash: SequenceHash) -> Result<Vec<u8>, TierError> {
+        let payload = self.read_file(hash);
+        if let Some(path) = self.path(hash) {
+            let _ = std::fs::remove_file(path);
+        }
+        payload
+    }
+
+    /// Reads and checks `hash`'s file.
+    fn read_file(&self, hash: SequenceHash) -> Result<Vec<u8>, TierError> {
         let path = self
             .path(hash)
             .ok_or_else(|| TierError::Disk("no disk tier directory".into()))?;
         let bad = |why: String| TierError::Disk(format!("{}: {why}", path.display()));
         let mut bytes = std::fs::read(&path).map_err(|e| bad(e.to_string()))?;
-        let _ = std::fs::remove_file(&path);
         if bytes.len() < HEADER || &bytes[..8] != MAGIC {
             return Err(bad("not a kvmesh KV block file".into()));
         }
@@ -142,6 +152,18 @@ impl TierStore {
             return Err(bad("checksum mismatch (corrupt file)".into()));
         }
         Ok(payload)
+    }
+
+    /// A copy of `hash`'s KV in `tier` (every layer, transfer layout), left in place.
+    pub fn read(&self, hash: SequenceHash, tier: Tier) -> Result<Vec<u8>, TierError> {
+        match tier {
+            Tier::Disk => self.read_file(hash),
+            _ => self
+                .host
+                .get(&hash)
+                .cloned()
+                .ok_or(TierError::HostMissing(hash)),
+        }
     }
 }
 

@@ -30,6 +30,10 @@ struct Families {
     transfer_seconds: HistogramVec,
     tier_blocks: IntGaugeVec,
     tier_promoted: IntCounterVec,
+    pulled_blocks: IntCounterVec,
+    pulled_bytes: IntCounterVec,
+    pull_failures: IntCounterVec,
+    exported_blocks: IntCounterVec,
 }
 
 fn register<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
@@ -95,6 +99,22 @@ fn families() -> &'static Families {
                 "Time from asking a prefill worker for a prompt to having all of its KV.",
                 latency,
             ),
+            pulled_blocks: counter(
+                names::WORKER_KV_PULLED_BLOCKS_TOTAL,
+                "Prefix blocks pulled from another node's cache instead of recomputed.",
+            ),
+            pulled_bytes: counter(
+                names::WORKER_KV_PULLED_BYTES_TOTAL,
+                "KV bytes pulled from other nodes' caches.",
+            ),
+            pull_failures: counter(
+                names::WORKER_KV_PULL_FAILURES_TOTAL,
+                "Pulls that fell back to recomputing the blocks.",
+            ),
+            exported_blocks: counter(
+                names::WORKER_KV_EXPORTED_BLOCKS_TOTAL,
+                "Cached blocks sent to other nodes that pulled them.",
+            ),
             tier_blocks: register(
                 IntGaugeVec::new(
                     Opts::new(
@@ -138,6 +158,10 @@ pub struct WorkerMetrics {
     pub preemptions: IntCounter,
     pub transfer_bytes: IntCounter,
     pub transfer_seconds: Histogram,
+    pub kv_pulled_blocks: IntCounter,
+    pub kv_pulled_bytes: IntCounter,
+    pub kv_pull_failures: IntCounter,
+    pub kv_exported_blocks: IntCounter,
     /// Per lower tier (host, disk): blocks held, and hits promoted from it.
     tiers: [(Tier, IntGauge, IntCounter); 2],
 }
@@ -159,6 +183,10 @@ impl WorkerMetrics {
             preemptions: f.preemptions.with_label_values(&l),
             transfer_bytes: f.transfer_bytes.with_label_values(&l),
             transfer_seconds: f.transfer_seconds.with_label_values(&l),
+            kv_pulled_blocks: f.pulled_blocks.with_label_values(&l),
+            kv_pulled_bytes: f.pulled_bytes.with_label_values(&l),
+            kv_pull_failures: f.pull_failures.with_label_values(&l),
+            kv_exported_blocks: f.exported_blocks.with_label_values(&l),
             tiers: LOWER_TIERS.map(|(tier, name)| {
                 let l = [node.as_str(), role, name];
                 (

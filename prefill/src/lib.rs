@@ -10,6 +10,8 @@
 //! requests, QUIC or RDMA for the KV) in the multi-process mesh.
 
 mod client;
+pub mod export;
+mod export_rpc;
 mod push;
 mod remote;
 mod request;
@@ -18,6 +20,10 @@ mod wire;
 mod worker;
 
 pub use client::{PrefillClient, PrefillTarget};
+pub use export::{
+    ExportDone, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource, KvExporter,
+};
+pub use export_rpc::{KvCacheService, RemoteExporter};
 pub use push::KvPush;
 pub use remote::RemotePrefill;
 pub use request::{

@@ -1,5 +1,6 @@
 //! The prefill worker thread and its handle.
 
+use crate::export::{ExportError, ExportJob, ExportReply, ExportRequest, KvExporter};
 use crate::push::KvPush;
 use crate::request::{
     CancelToken, KvDestination, PrefillDone, PrefillError, PrefillRequest, ReplyTo,
@@ -46,6 +47,8 @@ impl PrefillConfig {
 
 enum Inbox {
     Prefill(Box<(PrefillRequest, ReplyTo, Instant)>),
+    /// Served between two steps, ahead of queued prefills (see `crate::export`).
+    Export(Box<ExportJob>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
@@ -125,6 +128,22 @@ impl PrefillHandle {
     pub fn drain(&self) {
         self.shared.draining.store(true, Ordering::Release);
         let _ = self.inbox.try_send(Inbox::Wake);
+    }
+}
+
+impl KvExporter for PrefillHandle {
+    fn node_id(&self) -> NodeId {
+        PrefillHandle::node_id(self)
+    }
+
+    fn export(
+        &self,
+        request: ExportRequest,
+        reply: Sender<ExportReply>,
+    ) -> Result<(), ExportError> {
+        self.inbox
+            .try_send(Inbox::Export(Box::new(ExportJob { request, reply })))
+            .map_err(|_| ExportError::Unavailable)
     }
 }
 
@@ -269,9 +288,13 @@ impl<R: ModelRunner> Loop<R> {
         }
         // Requests that raced the drain or the stop.
         while let Ok(msg) = self.inbox.try_recv() {
-            if let Inbox::Prefill(job) = msg {
-                self.shared.queue.give_back();
-                job.1.send(Err(PrefillError::Unavailable));
+            match msg {
+                Inbox::Prefill(job) => {
+                    self.shared.queue.give_back();
+                    job.1.send(Err(PrefillError::Unavailable));
+                }
+                Inbox::Export(job) => job.refuse(),
+                Inbox::Wake | Inbox::Stop => {}
             }
         }
     }
@@ -291,6 +314,12 @@ impl<R: ModelRunner> Loop<R> {
             Inbox::Prefill(job) => {
                 let (req, reply, enqueued_at) = *job;
                 self.accept(req, reply, enqueued_at)
+            }
+            Inbox::Export(job) => {
+                let result = job.serve(&self.engine, &*self.transport, self.config.send_timeout);
+                if let Ok(done) = result {
+                    self.metrics.kv_exported_blocks.inc_by(done.blocks as u64);
+                }
             }
             Inbox::Wake => {}
             Inbox::Stop => return false,

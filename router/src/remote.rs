@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::metrics::metrics;
 use crate::routing::{lock, InFlight, Routing};
 use async_trait::async_trait;
-use kvmesh_common::grpc::{self, pb, tag_request, PrefillTarget};
+use kvmesh_common::grpc::{self, pb, tag_request, KvHolder, Placement, PrefillTarget};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
 use kvmesh_kvstore::{Discovery, NodeEntry};
@@ -174,14 +174,27 @@ impl Mesh {
                 .iter()
                 .find(|n| n.info.node_id == id)
                 .expect("chosen");
-            let target = route.prefill.and_then(|id| {
-                let node = prefill.iter().find(|n| n.info.node_id == id)?;
-                Some(PrefillTarget {
-                    node_id: id,
-                    address: node.info.address.clone(),
-                })
-            });
-            let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, target.as_ref()));
+            let address_of = |id: NodeId| {
+                let mut live = decode.iter().chain(&prefill);
+                live.find(|n| n.info.node_id == id)
+                    .map(|n| n.info.address.clone())
+            };
+            let placement = Placement {
+                prefill: route.prefill.and_then(|id| {
+                    Some(PrefillTarget {
+                        node_id: id,
+                        address: address_of(id)?,
+                    })
+                }),
+                pull: route.pull.and_then(|(id, blocks)| {
+                    Some(KvHolder {
+                        node_id: id,
+                        address: address_of(id)?,
+                        blocks,
+                    })
+                }),
+            };
+            let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, &placement));
             tag_request(&mut call, req.request_id);
             call.set_timeout(timeout);
             let in_flight = self.routing.track(id);

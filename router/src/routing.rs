@@ -4,7 +4,8 @@
 //! index and discovery are read from memory.
 
 use crate::policy::{
-    overlap_by_tier, should_prefill_remotely, DisaggConfig, RouteRequest, RoutingPolicy,
+    overlap_by_tier, pull_holder, should_prefill_remotely, DisaggConfig, RouteRequest,
+    RoutingPolicy,
 };
 use kvmesh_common::{BlockHasher, NodeId, TokenId};
 use kvmesh_kvstore::{NodeEntry, PrefixIndex};
@@ -19,6 +20,9 @@ pub struct Route {
     pub prefill: Option<NodeId>,
     /// Leading prompt tokens the decode node holds (by the index).
     pub cached_tokens: usize,
+    /// A node holding more of the prompt than the decode node, and how many leading blocks:
+    /// the decode node may pull them from there.
+    pub pull: Option<(NodeId, usize)>,
 }
 
 pub struct Routing {
@@ -68,8 +72,15 @@ impl Routing {
             overlap: &overlap,
         };
         let d = self.policy.select(&request(decode))?;
-        let cached_tokens = request(decode).overlap_of(d).total() * self.hasher.block_size;
-        let uncached = prompt.len().saturating_sub(cached_tokens);
+        let bs = self.hasher.block_size;
+        let cached_tokens = request(decode).overlap_of(d).total() * bs;
+        let min_pull = self.disaggregation.pull_min_blocks;
+        let pull = (min_pull > 0)
+            .then(|| pull_holder(decode.iter().chain(prefill), &overlap, d, min_pull))
+            .flatten();
+        // What a pull brings need not be prefilled anywhere.
+        let reusable = pull.map_or(cached_tokens, |(_, blocks)| blocks * bs);
+        let uncached = prompt.len().saturating_sub(reusable.max(cached_tokens));
         let none = HashMap::new();
         let remote = should_prefill_remotely(uncached, prefill, &none, &self.disaggregation);
         let p = if remote {
@@ -81,6 +92,7 @@ impl Routing {
             decode: d,
             prefill: p,
             cached_tokens,
+            pull,
         })
     }
 
@@ -169,6 +181,30 @@ mod tests {
         assert_eq!(second.decode, NodeId(2));
         assert_eq!(second.cached_tokens, 992);
         assert_eq!(second.prefill, None);
+        assert_eq!(second.pull, None);
+    }
+
+    #[test]
+    fn a_busy_holder_is_passed_over_and_named_to_pull_from() {
+        let index = Arc::new(InMemoryPrefixIndex::new());
+        let r = routing(index.clone());
+        let prompt: Vec<TokenId> = (0..1000).collect();
+        let hashes = BlockHasher::new(ModelFingerprint(7), 16).sequence_hashes(&prompt);
+        let stored: Vec<KvEvent> = hashes.iter().map(|h| KvEvent::Stored(*h)).collect();
+        index.apply(NodeId(1), &stored);
+        let mut busy = node(1, NodeRole::Decode);
+        busy.load.running = 20;
+        let decode = [busy, node(2, NodeRole::Decode)];
+        let prefill = [node(3, NodeRole::Prefill)];
+        let route = r.route(&prompt, &decode, &prefill).unwrap();
+        assert_eq!(
+            route.decode,
+            NodeId(2),
+            "the imbalance guard passes over node 1"
+        );
+        assert_eq!(route.pull, Some((NodeId(1), 62)));
+        // With the prefix pulled, only a short tail is left: no prefill node.
+        assert_eq!((route.cached_tokens, route.prefill), (0, None));
     }
 
     #[test]

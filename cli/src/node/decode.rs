@@ -1,6 +1,7 @@
 //! `kvmesh decode`: a decode node. Takes Generate calls from routers, has the prefill node
-//! they name compute the prompt (its KV arrives over QUIC on this node's port), decodes with
-//! continuous batching and streams tokens back.
+//! they name compute the prompt (its KV arrives over QUIC on this node's port), pulls cached
+//! prefixes from the node they name, decodes with continuous batching and streams tokens
+//! back. Serves its own cache to other nodes' pulls (`KvCache`).
 
 use super::engine_args::EngineArgs;
 use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
@@ -10,6 +11,7 @@ use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_kvstore::Discovery;
+use kvmesh_prefill::{KvCacheService, LearnPeer};
 use kvmesh_transfer::Transport;
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -58,14 +60,18 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         model_fingerprint: loaded.fingerprint.0,
         kv_blocks_total: handle.load().kv_blocks_total,
     };
+    let peers = network.clone();
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let prefill = Arc::new(
             PrefillDirectory::new(advertise, tls.clone(), Duration::from_secs(1))
-                .with_rdma(node_id, network),
+                .with_rdma(node_id, network.clone()),
         );
-        forget_departed_prefill_nodes(&discovery, prefill.clone());
-        let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server());
+        forget_departed_nodes(&discovery, prefill.clone());
+        let learn: LearnPeer = Arc::new(move |node, addr| peers.add_peer(node, addr));
+        let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn);
+        let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server())
+            .add_service(kv_cache.into_server());
         run_node(
             &args.mesh,
             tls.as_ref(),
@@ -81,18 +87,15 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     Ok(())
 }
 
-/// Drops connections to prefill nodes as they leave discovery.
-fn forget_departed_prefill_nodes(
-    discovery: &kvmesh_kvstore::EtcdDiscovery,
-    dir: Arc<PrefillDirectory>,
-) {
+/// Drops connections to nodes as they leave discovery.
+fn forget_departed_nodes(discovery: &kvmesh_kvstore::EtcdDiscovery, dir: Arc<PrefillDirectory>) {
     let discovery = discovery.clone();
     let mut changes = discovery.subscribe();
     tokio::spawn(async move {
         while changes.changed().await.is_ok() {
-            let alive: HashSet<_> = discovery
-                .nodes(NodeRole::Prefill)
-                .iter()
+            let alive: HashSet<_> = [NodeRole::Prefill, NodeRole::Decode]
+                .into_iter()
+                .flat_map(|role| discovery.nodes(role))
                 .map(|n| n.info.node_id)
                 .collect();
             dir.retain(&alive);

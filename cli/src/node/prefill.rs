@@ -1,5 +1,6 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
-//! their KV to the decode node that asked: over RDMA where both have it, else QUIC.
+//! their KV to the decode node that asked: over RDMA where both have it, else QUIC. Decode
+//! nodes may also pull prefixes it has cached (`KvCache`).
 
 use super::engine_args::EngineArgs;
 use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
@@ -7,7 +8,7 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::Transport;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -44,10 +45,11 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let worker =
         PrefillWorker::spawn(config, engine, transport).context("starting the prefill worker")?;
     let handle = worker.handle();
-    let learn = {
+    let learn: LearnPeer = {
         let network = network.clone();
         Arc::new(move |node, addr| network.add_peer(node, addr))
     };
+    let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn.clone());
     let service =
         PrefillService::new(handle.clone(), loaded.fingerprint.0, learn).with_rdma(network);
     let info = NodeInfo {
@@ -60,7 +62,8 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
-        let routes = tonic::service::Routes::new(service.into_server());
+        let routes =
+            tonic::service::Routes::new(service.into_server()).add_service(kv_cache.into_server());
         run_node(
             &args.mesh,
             tls.as_ref(),

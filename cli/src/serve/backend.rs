@@ -4,13 +4,14 @@
 
 use kvmesh_common::WorkerError;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
-use kvmesh_decode::{DecodeHandle, LocalMesh};
+use kvmesh_decode::{DecodeHandle, KvPull, LocalMesh};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
-use kvmesh_prefill::PrefillHandle;
+use kvmesh_prefill::{ExportSource, PrefillHandle};
 use kvmesh_router::routing::Routing;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 pub struct MeshBackend {
@@ -97,7 +98,14 @@ impl kvmesh_router::Backend for MeshBackend {
             .prefill
             .and_then(|id| self.prefill.get(&id))
             .map(|h| h.clone().into());
-        decode.generate(req, prefill)
+        let pull = route.pull.and_then(|(id, blocks)| {
+            let source: ExportSource = match self.decode.get(&id) {
+                Some(h) => Arc::new(h.clone()),
+                None => Arc::new(self.prefill.get(&id)?.clone()),
+            };
+            Some(KvPull { source, blocks })
+        });
+        decode.generate_pulling(req, prefill, pull)
     }
 
     fn is_ready(&self) -> bool {

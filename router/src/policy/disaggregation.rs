@@ -16,6 +16,9 @@ pub struct DisaggConfig {
     /// A prefill node with this many requests queued (waiting + this router's in flight)
     /// counts as busy. At least 1.
     pub prefill_busy_threshold: usize,
+    /// Name another node to pull cached prefix blocks from when it holds at least this many
+    /// more of the prompt than the chosen decode node (0: never pull).
+    pub pull_min_blocks: usize,
 }
 
 impl Default for DisaggConfig {
@@ -23,6 +26,8 @@ impl Default for DisaggConfig {
         DisaggConfig {
             local_prefill_max_tokens: 256,
             prefill_busy_threshold: 8,
+            // 64 tokens: below that a pull's round trip is about what recomputing costs.
+            pull_min_blocks: 4,
         }
     }
 }

@@ -6,7 +6,8 @@
 //! [`RoutingConfig`]; [`RoutingConfig::build`] makes the policy. Policies that need
 //! randomness or a counter keep it inside, seeded from the config so tests are reproducible.
 //!
-//! [`should_prefill_remotely`] is the disaggregation rule, pure in the same way.
+//! [`should_prefill_remotely`] is the disaggregation rule and [`pull_holder`] names where a
+//! decode node could pull a cached prefix from, pure in the same way.
 
 mod config;
 mod disaggregation;
@@ -14,6 +15,7 @@ mod kv_aware;
 mod least_loaded;
 mod overlap;
 mod power_of_two;
+mod pull;
 mod random;
 mod round_robin;
 #[cfg(test)]
@@ -25,6 +27,7 @@ pub use kv_aware::KvAware;
 pub use least_loaded::{least_loaded, least_loaded_with, LeastLoaded};
 pub use overlap::{overlap_by_tier, overlap_on_device, Overlap, Tier};
 pub use power_of_two::PowerOfTwo;
+pub use pull::pull_holder;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 

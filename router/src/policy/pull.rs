@@ -1,0 +1,73 @@
+//! Cross-node prefix reuse: when the chosen decode node holds less of the prompt than another
+//! live node, name that node so the decode node can pull the blocks instead of recomputing
+//! them. The decode node makes the final call from the transfer and prefill rates it has
+//! measured; this only says where the blocks are.
+
+use super::Overlap;
+use kvmesh_common::NodeId;
+use kvmesh_kvstore::NodeEntry;
+use std::collections::HashMap;
+
+/// The node among `holders` (live nodes of any role; `decode` itself is skipped) holding the
+/// longest cached prefix of the prompt, with that prefix in blocks, when it exceeds what
+/// `decode` holds by at least `min_blocks`. Ties go to the lowest node id, so that the choice
+/// is stable.
+pub fn pull_holder<'a>(
+    holders: impl IntoIterator<Item = &'a NodeEntry>,
+    overlap: &HashMap<NodeId, Overlap>,
+    decode: NodeId,
+    min_blocks: usize,
+) -> Option<(NodeId, usize)> {
+    let held = |id: NodeId| overlap.get(&id).map_or(0, Overlap::total);
+    let own = held(decode);
+    holders
+        .into_iter()
+        .map(|n| n.info.node_id)
+        .filter(|&id| id != decode)
+        .map(|id| (id, held(id)))
+        .filter(|&(_, blocks)| blocks >= own + min_blocks.max(1))
+        .max_by_key(|&(id, blocks)| (blocks, std::cmp::Reverse(id)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::testing::node;
+
+    fn overlap(pairs: &[(u64, usize)]) -> HashMap<NodeId, Overlap> {
+        pairs
+            .iter()
+            .map(|&(id, n)| (NodeId(id), Overlap::on_device(n)))
+            .collect()
+    }
+
+    #[test]
+    fn names_the_node_with_the_most_that_decode_lacks() {
+        let nodes = [node(1, 0, 0, 0), node(2, 9, 0, 0), node(3, 0, 0, 0)];
+        let o = overlap(&[(1, 2), (2, 62), (3, 40)]);
+        assert_eq!(pull_holder(&nodes, &o, NodeId(1), 4), Some((NodeId(2), 62)));
+        // The decode node's own cache is never a source.
+        assert_eq!(pull_holder(&nodes, &o, NodeId(2), 4), None);
+        // Equal holders: the lowest id.
+        let o = overlap(&[(2, 10), (3, 10)]);
+        assert_eq!(pull_holder(&nodes, &o, NodeId(1), 4), Some((NodeId(2), 10)));
+    }
+
+    #[test]
+    fn a_small_gain_or_an_unknown_node_is_not_worth_a_pull() {
+        let nodes = [node(1, 0, 0, 0), node(2, 0, 0, 0)];
+        assert_eq!(
+            pull_holder(&nodes, &overlap(&[(1, 10), (2, 13)]), NodeId(1), 4),
+            None
+        );
+        assert_eq!(
+            pull_holder(&nodes, &overlap(&[(1, 10), (2, 14)]), NodeId(1), 4),
+            Some((NodeId(2), 14))
+        );
+        // The index may still list a node that left: only live candidates count.
+        assert_eq!(
+            pull_holder(&nodes, &overlap(&[(9, 50)]), NodeId(1), 4),
+            None
+        );
+    }
+}
