@@ -1,0 +1,146 @@
+//! Pulling a cached prefix from another decode worker: the request is served from KV that
+//! node computed, with exactly the tokens of recomputing it; a holder that lacks the blocks
+//! or never answers costs a recompute, never a wrong or a lost request.
+
+mod common;
+
+use common::*;
+use crossbeam_channel::Sender;
+use kvmesh_common::metrics as names;
+use kvmesh_common::{NodeId, TokenId};
+use kvmesh_decode::{DecodeConfig, DecodeWorker, KvPull};
+use kvmesh_prefill::{ExportError, ExportReply, ExportRequest, KvExporter};
+use kvmesh_transfer::{InProcessTransport, Transport};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn worker(node: NodeId, transport: &Arc<dyn Transport>) -> DecodeWorker {
+    let config = DecodeConfig {
+        pull_timeout: Duration::from_secs(30),
+        ..DecodeConfig::new(node)
+    };
+    DecodeWorker::spawn(config, engine(), transport.clone()).unwrap()
+}
+
+fn transport() -> Arc<dyn Transport> {
+    Arc::new(InProcessTransport::new(64))
+}
+
+/// A 1,000-token shared prefix, then a tail of its own.
+fn shared_prefix_prompt(tail: usize) -> Vec<TokenId> {
+    let mut p = prompt(3, 1000);
+    p.extend(prompt(100 + tail, 24));
+    p
+}
+
+/// A decode worker's counter `name` (process-wide metrics, told apart by node).
+fn counter(name: &str, node: NodeId) -> u64 {
+    let node = node.to_string();
+    prometheus::gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == "node" && l.value() == node)
+        })
+        .map(|m| m.get_counter().get_value() as u64)
+        .sum()
+}
+
+#[test]
+fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
+    let t = transport();
+    let (a_id, b_id) = (NodeId(0x3000), NodeId(0x3001));
+    let (a, b) = (worker(a_id, &t), worker(b_id, &t));
+    let (a, b) = (a.handle(), b.handle());
+    let first = request(1, shared_prefix_prompt(1), 4);
+    collect(a.generate(first, None).unwrap());
+
+    // Node A keeps decoding for others while B pulls from it.
+    let busy: Vec<_> = (0..4)
+        .map(|i| {
+            a.generate(request(10 + i, prompt(20 + i as usize, 64), 1500), None)
+                .unwrap()
+        })
+        .collect();
+    let second = request(2, shared_prefix_prompt(2), 12);
+    let pull = KvPull {
+        source: Arc::new(a.clone()),
+        blocks: 62,
+    };
+    let (tokens, _, usage) = collect(
+        b.generate_pulling(second.clone(), None, Some(pull))
+            .unwrap(),
+    );
+    assert_eq!(tokens, reference(&second), "pulled KV changed the output");
+    assert!(usage.cached_tokens >= 992, "{usage:?}");
+    assert_eq!(counter(names::WORKER_KV_PULLED_BLOCKS_TOTAL, b_id), 62);
+    assert_eq!(counter(names::WORKER_KV_EXPORTED_BLOCKS_TOTAL, a_id), 62);
+    assert_eq!(counter(names::WORKER_KV_PULL_FAILURES_TOTAL, b_id), 0);
+    drop(busy);
+    // The prefix is now B's own: a third request finds it without pulling.
+    let third = request(3, shared_prefix_prompt(3), 4);
+    let (_, _, usage) = collect(b.generate(third, None).unwrap());
+    assert!(usage.cached_tokens >= 992, "{usage:?}");
+    wait_until_idle(|| b.load(), Duration::from_secs(30));
+}
+
+#[test]
+fn a_holder_without_the_prefix_costs_a_recompute() {
+    let t = transport();
+    let (a_id, b_id) = (NodeId(0x3100), NodeId(0x3101));
+    let (a, b) = (worker(a_id, &t), worker(b_id, &t));
+    let (a, b) = (a.handle(), b.handle());
+    let req = request(1, shared_prefix_prompt(1), 8);
+    let pull = KvPull {
+        source: Arc::new(a.clone()),
+        blocks: 62,
+    };
+    let (tokens, _, usage) = collect(b.generate_pulling(req.clone(), None, Some(pull)).unwrap());
+    assert_eq!(tokens, reference(&req));
+    assert_eq!(usage.cached_tokens, 0);
+    assert_eq!(counter(names::WORKER_KV_PULL_FAILURES_TOTAL, b_id), 1);
+    assert_eq!(counter(names::WORKER_KV_PULLED_BLOCKS_TOTAL, b_id), 0);
+    wait_until_idle(|| b.load(), Duration::from_secs(30));
+}
+
+/// A holder that takes pulls and never answers (a hung node).
+#[derive(Debug, Default)]
+struct Silent(Mutex<Vec<Sender<ExportReply>>>);
+
+impl KvExporter for Silent {
+    fn node_id(&self) -> NodeId {
+        NodeId(0x3299)
+    }
+
+    fn export(&self, _: ExportRequest, reply: Sender<ExportReply>) -> Result<(), ExportError> {
+        self.0.lock().unwrap().push(reply);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_pull_that_times_out_recomputes_and_releases_its_blocks() {
+    let t = transport();
+    let b_id = NodeId(0x3201);
+    let config = DecodeConfig {
+        pull_timeout: Duration::from_millis(200),
+        ..DecodeConfig::new(b_id)
+    };
+    let b = DecodeWorker::spawn(config, engine(), t).unwrap();
+    let b = b.handle();
+    let req = request(1, shared_prefix_prompt(1), 8);
+    let silent = Arc::new(Silent::default());
+    let pull = KvPull {
+        source: silent.clone(),
+        blocks: 62,
+    };
+    let (tokens, _, usage) = collect(b.generate_pulling(req.clone(), None, Some(pull)).unwrap());
+    assert_eq!(silent.0.lock().unwrap().len(), 1, "the holder was asked");
+    assert_eq!(tokens, reference(&req));
+    assert_eq!(usage.cached_tokens, 0);
+    assert_eq!(counter(names::WORKER_KV_PULL_FAILURES_TOTAL, b_id), 1);
+    wait_until_idle(|| b.load(), Duration::from_secs(30));
+}
