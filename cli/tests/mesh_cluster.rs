@@ -75,7 +75,8 @@ fn shared_prefix_prompt(tail: u32) -> Vec<u32> {
         .collect()
 }
 
-async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) {
+/// Returns the index of the decode node that holds the shared prefix.
+async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) -> usize {
     let index = EtcdPrefixIndex::connect(EtcdConfig {
         endpoints: vec![etcd.to_string()],
         cluster: "meshtest".into(),
@@ -135,6 +136,88 @@ async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) {
         after_first[holder] + 1,
         "the second request went elsewhere"
     );
+    holder
+}
+
+/// Requests for the shared prefix pile onto its holder until the router's imbalance guard
+/// passes it over; the one that goes to the other decode node pulls the prefix from the busy
+/// holder instead of recomputing it, and answers exactly as `kvmesh serve` does.
+fn pull_from_a_busy_holder(
+    rt: &tokio::runtime::Runtime,
+    router: SocketAddr,
+    serve: SocketAddr,
+    decode: &[SocketAddr; 2],
+    metrics: &[SocketAddr; 2],
+    holder: usize,
+) {
+    let other = 1 - holder;
+    let served = |i: usize| rt.block_on(requests_served(&decode[i].to_string(), NodeRole::Decode));
+    let body = |tail: u32| {
+        json!({"model": MODEL_NAME, "prompt": shared_prefix_prompt(tail), "max_tokens": 48,
+               "temperature": 0, "ignore_eos": true})
+    };
+    let pulled = |i: usize| {
+        metric_value(
+            &get(metrics[i], "/metrics"),
+            "kvmesh_worker_kv_pulled_blocks_total",
+        )
+    };
+    let pulled_before = pulled(other);
+    let other_before = served(other);
+    let before = served(0) + served(1);
+    let mut busy = Vec::new();
+    let mut landed = None;
+    for (k, tail) in (10..20).enumerate() {
+        let b = body(tail);
+        busy.push(std::thread::spawn(move || {
+            post(router, "/v1/completions", &b)
+        }));
+        // Wait until a decode node took it, so the router counts it before the next one.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while served(0) + served(1) <= before + k as u64 {
+            assert!(
+                Instant::now() < deadline,
+                "request {tail} was never accepted"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if served(other) > other_before {
+            landed = Some((tail, busy.len() - 1));
+            break;
+        }
+    }
+    let (tail, i) = landed.expect("the busy holder took every request");
+    assert!(
+        i >= 1,
+        "the first request for a held prefix went to its holder"
+    );
+    let results: Vec<(u16, Value)> = busy.into_iter().map(|t| t.join().unwrap()).collect();
+    let (status, v) = &results[i];
+    assert_eq!(*status, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 992, "the pulled prefix was not reused: {v}");
+    assert!(
+        pulled(other) >= pulled_before + 62.0,
+        "the other node did not pull the prefix"
+    );
+    let (status, reference) = post(serve, "/v1/completions", &body(tail));
+    assert_eq!(status, 200);
+    assert_eq!(
+        output_text("/v1/completions", v),
+        output_text("/v1/completions", &reference),
+        "pulled KV changed the output"
+    );
+}
+
+/// A metric's value in Prometheus text, summed over its label sets.
+fn metric_value(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 #[test]
@@ -153,7 +236,7 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
         .enumerate()
         .map(|(i, a)| Node::spawn(mesh_args("prefill", *a), log(&format!("prefill{i}"))))
         .collect();
-    let decode_metrics = free_addr("127.0.0.5");
+    let decode_metrics = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
     let decode: Vec<Node> = decode_addrs
         .iter()
         .enumerate()
@@ -161,9 +244,7 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
             let mut args = mesh_args("decode", *a);
             // Disaggregate every prompt of 32 tokens or more.
             args.extend(["--local-prefill-max-tokens".into(), "32".into()]);
-            if i == 0 {
-                args.extend(["--metrics-listen".into(), decode_metrics.to_string()]);
-            }
+            args.extend(["--metrics-listen".into(), decode_metrics[i].to_string()]);
             Node::spawn(args, log(&format!("decode{i}")))
         })
         .collect();
@@ -218,9 +299,17 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
 
     // Prefix reuse: a second prompt sharing a 1,000-token prefix goes to the decode node that
     // holds it and is served from its cache.
-    rt.block_on(prefix_reuse(&etcd.endpoint(), router_addr, &decode_addrs));
+    let holder = rt.block_on(prefix_reuse(&etcd.endpoint(), router_addr, &decode_addrs));
+    pull_from_a_busy_holder(
+        &rt,
+        router_addr,
+        serve_addr,
+        &decode_addrs,
+        &decode_metrics,
+        holder,
+    );
     // A node process exports its workers' and its prefix publishing's metrics.
-    let metrics = get(decode_metrics, "/metrics");
+    let metrics = get(decode_metrics[0], "/metrics");
     for name in [
         "kvmesh_worker_requests_running",
         "kvmesh_worker_prefix_cache_hit_tokens_total",
