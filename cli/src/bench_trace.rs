@@ -41,6 +41,9 @@ pub struct BenchTraceArgs {
     /// Replay against this router (http://HOST:PORT) instead of starting clusters.
     #[arg(long)]
     pub url: Option<String>,
+    /// The routers' `--pull-min-blocks` (0: no cross-node pulls).
+    #[arg(long)]
+    pub pull_min_blocks: Option<usize>,
     /// Compute threads per node process.
     #[arg(long, default_value_t = 1)]
     pub node_threads: usize,
@@ -144,7 +147,12 @@ impl Cluster {
         for ip in ["127.0.0.5", "127.0.0.6"] {
             spawn("decode", ip, &[])?;
         }
-        let router = spawn("router", "127.0.0.2", &["--routing-policy", policy])?;
+        let mut router_args = vec!["--routing-policy".to_string(), policy.to_string()];
+        if let Some(n) = args.pull_min_blocks {
+            router_args.extend(["--pull-min-blocks".to_string(), n.to_string()]);
+        }
+        let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
+        let router = spawn("router", "127.0.0.2", &router_args)?;
         let cluster = Cluster {
             children,
             router,

@@ -22,25 +22,27 @@ pub struct KvPull {
     pub blocks: usize,
 }
 
-/// Estimates whether pulling blocks is faster than recomputing them, from the transfer and
-/// prefill rates this node measured (priors until it has measured any).
+/// Estimates whether pulling blocks is faster than recomputing them: a pull costs a latency
+/// (the call's round trip, and the wait for the holder to finish its current engine step,
+/// which on a busy node dominates) plus its bytes at the link's rate; a recompute costs its
+/// tokens at this node's prefill rate. Latency and prefill rate are measured as the node
+/// works; the link's rate is a conservative prior (the latency absorbs any shortfall).
 #[derive(Clone, Debug)]
 pub(crate) struct PullCost {
-    transfer_bytes_per_s: f64,
+    latency_s: f64,
     prefill_tokens_per_s: f64,
 }
 
 /// Weight of the newest measurement in the moving averages.
 const EWMA: f64 = 0.2;
-/// A pull's fixed cost: the export call's round trip and the holder finishing its step.
-const PULL_SETUP: Duration = Duration::from_millis(5);
+/// Bytes per second assumed for the KV transport (QUIC measures several GB/s on loopback).
+const LINK_BYTES_PER_S: f64 = 1e9;
 
 impl Default for PullCost {
     fn default() -> Self {
-        // Conservative for a network (QUIC measures several GB/s on loopback) and about a
-        // small model's prefill on a few CPU cores; measurements replace both quickly.
+        // About a small model's prefill on a few CPU cores, and an idle holder next door.
         PullCost {
-            transfer_bytes_per_s: 500e6,
+            latency_s: 0.005,
             prefill_tokens_per_s: 4_000.0,
         }
     }
@@ -49,16 +51,20 @@ impl Default for PullCost {
 impl PullCost {
     /// Pulling `bytes` beats prefilling `tokens` here.
     pub fn worth_pulling(&self, bytes: usize, tokens: usize) -> bool {
-        let pull = PULL_SETUP.as_secs_f64() + bytes as f64 / self.transfer_bytes_per_s;
+        let pull = self.latency_s + bytes as f64 / LINK_BYTES_PER_S;
         let recompute = tokens as f64 / self.prefill_tokens_per_s;
         pull < recompute
     }
 
     /// A pull moved `bytes` in `elapsed` (from asking to having all of it).
     pub fn observe_pull(&mut self, bytes: u64, elapsed: Duration) {
-        if let Some(rate) = rate(bytes as f64, elapsed) {
-            self.transfer_bytes_per_s = ewma(self.transfer_bytes_per_s, rate);
-        }
+        let latency = (elapsed.as_secs_f64() - bytes as f64 / LINK_BYTES_PER_S).max(0.0);
+        self.latency_s = ewma(self.latency_s, latency);
+    }
+
+    /// A pull that failed or timed out after `elapsed`: as slow as that, at least.
+    pub fn observe_failed_pull(&mut self, elapsed: Duration) {
+        self.latency_s = ewma(self.latency_s, elapsed.as_secs_f64());
     }
 
     /// A step computed `tokens` tokens in `elapsed`; only prefill-sized steps say anything
@@ -110,29 +116,34 @@ mod tests {
     fn pulls_win_when_moving_bytes_is_faster_than_computing_tokens() {
         let mut c = PullCost::default();
         // 62 blocks of SmolLM2 KV (368,640 bytes each) against their 992 tokens.
-        assert!(c.worth_pulling(62 * 368_640, 992));
-        // A tiny pull is all setup cost.
+        let (bytes, tokens) = (62 * 368_640, 992);
+        assert!(c.worth_pulling(bytes, tokens));
+        // A tiny pull is all latency.
         assert!(!c.worth_pulling(368_640, 16));
-        // A very slow link loses, once measured.
-        for _ in 0..50 {
-            c.observe_pull(1_000_000, Duration::from_secs(1));
+        // Holders that keep the puller waiting (long steps) make pulls lose, once measured.
+        for _ in 0..30 {
+            c.observe_pull(bytes as u64, Duration::from_millis(900));
         }
-        assert!(!c.worth_pulling(62 * 368_640, 992));
+        assert!(!c.worth_pulling(bytes, tokens));
         // ... unless prefill is slower still.
-        for _ in 0..50 {
-            c.observe_step(100, Duration::from_secs(10));
+        for _ in 0..30 {
+            c.observe_step(100, Duration::from_secs(1));
         }
-        assert!(c.worth_pulling(62 * 368_640, 992));
+        assert!(c.worth_pulling(bytes, tokens));
+        // Failures count as slow pulls.
+        let mut c = PullCost::default();
+        for _ in 0..30 {
+            c.observe_failed_pull(Duration::from_secs(2));
+        }
+        assert!(!c.worth_pulling(bytes, tokens));
     }
 
     #[test]
-    fn decode_sized_steps_and_empty_measurements_change_nothing() {
+    fn decode_sized_and_empty_steps_say_nothing_of_the_prefill_rate() {
         let mut c = PullCost::default();
         let before = c.clone();
         c.observe_step(8, Duration::from_secs(100));
-        c.observe_pull(0, Duration::from_secs(1));
-        c.observe_pull(100, Duration::ZERO);
+        c.observe_step(100, Duration::ZERO);
         assert_eq!(c.prefill_tokens_per_s, before.prefill_tokens_per_s);
-        assert_eq!(c.transfer_bytes_per_s, before.transfer_bytes_per_s);
     }
 }

@@ -640,6 +640,7 @@ impl<R: ModelRunner> Loop<R> {
             self.pull_cost.observe_pull(bytes, p.started.elapsed());
         } else {
             self.metrics.kv_pull_failures.inc();
+            self.pull_cost.observe_failed_pull(p.started.elapsed());
         }
         self.kicked = true;
         self.admit(p.request);

@@ -365,6 +365,23 @@ impl BlockPool {
         Ok(true)
     }
 
+    /// Stops `block` being a prefix hit (its KV is not what its hash says), announcing it.
+    pub fn uncache(&mut self, block: BlockId) {
+        let id = block.0;
+        let Some(meta) = self.blocks.get_mut(id as usize) else {
+            return;
+        };
+        let Some(hash) = meta.hash.take() else {
+            return;
+        };
+        if meta.ref_count == 0 {
+            self.free_cached.remove(&mut self.blocks, id);
+            self.free_uncached.push_back(&mut self.blocks, id);
+        }
+        self.cached.remove(&hash);
+        self.record(TieredKvEvent::removed(Tier::Device, hash));
+    }
+
     /// Drops one reference from each block. Blocks reaching zero become free; cached ones stay
     /// prefix hits. Pass a sequence's blocks in order: they are released back to front, so a
     /// prefix's tail is evicted before its head (a head is shared by more prompts).

@@ -450,31 +450,42 @@ impl<R: ModelRunner> LlmEngine<R> {
         &mut self,
         on_layer: &mut (dyn FnMut(usize, &StepInput, &dyn KvSource) + Send),
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        let plan = self.scheduler.schedule();
-        // Before anything reuses a block the plan evicted, or reads one it promoted.
-        let moves = self.scheduler.drain_tier_moves();
-        match self.tiers.apply(moves, &mut self.runner) {
-            Ok(lost) => lost
-                .into_iter()
-                .for_each(|h| self.scheduler.forget_lower(h)),
-            Err(e) => {
-                self.scheduler.abort_step(plan);
-                return Err(e.into());
+        let mut admitted = Vec::new();
+        let mut remote_admitted = Vec::new();
+        let plan = loop {
+            let plan = self.scheduler.schedule();
+            admitted.extend_from_slice(&plan.admitted);
+            remote_admitted.extend_from_slice(&plan.remote_admitted);
+            // Before anything reuses a block the plan evicted, or reads one it promoted.
+            let moves = self.scheduler.drain_tier_moves();
+            let applied = self.tiers.apply(moves, &mut self.runner);
+            for hash in applied.lost {
+                self.scheduler.forget_lower(hash);
             }
-        }
+            if applied.failed.is_empty() {
+                break plan;
+            }
+            // A promoted block without its KV: the sequences that took it recompute instead,
+            // and the plan is made again without it.
+            let blocks: Vec<BlockId> = applied.failed.iter().map(|(b, _)| *b).collect();
+            let sent_back = self.scheduler.discard_blocks(&blocks);
+            admitted.retain(|a| !sent_back.contains(&a.seq_id));
+            remote_admitted.retain(|a| !sent_back.contains(&a.seq_id));
+            self.scheduler.abort_step(plan);
+        };
         self.last_step_tokens = plan.step.num_tokens();
-        self.admitted.clone_from(&plan.admitted);
-        self.remote_admitted.clone_from(&plan.remote_admitted);
-        for a in &plan.admitted {
+        for a in &admitted {
             if let Some(s) = self.seqs.get_mut(&a.seq_id) {
                 s.cached_tokens.get_or_insert(a.num_cached_tokens);
             }
         }
-        for a in &plan.remote_admitted {
+        for a in &remote_admitted {
             if let Some(s) = self.seqs.get_mut(&a.seq_id) {
                 s.cached_tokens.get_or_insert(a.num_cached_tokens);
             }
         }
+        self.admitted = admitted;
+        self.remote_admitted = remote_admitted;
         if plan.is_empty() {
             self.scheduler.abort_step(plan);
             return Ok(Vec::new());

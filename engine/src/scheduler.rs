@@ -51,6 +51,7 @@
 //! `next_timeout` says when to call it again. Blocks that await KV are never registered in the
 //! prefix cache, so nothing ever reads partial or corrupt KV.
 
+mod discard;
 mod import;
 mod sequence;
 

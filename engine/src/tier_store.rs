@@ -10,7 +10,7 @@
 use crate::block_pool::TierMove;
 use crate::runner::{ModelRunner, RunnerError};
 use kvmesh_common::kv_tier::Tier;
-use kvmesh_common::SequenceHash;
+use kvmesh_common::{BlockId, SequenceHash};
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -23,6 +23,15 @@ const HEADER: usize = 16;
 pub struct TierStore {
     host: HashMap<SequenceHash, Vec<u8>>,
     disk: Option<PathBuf>,
+}
+
+/// What `TierStore::apply` could not do.
+#[derive(Debug, Default)]
+pub struct Applied {
+    /// Copies that could not be kept: the pool must forget them.
+    pub lost: Vec<SequenceHash>,
+    /// Promoted blocks whose KV could not be brought back, and why.
+    pub failed: Vec<(BlockId, TierError)>,
 }
 
 /// Why a tier move failed.
@@ -59,39 +68,45 @@ impl TierStore {
     }
 
     /// Carries out `moves` in order; call before the runner reuses an offloaded block.
-    /// Returns the hashes whose copy could not be kept (a disk write failed): the pool must
-    /// forget them. A promotion that cannot read its copy fails the call.
-    pub fn apply(
-        &mut self,
-        moves: Vec<TierMove>,
-        runner: &mut impl ModelRunner,
-    ) -> Result<Vec<SequenceHash>, TierError> {
+    /// Never stops half way: a copy that cannot be kept (a failed disk write) is listed in
+    /// `lost`, which the pool must forget, and a promotion whose copy cannot be read back
+    /// (a corrupt or missing file) in `failed`, whose block holds no valid KV.
+    pub fn apply(&mut self, moves: Vec<TierMove>, runner: &mut impl ModelRunner) -> Applied {
         let layers = runner.kv_shape().num_layers;
-        let mut lost = Vec::new();
+        let mut applied = Applied::default();
         for m in moves {
             match m {
                 TierMove::Offload { hash, block } => {
                     let mut bytes = Vec::new();
-                    for layer in 0..layers {
-                        runner.read_kv_blocks(layer, &[block], &mut bytes)?;
+                    let read = (0..layers)
+                        .try_for_each(|layer| runner.read_kv_blocks(layer, &[block], &mut bytes));
+                    match read {
+                        Ok(()) => {
+                            self.host.insert(hash, bytes);
+                        }
+                        Err(e) => {
+                            tracing::warn!(%e, "host tier: cannot copy a block; forgetting it");
+                            applied.lost.push(hash);
+                        }
                     }
-                    self.host.insert(hash, bytes);
                 }
                 TierMove::Demote { hash } => {
                     let bytes = self.host.remove(&hash).unwrap_or_default();
                     if let Err(e) = self.write_file(hash, &bytes) {
                         tracing::warn!(%e, "disk tier: cannot keep a block; forgetting it");
-                        lost.push(hash);
+                        applied.lost.push(hash);
                     }
                 }
                 TierMove::Promote { hash, block, from } => {
-                    let bytes = match from {
-                        Tier::Disk => self.take_file(hash)?,
-                        // The pool promotes only what it offloaded; were the bytes missing,
-                        // the write's size check fails rather than using stale KV.
-                        _ => self.host.remove(&hash).unwrap_or_default(),
-                    };
-                    runner.write_kv_blocks(0..layers, &[block], &bytes)?;
+                    let copied = match from {
+                        Tier::Disk => self.take_file(hash),
+                        _ => self.host.remove(&hash).ok_or(TierError::HostMissing(hash)),
+                    }
+                    .and_then(|bytes| Ok(runner.write_kv_blocks(0..layers, &[block], &bytes)?));
+                    if let Err(e) = copied {
+                        tracing::warn!(%e, "a cached block cannot be brought back; recomputing it");
+                        applied.failed.push((block, e));
+                    }
                 }
                 TierMove::Drop { hash, tier } => match tier {
                     Tier::Disk => {
@@ -105,7 +120,7 @@ impl TierStore {
                 },
             }
         }
-        Ok(lost)
+        applied
     }
 
     fn path(&self, hash: SequenceHash) -> Option<PathBuf> {

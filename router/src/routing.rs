@@ -78,9 +78,9 @@ impl Routing {
         let pull = (min_pull > 0)
             .then(|| pull_holder(decode.iter().chain(prefill), &overlap, d, min_pull))
             .flatten();
-        // What a pull brings need not be prefilled anywhere.
-        let reusable = pull.map_or(cached_tokens, |(_, blocks)| blocks * bs);
-        let uncached = prompt.len().saturating_sub(reusable.max(cached_tokens));
+        // Planned as if the pull fails: the decode node skips the prefill node when, after
+        // the pull, little is left to compute.
+        let uncached = prompt.len().saturating_sub(cached_tokens);
         let none = HashMap::new();
         let remote = should_prefill_remotely(uncached, prefill, &none, &self.disaggregation);
         let p = if remote {
@@ -203,8 +203,8 @@ mod tests {
             "the imbalance guard passes over node 1"
         );
         assert_eq!(route.pull, Some((NodeId(1), 62)));
-        // With the prefix pulled, only a short tail is left: no prefill node.
-        assert_eq!((route.cached_tokens, route.prefill), (0, None));
+        // Should the pull fail, the prompt is long: a prefill node stands by.
+        assert_eq!((route.cached_tokens, route.prefill), (0, Some(NodeId(3))));
     }
 
     #[test]

@@ -37,6 +37,10 @@ pub struct RouterArgs {
     /// prefilled there, without a prefill node.
     #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS", default_value_t = DisaggConfig::default().local_prefill_max_tokens)]
     pub local_prefill_max_tokens: usize,
+    /// Name a node to pull cached prefix blocks from when it holds at least this many more
+    /// of the prompt than the chosen decode node (0: never pull).
+    #[arg(long, env = "KVMESH_PULL_MIN_BLOCKS", default_value_t = DisaggConfig::default().pull_min_blocks)]
+    pub pull_min_blocks: usize,
     /// How many times a request whose decode node fails mid-stream may move to another one
     /// (0: never; the client gets an error instead).
     #[arg(long, env = "KVMESH_MAX_MIGRATIONS", default_value_t = RemoteConfig::default().max_migrations)]
@@ -70,6 +74,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
             args.routing_policy.build(),
             DisaggConfig {
                 local_prefill_max_tokens: args.local_prefill_max_tokens,
+                pull_min_blocks: args.pull_min_blocks,
                 ..DisaggConfig::default()
             },
             Arc::new(index.clone()),
