@@ -1,6 +1,7 @@
 //! Time to first token of a long prompt prefilled on another process (its KV streamed over
 //! QUIC, layer by layer) against the same prompt prefilled locally on the decode node, and
-//! how much of the KV transfer hid behind the prefill's compute.
+//! how much of the KV transfer hid behind the prefill's compute; and of a prompt whose prefix
+//! another decode node has cached, pulled from there over QUIC instead of recomputed.
 //!
 //! The prefill side is a child process (`kvmesh bench prefill-node`, hidden): a prefill
 //! worker behind its gRPC service and a QUIC transport, no etcd. It prints its gRPC address
@@ -10,7 +11,7 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams};
-use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, KvPull};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::runner::ModelRunner;
 use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker, RemotePrefill};
@@ -36,6 +37,11 @@ pub struct TtftReport {
     pub disaggregated_ttft_s: f64,
     /// disaggregated / local (target: at most 1.05).
     pub ttft_ratio: f64,
+    /// Median TTFT with the prompt's prefix cached on another decode node and pulled from
+    /// there (`KvCache.Export`'s path, over QUIC); only the last block's tail is computed.
+    pub pulled_ttft_s: f64,
+    /// pulled / local: what a pull saves against recomputing.
+    pub pull_ratio: f64,
     /// How long the KV would take on its own at the measured QUIC rate.
     pub transfer_alone_s: f64,
     /// 1 - (extra TTFT of the disaggregated path) / transfer_alone, in [0, 1]: the share of
@@ -74,29 +80,52 @@ pub fn measure(
     let remote = runtime.block_on(RemotePrefill::connect(
         &prefill_addr,
         None,
-        transfer_address,
+        transfer_address.clone(),
         Duration::from_secs(5),
     ))?;
     let remote: kvmesh_prefill::PrefillTarget = Arc::new(remote);
+    // A second decode node on its own QUIC endpoint: it computes prompts the first pulls.
+    let holder_quic = QuicTransport::start(QuicConfig {
+        listen: LOOPBACK,
+        ..QuicConfig::default()
+    })?;
+    holder_quic.add_peer(handle.node_id(), transfer_address.parse()?);
+    let holder_engine = engine_config(prompt_tokens).llama_engine(&loaded)?;
+    let holder = DecodeWorker::spawn(
+        DecodeConfig::new(NodeId(0x201)),
+        holder_engine,
+        Arc::new(holder_quic),
+    )?;
+    let holder = holder.handle();
 
     let vocab = loaded.model.config.vocab_size as u32;
-    let (mut local, mut disagg) = (Vec::new(), Vec::new());
+    let (mut local, mut disagg, mut pulled) = (Vec::new(), Vec::new(), Vec::new());
     // One warm-up each way, not counted.
     for run in 0..=runs {
-        let l = ttft(&handle, prompt(2 * run, prompt_tokens, vocab), None)?;
+        let l = ttft(&handle, prompt(3 * run, prompt_tokens, vocab), None, None)?;
         let d = ttft(
             &handle,
-            prompt(2 * run + 1, prompt_tokens, vocab),
+            prompt(3 * run + 1, prompt_tokens, vocab),
             Some(remote.clone()),
+            None,
         )?;
+        let cached_elsewhere = prompt(3 * run + 2, prompt_tokens, vocab);
+        ttft(&holder, cached_elsewhere.clone(), None, None)?;
+        let pull = KvPull {
+            source: Arc::new(holder.clone()),
+            blocks: prompt_tokens / shape.block_size,
+        };
+        let p = ttft(&handle, cached_elsewhere, None, Some(pull))?;
         if run > 0 {
             local.push(l);
             disagg.push(d);
+            pulled.push(p);
         }
     }
     drop(child.stdin.take());
     let _ = child.wait();
     let (local_ttft_s, disaggregated_ttft_s) = (median(&mut local), median(&mut disagg));
+    let pulled_ttft_s = median(&mut pulled);
     let transfer_alone_s = kv_bytes as f64 / quic_bytes_per_s;
     let extra = (disaggregated_ttft_s - local_ttft_s).max(0.0);
     Ok(TtftReport {
@@ -105,6 +134,8 @@ pub fn measure(
         local_ttft_s,
         disaggregated_ttft_s,
         ttft_ratio: disaggregated_ttft_s / local_ttft_s,
+        pulled_ttft_s,
+        pull_ratio: pulled_ttft_s / local_ttft_s,
         transfer_alone_s,
         transfer_hidden_fraction: (1.0 - extra / transfer_alone_s).clamp(0.0, 1.0),
         runs,
@@ -130,6 +161,7 @@ fn ttft(
     handle: &DecodeHandle,
     prompt: Vec<u32>,
     prefill: Option<kvmesh_prefill::PrefillTarget>,
+    pull: Option<KvPull>,
 ) -> Result<f64> {
     let request = GenerateRequest {
         request_id: RequestId(rand::random()),
@@ -138,7 +170,7 @@ fn ttft(
         resume: Vec::new(),
     };
     let start = Instant::now();
-    let mut events = handle.generate(request, prefill)?;
+    let mut events = handle.generate_pulling(request, prefill, pull)?;
     match events.blocking_recv() {
         Some(GenerateEvent::Token(_)) => Ok(start.elapsed().as_secs_f64()),
         other => bail!("expected a first token, got {other:?}"),
@@ -263,6 +295,10 @@ pub fn run(cmd: &BenchTransferCommand) -> Result<()> {
         "transfer alone {:.1} ms; hidden behind compute: {:.0}%",
         ttft.transfer_alone_s * 1e3,
         ttft.transfer_hidden_fraction * 100.0
+    );
+    println!(
+        "TTFT with the prefix cached on another decode node and pulled: {:.3} s, {:.3} of local",
+        ttft.pulled_ttft_s, ttft.pull_ratio
     );
     Ok(())
 }

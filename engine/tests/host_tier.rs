@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::model;
-use kvmesh_common::{SamplingParams, TokenId};
+use common::run;
+use kvmesh_common::TokenId;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
@@ -31,33 +31,9 @@ fn engine_with(
 }
 
 fn prompt(topic: &str) -> Vec<TokenId> {
-    let (_, tokenizer) = model();
-    let text = format!("Here is a note about {topic}, written at some length. ").repeat(14)
-        + "Now summarize it.";
-    let ids = tokenizer.encode(&text, false).expect("encodes");
+    let ids = common::note_prompt(topic);
     assert!(ids.len() > 150 && ids.len() < 250, "{} tokens", ids.len());
     ids
-}
-
-/// Greedy tokens and the request's cached prompt tokens.
-fn run(e: &mut LlmEngine<LlamaRunner>, id: u64, prompt: &[TokenId]) -> (Vec<TokenId>, usize) {
-    let params = SamplingParams {
-        temperature: 0.0,
-        max_tokens: 8,
-        ..SamplingParams::default()
-    };
-    e.add_request(id, prompt.to_vec(), params, 0)
-        .expect("accepted");
-    let (mut tokens, mut cached) = (Vec::new(), 0);
-    loop {
-        for out in e.step().expect("step") {
-            cached = out.cached_tokens.unwrap_or(cached);
-            tokens.push(out.sampled.expect("a token").token);
-            if out.finish.is_some() {
-                return (tokens, cached);
-            }
-        }
-    }
 }
 
 #[test]

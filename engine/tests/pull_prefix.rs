@@ -5,8 +5,8 @@
 
 mod common;
 
-use common::model;
-use kvmesh_common::{BlockHasher, ModelFingerprint, SamplingParams, TokenId};
+use common::run;
+use kvmesh_common::{BlockHasher, ModelFingerprint, TokenId};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
@@ -20,26 +20,7 @@ fn engine(num_blocks: usize, host_tier_blocks: usize) -> LlmEngine<LlamaRunner> 
 }
 
 fn prompt(topic: &str) -> Vec<TokenId> {
-    let (_, tokenizer) = model();
-    let text = format!("Here is a note about {topic}, written at some length. ").repeat(14)
-        + "Now summarize it.";
-    tokenizer.encode(&text, false).expect("encodes")
-}
-
-/// Greedy tokens and the request's cached prompt tokens.
-fn run(e: &mut LlmEngine<LlamaRunner>, id: u64, prompt: &[TokenId]) -> (Vec<TokenId>, usize) {
-    e.add_request(id, prompt.to_vec(), SamplingParams::greedy(8), 0)
-        .expect("accepted");
-    let (mut tokens, mut cached) = (Vec::new(), 0);
-    loop {
-        for out in e.step().expect("step") {
-            cached = out.cached_tokens.unwrap_or(cached);
-            tokens.push(out.sampled.expect("a token").token);
-            if out.finish.is_some() {
-                return (tokens, cached);
-            }
-        }
-    }
+    common::note_prompt(topic)
 }
 
 /// Pulls `prompt`'s blocks from `holder` into `puller`; returns how many arrived.

@@ -47,3 +47,36 @@ pub fn engine(
     };
     config.llama_engine(&loaded).expect("engine")
 }
+
+/// A prompt of about 200 tokens: a note about `topic` repeated, then a request.
+pub fn note_prompt(topic: &str) -> Vec<kvmesh_common::TokenId> {
+    let (_, tokenizer) = model();
+    let text = format!("Here is a note about {topic}, written at some length. ").repeat(14)
+        + "Now summarize it.";
+    tokenizer.encode(&text, false).expect("encodes")
+}
+
+/// Runs `prompt` greedily for 8 tokens: the tokens and the request's cached prompt tokens.
+pub fn run<R: kvmesh_engine::runner::ModelRunner>(
+    e: &mut kvmesh_engine::llm_engine::LlmEngine<R>,
+    id: u64,
+    prompt: &[kvmesh_common::TokenId],
+) -> (Vec<kvmesh_common::TokenId>, usize) {
+    e.add_request(
+        id,
+        prompt.to_vec(),
+        kvmesh_common::SamplingParams::greedy(8),
+        0,
+    )
+    .expect("accepted");
+    let (mut tokens, mut cached) = (Vec::new(), 0);
+    loop {
+        for out in e.step().expect("step") {
+            cached = out.cached_tokens.unwrap_or(cached);
+            tokens.push(out.sampled.expect("a token").token);
+            if out.finish.is_some() {
+                return (tokens, cached);
+            }
+        }
+    }
+}
