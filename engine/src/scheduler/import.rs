@@ -27,7 +27,7 @@ impl Scheduler {
     /// Reserves blocks to pull `prompt`'s blocks from after this pool's cached prefix up to
     /// block `upto` (at most as many as admission would use, leaving one token to compute).
     /// `None` when that leaves nothing to pull, prefix caching is off, or too few blocks are
-    /// free (a pull must never take blocks from running sequences).
+    /// free (a pull must never cost a running sequence its room to grow).
     pub fn reserve_import(&mut self, prompt: &[TokenId], upto: usize) -> Option<Import> {
         if !self.config.enable_prefix_caching || prompt.is_empty() {
             return None;
@@ -39,11 +39,14 @@ impl Scheduler {
         if end <= first {
             return None;
         }
-        self.pool.take(&hits).expect("hits are pool blocks");
-        let Some(blocks) = self.pool.allocate(end - first) else {
-            self.pool.free(&hits).expect("taken above");
+        // Leave every admitted sequence a block to grow into, or the next step would
+        // preempt one of them to make room for a cache fill.
+        let headroom = self.running.len() + self.awaiting_kv.len();
+        if self.pool.num_free() < end - first + headroom + self.revived(&hits) {
             return None;
-        };
+        }
+        self.pool.take(&hits).expect("hits are pool blocks");
+        let blocks = self.pool.allocate(end - first).expect("checked num_free");
         Some(Import {
             first,
             hashes: hashes[first..end].to_vec(),
