@@ -7,7 +7,9 @@
 //! any thread) submit `GenerateRequest`s and read the worker's load; each request's events
 //! stream back on its own channel. KV arrives through a `kvmesh_transfer::Transport`; every
 //! chunk is verified before it is written, and a transfer that fails, is corrupt, or misses
-//! its deadline is recomputed locally. [`LocalMesh`] wires N prefill and M decode workers of
+//! its deadline is recomputed locally. A request may first pull its cached prefix from
+//! another node ([`KvPull`]) when that beats recomputing it; the worker also serves its own
+//! cache to other nodes' pulls. [`LocalMesh`] wires N prefill and M decode workers of
 //! one process over the in-process transport (`kvmesh serve`).
 
 mod config;

@@ -111,7 +111,7 @@ impl DecodeHandle {
     }
 
     /// `generate`, first pulling the prompt's cached prefix from `pull`'s node when that is
-    /// cheaper than recomputing it (see [`crate::pull`]); whatever is not pulled is prefilled
+    /// cheaper than recomputing it (see the `pull` module); whatever is not pulled is prefilled
     /// as `generate` would.
     pub fn generate_pulling(
         &self,
