@@ -1,6 +1,7 @@
 //! The router's `Backend` over the in-process workers: registers them in the in-memory
 //! discovery, refreshes their load on each request and routes with the router's policy over
-//! the in-memory prefix index the workers feed.
+//! the in-memory prefix index the workers feed, counting each request on its worker until
+//! its stream ends.
 
 use kvmesh_common::WorkerError;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
@@ -105,7 +106,27 @@ impl kvmesh_router::Backend for MeshBackend {
             };
             Some(KvPull { source, blocks })
         });
-        decode.generate_pulling(req, prefill, pull)
+        // Counted on its node until its stream ends: load reports lag a burst, and without
+        // this every request of the burst would see the same idle node.
+        let in_flight = self.routing.track(route.decode);
+        let mut events = decode.generate_pulling(req, prefill, pull)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let _in_flight = in_flight;
+            loop {
+                tokio::select! {
+                    event = events.recv() => {
+                        let Some(e) = event else { break };
+                        if tx.send(e).is_err() {
+                            break;
+                        }
+                    }
+                    // The client left: dropping `events` cancels the request on the worker.
+                    () = tx.closed() => break,
+                }
+            }
+        });
+        Ok(rx)
     }
 
     fn is_ready(&self) -> bool {
