@@ -10,6 +10,7 @@
 //! prefill node). A failed pull costs only the wait: the request recomputes.
 
 use crate::incoming::IncomingTransfer;
+use crate::worker::Submission;
 use kvmesh_common::RequestId;
 use kvmesh_engine::scheduler::Import;
 use kvmesh_prefill::ExportSource;
@@ -89,10 +90,9 @@ fn ewma(old: f64, new: f64) -> f64 {
     old + EWMA * (new - old)
 }
 
-/// One pull in flight, and the request waiting for it (`R`: the worker's submission).
-pub(crate) struct PendingPull<R> {
-    pub request: R,
-    pub request_id: RequestId,
+/// One pull in flight, and the request waiting for it.
+pub(crate) struct PendingPull {
+    pub request: Submission,
     pub import: Import,
     pub incoming: IncomingTransfer,
     /// Blocks the holder says it sent, once its reply is in.
@@ -101,7 +101,11 @@ pub(crate) struct PendingPull<R> {
     pub deadline: Instant,
 }
 
-impl<R> PendingPull<R> {
+impl PendingPull {
+    pub fn request_id(&self) -> RequestId {
+        self.request.request.request_id
+    }
+
     /// The holder replied and every layer of the blocks it sent is here.
     pub fn is_complete(&self) -> bool {
         self.sent.is_some_and(|n| self.incoming.is_complete_upto(n))

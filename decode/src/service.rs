@@ -7,7 +7,7 @@ use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{PrefillClient, PrefillTarget, RemoteExporter, RemotePrefill};
+use kvmesh_prefill::{ExportSource, PrefillClient, PrefillTarget, RemoteExporter, RemotePrefill};
 use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
@@ -26,7 +26,7 @@ pub struct PrefillDirectory {
     tls: Option<ClusterTls>,
     connect_timeout: Duration,
     clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
-    holders: Mutex<HashMap<NodeId, (String, RemoteExporter)>>,
+    holders: Mutex<HashMap<NodeId, (String, ExportSource)>>,
     /// This node and its transport, when it has RDMA to offer prefill nodes.
     rdma: Option<(NodeId, Arc<NetworkTransport>)>,
 }
@@ -127,9 +127,10 @@ impl PrefillDirectory {
         let mut holders = lock(&self.holders);
         let known = holders
             .get(&holder.node_id)
-            .filter(|(address, _)| *address == holder.address);
-        let client = match known {
-            Some((_, client)) => client.clone(),
+            .filter(|(address, _)| *address == holder.address)
+            .map(|(_, source)| source.clone());
+        let source = match known {
+            Some(source) => source,
             None => {
                 let client = RemoteExporter::new(
                     holder.node_id,
@@ -138,19 +139,19 @@ impl PrefillDirectory {
                     self.transfer_address.clone(),
                     self.connect_timeout,
                 );
-                let client = match client {
-                    Ok(c) => c,
+                let source: ExportSource = match client {
+                    Ok(c) => Arc::new(c),
                     Err(e) => {
                         tracing::warn!(node = %holder.node_id, "{e}; not pulling from it");
                         return None;
                     }
                 };
-                holders.insert(holder.node_id, (holder.address.clone(), client.clone()));
-                client
+                holders.insert(holder.node_id, (holder.address.clone(), source.clone()));
+                source
             }
         };
         Some(KvPull {
-            source: Arc::new(client),
+            source,
             blocks: holder.blocks,
         })
     }

@@ -37,11 +37,11 @@ pub enum DecodeError {
     Spawn(#[from] std::io::Error),
 }
 
-struct Submission {
-    request: GenerateRequest,
+pub(crate) struct Submission {
+    pub(crate) request: GenerateRequest,
     prefill: Option<PrefillTarget>,
     pull: Option<KvPull>,
-    events: UnboundedSender<GenerateEvent>,
+    pub(crate) events: UnboundedSender<GenerateEvent>,
     enqueued_at: Instant,
 }
 
@@ -202,9 +202,7 @@ impl KvExporter for DecodeHandle {
         request: ExportRequest,
         reply: Sender<ExportReply>,
     ) -> Result<(), ExportError> {
-        self.inbox
-            .try_send(Inbox::Export(Box::new(ExportJob { request, reply })))
-            .map_err(|_| ExportError::Unavailable)
+        ExportJob::queue(&self.inbox, Inbox::Export, request, reply)
     }
 }
 
@@ -357,7 +355,7 @@ struct Loop<R: ModelRunner> {
     export_reply_tx: Sender<ExportReply>,
     export_reply_rx: Receiver<ExportReply>,
     /// Requests waiting for their prefix to be pulled, by the pull's transfer id.
-    pulls: HashMap<RequestId, PendingPull<Submission>>,
+    pulls: HashMap<RequestId, PendingPull>,
     pull_cost: PullCost,
     shared: Arc<Shared>,
     active: HashMap<SeqId, Active>,
@@ -416,10 +414,10 @@ impl<R: ModelRunner> Loop<R> {
                 Inbox::Wake | Inbox::Stop => {}
             }
         }
-        for (_, p) in self.pulls.drain() {
-            self.engine.finish_import(p.import, 0);
-            self.shared.queue.give_back();
-            let _ = p.request.events.send(GenerateEvent::Error(stopped()));
+        let pulls: Vec<PendingPull> = self.pulls.drain().map(|(_, p)| p).collect();
+        for p in pulls {
+            let events = self.abandon_pull(p);
+            let _ = events.send(GenerateEvent::Error(stopped()));
         }
         let ids: Vec<SeqId> = self.active.keys().copied().collect();
         for seq_id in ids {
@@ -506,7 +504,7 @@ impl<R: ModelRunner> Loop<R> {
 
     fn accept(&mut self, submission: Submission) {
         let request_id = submission.request.request_id;
-        let pulling = self.pulls.values().any(|p| p.request_id == request_id);
+        let pulling = self.pulls.values().any(|p| p.request_id() == request_id);
         if pulling || self.by_request.contains_key(&request_id) {
             self.shared.queue.give_back();
             let e = WorkerError::InvalidRequest(format!("request {request_id} is already running"));
@@ -525,23 +523,19 @@ impl<R: ModelRunner> Loop<R> {
         let Some(pull) = s.pull.take() else {
             return Some(s);
         };
-        let prompt = &s.request.prompt;
         if !s.request.resume.is_empty() || pull.source.node_id() == self.config.node_id {
             return Some(s);
         }
         let shape = self.kv_shape;
-        let held = self.engine.scheduler().probe_prefix(prompt) / shape.block_size;
-        let upto = pull.blocks.min((prompt.len() - 1) / shape.block_size);
-        let blocks = upto.saturating_sub(held);
-        let bytes = blocks * shape.block_bytes_per_layer() * shape.num_layers;
-        if blocks == 0
-            || !self
-                .pull_cost
-                .worth_pulling(bytes, blocks * shape.block_size)
-        {
-            return Some(s);
-        }
-        let Some(import) = self.engine.reserve_import(prompt, upto) else {
+        let cost = &self.pull_cost;
+        let worth = |blocks: usize| {
+            let bytes = blocks * shape.block_bytes_per_layer() * shape.num_layers;
+            cost.worth_pulling(bytes, blocks * shape.block_size)
+        };
+        let Some(import) = self
+            .engine
+            .reserve_import(&s.request.prompt, pull.blocks, worth)
+        else {
             return Some(s);
         };
         let transfer_id = RequestId(rand::random());
@@ -563,7 +557,6 @@ impl<R: ModelRunner> Loop<R> {
         self.pulls.insert(
             transfer_id,
             PendingPull {
-                request_id: s.request.request_id,
                 incoming: IncomingTransfer::new(transfer_id, &shape, &import.blocks),
                 import,
                 request: s,
@@ -586,11 +579,11 @@ impl<R: ModelRunner> Loop<R> {
                 self.try_finish_pull(id);
             }
             Ok(done) => {
-                tracing::warn!(request_id = %p.request_id, "the holder claims {} blocks of {} asked for; recomputing", done.blocks, p.import.blocks.len());
+                tracing::warn!(request_id = %p.request_id(), "the holder claims {} blocks of {} asked for; recomputing", done.blocks, p.import.blocks.len());
                 self.end_pull(id, 0);
             }
             Err(e) => {
-                tracing::info!(request_id = %p.request_id, "pull failed: {e}; recomputing");
+                tracing::info!(request_id = %p.request_id(), "pull failed: {e}; recomputing");
                 self.end_pull(id, 0);
             }
         }
@@ -602,7 +595,7 @@ impl<R: ModelRunner> Loop<R> {
             return;
         };
         if let Err(e) = p.incoming.check(&chunk) {
-            tracing::warn!(request_id = %p.request_id, "refusing pulled KV: {e}; recomputing");
+            tracing::warn!(request_id = %p.request_id(), "refusing pulled KV: {e}; recomputing");
             return self.end_pull(id, 0);
         }
         let h = &chunk.header;
@@ -610,7 +603,7 @@ impl<R: ModelRunner> Loop<R> {
             .engine
             .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
         {
-            tracing::warn!(request_id = %p.request_id, "writing pulled KV: {e}; recomputing");
+            tracing::warn!(request_id = %p.request_id(), "writing pulled KV: {e}; recomputing");
             return self.end_pull(id, 0);
         }
         p.incoming.record(&chunk);
@@ -644,6 +637,14 @@ impl<R: ModelRunner> Loop<R> {
         }
         self.kicked = true;
         self.admit(p.request);
+    }
+
+    /// Drops a pull whose request will not be served here (its client left, or the worker
+    /// stops): releases its blocks and queue slot; returns where the request's events go.
+    fn abandon_pull(&mut self, p: PendingPull) -> UnboundedSender<GenerateEvent> {
+        self.engine.finish_import(p.import, 0);
+        self.shared.queue.give_back();
+        p.request.events
     }
 
     /// Pulls that ran out of time: their requests recompute.
@@ -874,8 +875,7 @@ impl<R: ModelRunner> Loop<R> {
             .collect();
         for id in gone {
             let p = self.pulls.remove(&id).expect("listed");
-            self.engine.finish_import(p.import, 0);
-            self.shared.queue.give_back();
+            self.abandon_pull(p);
         }
     }
 

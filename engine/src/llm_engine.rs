@@ -309,9 +309,14 @@ impl<R: ModelRunner> LlmEngine<R> {
     }
 
     /// Reserves blocks to pull `prompt`'s cached blocks, up to block `upto`, from another
-    /// node; see [`Scheduler::reserve_import`].
-    pub fn reserve_import(&mut self, prompt: &[TokenId], upto: usize) -> Option<Import> {
-        self.scheduler.reserve_import(prompt, upto)
+    /// node when `worth(n)` says pulling `n` blocks pays; see [`Scheduler::reserve_import`].
+    pub fn reserve_import(
+        &mut self,
+        prompt: &[TokenId],
+        upto: usize,
+        worth: impl FnOnce(usize) -> bool,
+    ) -> Option<Import> {
+        self.scheduler.reserve_import(prompt, upto, worth)
     }
 
     /// Ends a pull whose first `arrived` blocks came whole; see [`Scheduler::finish_import`].
@@ -323,32 +328,36 @@ impl<R: ModelRunner> LlmEngine<R> {
     /// tier below, for another node to pull: one payload per layer, each the run's blocks in
     /// order in the transfer layout. A lower-tier copy that cannot be read ends the run.
     pub fn export_prefix(&self, hashes: &[SequenceHash]) -> Result<ExportedKv, EngineError> {
+        /// Where one block's KV is read from.
+        enum Source {
+            Pool(BlockId),
+            /// A lower tier's copy: every layer, in the transfer layout.
+            Copy(Vec<u8>),
+        }
         let pool = self.scheduler.pool();
-        let held: Vec<Held> = hashes.iter().map_while(|&h| pool.locate(h)).collect();
-        let mut copies = HashMap::new();
-        let mut blocks = held.len();
-        for (i, (&hash, place)) in hashes.iter().zip(&held).enumerate() {
-            let Held::Lower(tier) = *place else { continue };
-            match self.tiers.read(hash, tier) {
-                Ok(bytes) => {
-                    copies.insert(i, bytes);
-                }
-                Err(e) => {
-                    tracing::warn!("exporting cached KV: {e}; sending the blocks before it");
-                    blocks = i;
-                    break;
-                }
-            }
+        let mut sources = Vec::new();
+        for &hash in hashes {
+            let source = match pool.locate(hash) {
+                None => break,
+                Some(Held::Device(block)) => Source::Pool(block),
+                Some(Held::Lower(tier)) => match self.tiers.read(hash, tier) {
+                    Ok(bytes) => Source::Copy(bytes),
+                    Err(e) => {
+                        tracing::warn!("exporting cached KV: {e}; sending the blocks before it");
+                        break;
+                    }
+                },
+            };
+            sources.push(source);
         }
         let shape = self.runner.kv_shape();
         let per_layer = shape.block_bytes_per_layer();
-        let mut layers = vec![Vec::with_capacity(blocks * per_layer); shape.num_layers];
+        let mut layers = vec![Vec::with_capacity(sources.len() * per_layer); shape.num_layers];
         for (layer, out) in layers.iter_mut().enumerate() {
-            for (i, place) in held[..blocks].iter().enumerate() {
-                match place {
-                    Held::Device(block) => self.runner.read_kv_blocks(layer, &[*block], out)?,
-                    Held::Lower(_) => {
-                        let bytes = &copies[&i];
+            for source in &sources {
+                match source {
+                    Source::Pool(block) => self.runner.read_kv_blocks(layer, &[*block], out)?,
+                    Source::Copy(bytes) => {
                         let range = layer * per_layer..(layer + 1) * per_layer;
                         let Some(slice) = bytes.get(range) else {
                             return Err(RunnerError::KvPayloadSize {
@@ -362,7 +371,10 @@ impl<R: ModelRunner> LlmEngine<R> {
                 }
             }
         }
-        Ok(ExportedKv { blocks, layers })
+        Ok(ExportedKv {
+            blocks: sources.len(),
+            layers,
+        })
     }
 
     /// Ends a remote prefill whose KV arrived intact: appends `first`, the token the prefill
@@ -450,12 +462,13 @@ impl<R: ModelRunner> LlmEngine<R> {
         &mut self,
         on_layer: &mut (dyn FnMut(usize, &StepInput, &dyn KvSource) + Send),
     ) -> Result<Vec<SeqOutput>, EngineError> {
-        let mut admitted = Vec::new();
-        let mut remote_admitted = Vec::new();
+        self.admitted.clear();
+        self.remote_admitted.clear();
         let plan = loop {
             let plan = self.scheduler.schedule();
-            admitted.extend_from_slice(&plan.admitted);
-            remote_admitted.extend_from_slice(&plan.remote_admitted);
+            self.admitted.extend_from_slice(&plan.admitted);
+            self.remote_admitted
+                .extend_from_slice(&plan.remote_admitted);
             // Before anything reuses a block the plan evicted, or reads one it promoted.
             let moves = self.scheduler.drain_tier_moves();
             let applied = self.tiers.apply(moves, &mut self.runner);
@@ -469,23 +482,22 @@ impl<R: ModelRunner> LlmEngine<R> {
             // and the plan is made again without it.
             let blocks: Vec<BlockId> = applied.failed.iter().map(|(b, _)| *b).collect();
             let sent_back = self.scheduler.discard_blocks(&blocks);
-            admitted.retain(|a| !sent_back.contains(&a.seq_id));
-            remote_admitted.retain(|a| !sent_back.contains(&a.seq_id));
+            self.admitted.retain(|a| !sent_back.contains(&a.seq_id));
+            self.remote_admitted
+                .retain(|a| !sent_back.contains(&a.seq_id));
             self.scheduler.abort_step(plan);
         };
         self.last_step_tokens = plan.step.num_tokens();
-        for a in &admitted {
+        for a in &self.admitted {
             if let Some(s) = self.seqs.get_mut(&a.seq_id) {
                 s.cached_tokens.get_or_insert(a.num_cached_tokens);
             }
         }
-        for a in &remote_admitted {
+        for a in &self.remote_admitted {
             if let Some(s) = self.seqs.get_mut(&a.seq_id) {
                 s.cached_tokens.get_or_insert(a.num_cached_tokens);
             }
         }
-        self.admitted = admitted;
-        self.remote_admitted = remote_admitted;
         if plan.is_empty() {
             self.scheduler.abort_step(plan);
             return Ok(Vec::new());

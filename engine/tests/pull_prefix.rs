@@ -30,7 +30,7 @@ fn pull(
     prompt: &[TokenId],
 ) -> usize {
     let import = puller
-        .reserve_import(prompt, usize::MAX)
+        .reserve_import(prompt, usize::MAX, |_| true)
         .expect("blocks to pull");
     let kv = holder.export_prefix(&import.hashes).expect("export");
     for (layer, payload) in kv.layers.iter().enumerate() {
@@ -63,7 +63,9 @@ fn a_pulled_prefix_serves_the_prompt_with_the_computed_output() {
     assert_eq!(served, computed, "pulled KV changed the output");
 
     // Nothing more to pull once it is cached here.
-    assert!(puller.reserve_import(&rivers, usize::MAX).is_none());
+    assert!(puller
+        .reserve_import(&rivers, usize::MAX, |_| true)
+        .is_none());
 }
 
 #[test]
@@ -93,7 +95,9 @@ fn a_holder_sends_what_it_has_from_its_host_tier_and_stops_at_the_first_gap() {
 fn a_failed_pull_leaves_nothing_cached_and_no_block_held() {
     let rivers = prompt("rivers");
     let mut puller = engine(64, 0);
-    let import = puller.reserve_import(&rivers, 4).expect("blocks to pull");
+    let import = puller
+        .reserve_import(&rivers, 4, |_| true)
+        .expect("blocks to pull");
     assert_eq!(import.blocks.len(), 4);
     assert_eq!(puller.scheduler().pool().num_used(), 4);
     puller.finish_import(import, 0);
@@ -101,6 +105,6 @@ fn a_failed_pull_leaves_nothing_cached_and_no_block_held() {
     assert_eq!(puller.scheduler().probe_prefix(&rivers), 0);
     // Too few free blocks: no reservation at all.
     let mut tiny = engine(2, 0);
-    assert!(tiny.reserve_import(&rivers, usize::MAX).is_none());
+    assert!(tiny.reserve_import(&rivers, usize::MAX, |_| true).is_none());
     assert_eq!(tiny.scheduler().pool().num_used(), 0);
 }

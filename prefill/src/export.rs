@@ -77,6 +77,18 @@ pub struct ExportJob {
 }
 
 impl ExportJob {
+    /// Queues an export on a worker's `inbox`, as the message `wrap` makes of it.
+    pub fn queue<M>(
+        inbox: &Sender<M>,
+        wrap: fn(Box<ExportJob>) -> M,
+        request: ExportRequest,
+        reply: Sender<ExportReply>,
+    ) -> Result<(), ExportError> {
+        inbox
+            .try_send(wrap(Box::new(ExportJob { request, reply })))
+            .map_err(|_| ExportError::Unavailable)
+    }
+
     /// Serves the export ([`serve_export`]) and replies; returns the outcome for metrics.
     pub fn serve<R: ModelRunner>(
         self,

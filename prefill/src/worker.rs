@@ -141,9 +141,7 @@ impl KvExporter for PrefillHandle {
         request: ExportRequest,
         reply: Sender<ExportReply>,
     ) -> Result<(), ExportError> {
-        self.inbox
-            .try_send(Inbox::Export(Box::new(ExportJob { request, reply })))
-            .map_err(|_| ExportError::Unavailable)
+        ExportJob::queue(&self.inbox, Inbox::Export, request, reply)
     }
 }
 

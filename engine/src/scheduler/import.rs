@@ -10,13 +10,11 @@
 use super::Scheduler;
 use kvmesh_common::{BlockId, SequenceHash, TokenId};
 
-/// Blocks reserved for pulled KV: prompt block `first + i` (hash `hashes[i]`) goes into
-/// `blocks[i]`.
+/// Blocks reserved for pulled KV: the block of hash `hashes[i]` goes into `blocks[i]` (the
+/// prompt's blocks after this pool's own hits, in order).
 #[derive(Debug, PartialEq, Eq)]
 #[must_use = "an import holds blocks until `finish_import`"]
 pub struct Import {
-    /// Index in the prompt of the first block to pull (this pool holds those before it).
-    pub first: usize,
     pub hashes: Vec<SequenceHash>,
     pub blocks: Vec<BlockId>,
     /// This pool's own hits in front of the import, held so the reservation cannot evict them.
@@ -25,10 +23,16 @@ pub struct Import {
 
 impl Scheduler {
     /// Reserves blocks to pull `prompt`'s blocks from after this pool's cached prefix up to
-    /// block `upto` (at most as many as admission would use, leaving one token to compute).
-    /// `None` when that leaves nothing to pull, prefix caching is off, or too few blocks are
-    /// free (a pull must never cost a running sequence its room to grow).
-    pub fn reserve_import(&mut self, prompt: &[TokenId], upto: usize) -> Option<Import> {
+    /// block `upto` (at most as many as admission would use, leaving one token to compute),
+    /// if `worth(n)` says pulling those `n` blocks is worth it. `None` when it is not, when
+    /// that leaves nothing to pull, prefix caching is off, or too few blocks are free (a pull
+    /// must never cost a running sequence its room to grow).
+    pub fn reserve_import(
+        &mut self,
+        prompt: &[TokenId],
+        upto: usize,
+        worth: impl FnOnce(usize) -> bool,
+    ) -> Option<Import> {
         if !self.config.enable_prefix_caching || prompt.is_empty() {
             return None;
         }
@@ -36,7 +40,7 @@ impl Scheduler {
         let (hits, lower) = self.cached_prefix(&hashes, prompt.len());
         let first = hits.len() + lower;
         let end = upto.min((prompt.len() - 1) / self.config.block_size);
-        if end <= first {
+        if end <= first || !worth(end - first) {
             return None;
         }
         // Leave every admitted sequence a block to grow into, or the next step would
@@ -48,7 +52,6 @@ impl Scheduler {
         self.pool.take(&hits).expect("hits are pool blocks");
         let blocks = self.pool.allocate(end - first).expect("checked num_free");
         Some(Import {
-            first,
             hashes: hashes[first..end].to_vec(),
             blocks,
             pinned: hits,
@@ -62,7 +65,6 @@ impl Scheduler {
             hashes,
             blocks,
             pinned,
-            ..
         } = import;
         for (&block, &hash) in blocks.iter().zip(&hashes).take(arrived) {
             // `Ok(false)`: another block caches this hash by now; this copy just goes free.
