@@ -368,18 +368,14 @@ impl BlockPool {
     /// Stops `block` being a prefix hit (its KV is not what its hash says), announcing it.
     pub fn uncache(&mut self, block: BlockId) {
         let id = block.0;
-        let Some(meta) = self.blocks.get_mut(id as usize) else {
+        if self.check_range(block).is_err() || self.blocks[id as usize].hash.is_none() {
             return;
-        };
-        let Some(hash) = meta.hash.take() else {
-            return;
-        };
-        if meta.ref_count == 0 {
+        }
+        if self.blocks[id as usize].ref_count == 0 {
             self.free_cached.remove(&mut self.blocks, id);
             self.free_uncached.push_back(&mut self.blocks, id);
         }
-        self.cached.remove(&hash);
-        self.record(TieredKvEvent::removed(Tier::Device, hash));
+        self.forget_hash(id);
     }
 
     /// Drops one reference from each block. Blocks reaching zero become free; cached ones stay
@@ -440,13 +436,18 @@ impl BlockPool {
         }
     }
 
-    fn evict(&mut self, id: u32) {
-        let hash = self.blocks[id as usize]
-            .hash
-            .take()
-            .expect("blocks on the cached free list have a hash");
+    /// Unregisters block `id`'s hash from the prefix cache, announcing it; returns it.
+    fn forget_hash(&mut self, id: u32) -> Option<SequenceHash> {
+        let hash = self.blocks[id as usize].hash.take()?;
         self.cached.remove(&hash);
         self.record(TieredKvEvent::removed(Tier::Device, hash));
+        Some(hash)
+    }
+
+    fn evict(&mut self, id: u32) {
+        let hash = self
+            .forget_hash(id)
+            .expect("blocks on the cached free list have a hash");
         if self.host.capacity() == 0 && self.disk.capacity() == 0 {
             return;
         }
