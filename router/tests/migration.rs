@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 const MAX_TOKENS: u32 = 10;
@@ -48,7 +48,6 @@ fn token(i: usize) -> TokenEvent {
 struct ScriptedNode {
     script: Script,
     requests: Arc<Mutex<Vec<GenerateRequest>>>,
-    hanging: Arc<Notify>,
 }
 
 type EventStream =
@@ -66,7 +65,7 @@ impl pb::decode_server::Decode for ScriptedNode {
         let start = req.resume.len();
         let max = req.params.max_tokens as usize;
         self.requests.lock().unwrap().push(req);
-        let (script, hanging) = (self.script, self.hanging.clone());
+        let script = self.script;
         let stream = async_stream::stream! {
             let stop = match script {
                 Script::Serve => max,
@@ -85,10 +84,7 @@ impl pb::decode_server::Decode for ScriptedNode {
                     yield Ok(pb::GenerateEvent::from(&finished));
                 }
                 Script::FailAfter(_, code) => yield Err(Status::new(code, "scripted failure")),
-                Script::HangAfter(_) => {
-                    hanging.notify_one();
-                    std::future::pending::<()>().await;
-                }
+                Script::HangAfter(_) => std::future::pending::<()>().await,
             }
         };
         Ok(Response::new(Box::pin(stream)))
@@ -115,7 +111,6 @@ struct Node {
     id: NodeId,
     addr: SocketAddr,
     requests: Arc<Mutex<Vec<GenerateRequest>>>,
-    hanging: Arc<Notify>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -133,11 +128,10 @@ impl Node {
             tokio::net::TcpListener::from_std(listener).unwrap()
         };
         let addr = listener.local_addr().unwrap();
-        let (requests, hanging) = (Arc::default(), Arc::new(Notify::new()));
+        let requests = Arc::default();
         let service = ScriptedNode {
             script,
             requests: Arc::clone(&requests),
-            hanging: Arc::clone(&hanging),
         };
         runtime.spawn(
             tonic::transport::Server::builder()
@@ -148,7 +142,6 @@ impl Node {
             id: NodeId(id),
             addr,
             requests,
-            hanging,
             runtime: Some(runtime),
         }
     }
@@ -270,29 +263,58 @@ async fn a_node_that_dies_mid_stream_loses_nothing() {
     let mut a = Node::start(1, Script::HangAfter(3));
     let mut b = Node::start(2, Script::HangAfter(3));
     let backend = backend(&[&a, &b], RemoteConfig::default());
-    let rx = backend.generate(request()).await.unwrap();
-    // Whichever node took it is now mid-stream: kill it as kill -9 would.
-    tokio::select! {
-        () = a.hanging.notified() => a.kill(),
-        () = b.hanging.notified() => b.kill(),
-    }
-    // The survivor's script hangs again after three more tokens; by then the test has seen
-    // the migration, so let a serving node stand in: the backend must move on once more.
-    let events = tokio::spawn(collect(rx));
-    let survivor = if a.runtime.is_some() { &mut a } else { &mut b };
-    survivor.hanging.notified().await;
+    let mut rx = backend.generate(request()).await.unwrap();
+    // Once the caller holds the first node's three tokens (none still in flight), kill
+    // that node as kill -9 would.
+    let mut events = receive_tokens(&mut rx, 3).await;
+    let (dead, survivor) = if a.requests().is_empty() {
+        (&mut b, &mut a)
+    } else {
+        (&mut a, &mut b)
+    };
+    dead.kill();
+    // The survivor goes on after what the caller had, and hangs after three more tokens:
+    // kill it too once those arrived.
+    events.extend(receive_tokens(&mut rx, 3).await);
     let resumed = survivor.requests();
     assert_eq!(resumed.len(), 1);
     assert_eq!(resumed[0].resume, [100, 101, 102]);
     survivor.kill();
     // Both nodes are gone: the request ends with an error instead of hanging.
-    let events = events.await.unwrap();
-    let tokens = events
+    events.extend(collect(rx).await);
+    let tokens: Vec<u32> = events
         .iter()
-        .filter(|e| matches!(e, GenerateEvent::Token(_)))
-        .count();
-    assert_eq!(tokens, 6, "tokens from both nodes, each once: {events:?}");
+        .filter_map(|e| match e {
+            GenerateEvent::Token(t) => Some(t.token),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        tokens,
+        (100..106).collect::<Vec<_>>(),
+        "each token once: {events:?}"
+    );
     assert!(matches!(events.last(), Some(GenerateEvent::Error(_))));
+}
+
+/// The next `n` events, which must all be tokens.
+async fn receive_tokens(
+    rx: &mut mpsc::UnboundedReceiver<GenerateEvent>,
+    n: usize,
+) -> Vec<GenerateEvent> {
+    let mut tokens = Vec::new();
+    while tokens.len() < n {
+        let e = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .expect("tokens must arrive")
+            .expect("the stream must not end yet");
+        assert!(
+            matches!(e, GenerateEvent::Token(_)),
+            "expected a token: {e:?}"
+        );
+        tokens.push(e);
+    }
+    tokens
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
