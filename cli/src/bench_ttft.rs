@@ -14,7 +14,9 @@ use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingP
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, KvPull};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::runner::ModelRunner;
-use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker, RemotePrefill};
+use kvmesh_prefill::{
+    DestinationAddresses, PrefillConfig, PrefillService, PrefillWorker, RemotePrefill,
+};
 use kvmesh_transfer::{QuicConfig, QuicTransport, Transport};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read};
@@ -80,7 +82,7 @@ pub fn measure(
     let remote = runtime.block_on(RemotePrefill::connect(
         &prefill_addr,
         None,
-        transfer_address.clone(),
+        DestinationAddresses::receive_only(transfer_address.clone()),
         Duration::from_secs(5),
     ))?;
     let remote: kvmesh_prefill::PrefillTarget = Arc::new(remote);

@@ -15,11 +15,12 @@ use anyhow::{Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
 use kvmesh_common::tls::ClusterTls;
-use kvmesh_common::{NodeId, NodeInfo};
+use kvmesh_common::{NodeId, NodeInfo, NodeRole};
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
+use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
 use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -162,6 +163,26 @@ impl MeshArgs {
             .await
             .with_context(|| format!("connecting to etcd at {}", self.etcd.join(",")))
     }
+}
+
+/// Tells `retain` the live nodes (of any role) each time discovery changes, so that
+/// connections to nodes that left are dropped.
+pub fn forget_departed_nodes(
+    discovery: &EtcdDiscovery,
+    retain: impl Fn(&HashSet<NodeId>) + Send + 'static,
+) {
+    let discovery = discovery.clone();
+    let mut changes = discovery.subscribe();
+    tokio::spawn(async move {
+        while changes.changed().await.is_ok() {
+            let alive: HashSet<_> = [NodeRole::Prefill, NodeRole::Decode]
+                .into_iter()
+                .flat_map(|role| discovery.nodes(role))
+                .map(|n| n.info.node_id)
+                .collect();
+            retain(&alive);
+        }
+    });
 }
 
 /// Where a node's workers announce prefix-cache changes: the etcd publisher, once the node

@@ -10,7 +10,7 @@ use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingP
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::Loaded;
-use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{DestinationAddresses, PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{
     BlockShape, KvChunk, KvDtype, QuicConfig, QuicTransport, TlsConfig, Transport, TransportError,
 };
@@ -168,7 +168,7 @@ async fn mesh(certs: Option<&Certs>, decode_id: NodeId) -> Mesh {
     config.local_prefill_max_tokens = 16;
     let decode = DecodeWorker::spawn(config, engine(), Arc::new(decode_quic)).unwrap();
     let directory = Arc::new(PrefillDirectory::new(
-        transfer_addr.to_string(),
+        DestinationAddresses::receive_only(transfer_addr.to_string()),
         decode_tls.clone(),
         PATIENCE,
     ));

@@ -13,16 +13,13 @@
 //! one process over the in-process transport (`kvmesh serve`).
 
 mod config;
-mod incoming;
 mod mesh;
-mod pull;
 mod service;
 mod worker;
 
 pub use config::DecodeConfig;
-pub use incoming::{IncomingError, IncomingTransfer};
 pub use kvmesh_engine::worker_load::WorkerLoad;
+pub use kvmesh_prefill::{IncomingError, IncomingTransfer, KvPull};
 pub use mesh::{LocalMesh, LocalMeshConfig, MeshError};
-pub use pull::KvPull;
 pub use service::{DecodeService, PrefillDirectory};
 pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};

@@ -1,13 +1,14 @@
 //! The decode node's gRPC service (`kvmesh.v1.Decode`) over a local [`DecodeHandle`].
 
-use crate::pull::KvPull;
 use crate::worker::DecodeHandle;
 use futures::{Stream, StreamExt};
 use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{ExportSource, PrefillClient, PrefillTarget, RemoteExporter, RemotePrefill};
+use kvmesh_prefill::{
+    DestinationAddresses, HolderDirectory, KvPull, PrefillClient, PrefillTarget, RemotePrefill,
+};
 use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
@@ -20,29 +21,31 @@ use tonic::{Request, Response, Status};
 /// Connections to the prefill nodes the router names, and to the nodes it names to pull
 /// cached KV from, made on first use and kept.
 pub struct PrefillDirectory {
-    /// Where this node receives KV (told to every prefill node).
-    transfer_address: String,
+    /// Where this node receives KV and serves pulls (told to every prefill node).
+    addresses: DestinationAddresses,
     /// The cluster identity presented to prefill nodes (`None`: plaintext gRPC).
     tls: Option<ClusterTls>,
     connect_timeout: Duration,
     clients: Mutex<HashMap<NodeId, (String, RemotePrefill)>>,
-    holders: Mutex<HashMap<NodeId, (String, ExportSource)>>,
+    holders: HolderDirectory,
     /// This node and its transport, when it has RDMA to offer prefill nodes.
     rdma: Option<(NodeId, Arc<NetworkTransport>)>,
 }
 
 impl PrefillDirectory {
+    /// `addresses`: where this node receives KV and serves pulls. Calls to other nodes go
+    /// over mutual TLS when `tls` is given.
     pub fn new(
-        transfer_address: String,
+        addresses: DestinationAddresses,
         tls: Option<ClusterTls>,
         connect_timeout: Duration,
     ) -> Self {
         PrefillDirectory {
-            transfer_address,
+            holders: HolderDirectory::new(addresses.transfer.clone(), tls.clone(), connect_timeout),
+            addresses,
             tls,
             connect_timeout,
             clients: Mutex::new(HashMap::new()),
-            holders: Mutex::new(HashMap::new()),
             rdma: None,
         }
     }
@@ -93,7 +96,7 @@ impl PrefillDirectory {
         let connected = RemotePrefill::connect(
             &target.address,
             self.tls.as_ref(),
-            self.transfer_address.clone(),
+            self.addresses.clone(),
             self.connect_timeout,
         )
         .await;
@@ -124,32 +127,7 @@ impl PrefillDirectory {
     /// Where to pull the cached prefix `holder` has (the connection is made on first use);
     /// `None` when its address is unusable (then the prefix is recomputed).
     pub fn pull_source(&self, holder: &KvHolder) -> Option<KvPull> {
-        let mut holders = lock(&self.holders);
-        let known = holders
-            .get(&holder.node_id)
-            .filter(|(address, _)| *address == holder.address)
-            .map(|(_, source)| source.clone());
-        let source = match known {
-            Some(source) => source,
-            None => {
-                let client = RemoteExporter::new(
-                    holder.node_id,
-                    &holder.address,
-                    self.tls.as_ref(),
-                    self.transfer_address.clone(),
-                    self.connect_timeout,
-                );
-                let source: ExportSource = match client {
-                    Ok(c) => Arc::new(c),
-                    Err(e) => {
-                        tracing::warn!(node = %holder.node_id, "{e}; not pulling from it");
-                        return None;
-                    }
-                };
-                holders.insert(holder.node_id, (holder.address.clone(), source.clone()));
-                source
-            }
-        };
+        let source = self.holders.source(holder.node_id, &holder.address)?;
         Some(KvPull {
             source,
             blocks: holder.blocks,
@@ -159,7 +137,7 @@ impl PrefillDirectory {
     /// Forgets the connections to nodes not in `alive` (they left the mesh).
     pub fn retain(&self, alive: &HashSet<NodeId>) {
         self.lock().retain(|id, _| alive.contains(id));
-        lock(&self.holders).retain(|id, _| alive.contains(id));
+        self.holders.retain(alive);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, (String, RemotePrefill)>> {

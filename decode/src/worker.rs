@@ -1,8 +1,6 @@
 //! The decode worker thread and its handle.
 
 use crate::config::DecodeConfig;
-use crate::incoming::IncomingTransfer;
-use crate::pull::{KvPull, PendingPull, PullCost};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{
     GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
@@ -13,13 +11,14 @@ use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
 use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_prefill::{
-    CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, KvDestination, KvExporter,
-    PrefillDone, PrefillReply, PrefillRequest, PrefillTarget,
+    CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource,
+    IncomingTransfer, KvDestination, KvExporter, KvPull, PrefillDone, PrefillReply, PrefillRequest,
+    PrefillTarget, PullEnded, Puller,
 };
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
@@ -73,7 +72,9 @@ struct Shared {
 /// any thread, async or not.
 #[derive(Clone)]
 pub struct DecodeHandle {
-    inbox: Sender<Inbox>,
+    /// Shared by the clones: the worker holds it weakly (to name itself as a holder), so
+    /// that it still sees the inbox close when the last handle is dropped.
+    inbox: Arc<Sender<Inbox>>,
     shared: Arc<Shared>,
 }
 
@@ -232,7 +233,6 @@ impl DecodeWorker {
         let (tx, rx) =
             crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
         let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
-        let (export_reply_tx, export_reply_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             node_id: config.node_id,
             limits,
@@ -241,20 +241,20 @@ impl DecodeWorker {
             load: LoadCell::default(),
         });
         let node_id = config.node_id;
+        let inbox = Arc::new(tx);
+        let metrics = WorkerMetrics::new(config.node_id, "decode");
         let mut state = Loop {
-            metrics: WorkerMetrics::new(config.node_id, "decode"),
+            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone()),
+            metrics,
             kv_shape: engine.runner().kv_shape(),
             config,
             engine,
             transport: transport.clone(),
             inbox: rx,
+            myself: Arc::downgrade(&inbox),
             kv_rx,
             reply_tx,
             reply_rx,
-            export_reply_tx,
-            export_reply_rx,
-            pulls: HashMap::new(),
-            pull_cost: PullCost::default(),
             shared: shared.clone(),
             active: HashMap::new(),
             by_request: HashMap::new(),
@@ -275,7 +275,7 @@ impl DecodeWorker {
             }
         };
         Ok(DecodeWorker {
-            handle: DecodeHandle { inbox: tx, shared },
+            handle: DecodeHandle { inbox, shared },
             thread: Some(thread),
         })
     }
@@ -349,14 +349,13 @@ struct Loop<R: ModelRunner> {
     kv_shape: KvShape,
     transport: Arc<dyn Transport>,
     inbox: Receiver<Inbox>,
+    /// Where this worker's handles send: its prefill workers pull cached prefixes from it.
+    myself: Weak<Sender<Inbox>>,
     kv_rx: KvReceiver,
     reply_tx: Sender<PrefillReply>,
     reply_rx: Receiver<PrefillReply>,
-    export_reply_tx: Sender<ExportReply>,
-    export_reply_rx: Receiver<ExportReply>,
-    /// Requests waiting for their prefix to be pulled, by the pull's transfer id.
-    pulls: HashMap<RequestId, PendingPull>,
-    pull_cost: PullCost,
+    /// Requests waiting for their prefix to be pulled.
+    pulls: Puller<Submission>,
     shared: Arc<Shared>,
     active: HashMap<SeqId, Active>,
     by_request: HashMap<RequestId, SeqId>,
@@ -414,10 +413,9 @@ impl<R: ModelRunner> Loop<R> {
                 Inbox::Wake | Inbox::Stop => {}
             }
         }
-        let pulls: Vec<PendingPull> = self.pulls.drain().map(|(_, p)| p).collect();
-        for p in pulls {
-            let events = self.abandon_pull(p);
-            let _ = events.send(GenerateEvent::Error(stopped()));
+        for s in self.pulls.abandon(&mut self.engine, |_| true) {
+            self.shared.queue.give_back();
+            let _ = s.events.send(GenerateEvent::Error(stopped()));
         }
         let ids: Vec<SeqId> = self.active.keys().copied().collect();
         for seq_id in ids {
@@ -436,7 +434,7 @@ impl<R: ModelRunner> Loop<R> {
             sel.recv(&self.kv_rx);
         }
         sel.recv(&self.reply_rx);
-        sel.recv(&self.export_reply_rx);
+        sel.recv(self.pulls.replies());
         match deadline {
             Some(d) => {
                 let _ = sel.ready_deadline(d);
@@ -449,8 +447,7 @@ impl<R: ModelRunner> Loop<R> {
 
     /// When the engine's transfers or a pull next time out.
     fn next_timeout(&self) -> Option<Instant> {
-        let pulls = self.pulls.values().map(|p| p.deadline).min();
-        match (self.engine.next_timeout(), pulls) {
+        match (self.engine.next_timeout(), self.pulls.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -459,11 +456,8 @@ impl<R: ModelRunner> Loop<R> {
     /// Takes everything that has arrived: prefill and export replies first, then KV (so a
     /// reply's chunks, sent before it, are all here), then new requests. False on `Stop`.
     fn receive(&mut self) -> bool {
-        for _ in 0..self.export_reply_rx.len() {
-            let Ok(reply) = self.export_reply_rx.try_recv() else {
-                break;
-            };
-            self.on_export_reply(reply);
+        for ended in self.pulls.on_replies(&mut self.engine) {
+            self.pull_ended(ended);
         }
         for _ in 0..self.reply_rx.len() {
             let Ok(reply) = self.reply_rx.try_recv() else {
@@ -504,7 +498,7 @@ impl<R: ModelRunner> Loop<R> {
 
     fn accept(&mut self, submission: Submission) {
         let request_id = submission.request.request_id;
-        let pulling = self.pulls.values().any(|p| p.request_id() == request_id);
+        let pulling = self.pulls.any(|s| s.request.request_id == request_id);
         if pulling || self.by_request.contains_key(&request_id) {
             self.shared.queue.give_back();
             let e = WorkerError::InvalidRequest(format!("request {request_id} is already running"));
@@ -523,143 +517,19 @@ impl<R: ModelRunner> Loop<R> {
         let Some(pull) = s.pull.take() else {
             return Some(s);
         };
-        if !s.request.resume.is_empty() || pull.source.node_id() == self.config.node_id {
+        if !s.request.resume.is_empty() {
             return Some(s);
         }
-        let shape = self.kv_shape;
-        let cost = &self.pull_cost;
-        let worth = |blocks: usize| {
-            let bytes = blocks * shape.block_bytes_per_layer() * shape.num_layers;
-            cost.worth_pulling(bytes, blocks * shape.block_size)
-        };
-        let Some(import) = self
-            .engine
-            .reserve_import(&s.request.prompt, pull.blocks, worth)
-        else {
-            return Some(s);
-        };
-        let transfer_id = RequestId(rand::random());
-        let request = ExportRequest {
-            transfer_id,
-            hashes: import.hashes.clone(),
-            destination: KvDestination {
-                node: self.config.node_id,
-                blocks: import.blocks.clone(),
-            },
-        };
-        if let Err(e) = pull.source.export(request, self.export_reply_tx.clone()) {
-            tracing::info!(request_id = %s.request.request_id, "cannot pull from node {}: {e}; recomputing", pull.source.node_id());
-            self.engine.finish_import(import, 0);
-            self.metrics.kv_pull_failures.inc();
-            return Some(s);
-        }
-        let now = Instant::now();
-        self.pulls.insert(
-            transfer_id,
-            PendingPull {
-                incoming: IncomingTransfer::new(transfer_id, &shape, &import.blocks),
-                import,
-                request: s,
-                sent: None,
-                started: now,
-                deadline: now + self.config.pull_timeout,
-            },
-        );
-        None
+        self.pulls
+            .start(&mut self.engine, pull, s, |s| &s.request.prompt)
+            .err()
     }
 
-    fn on_export_reply(&mut self, reply: ExportReply) {
-        let id = reply.transfer_id;
-        let Some(p) = self.pulls.get_mut(&id) else {
-            return; // timed out or its client left
-        };
-        match reply.result {
-            Ok(done) if done.blocks <= p.import.blocks.len() => {
-                p.sent = Some(done.blocks);
-                self.try_finish_pull(id);
-            }
-            Ok(done) => {
-                tracing::warn!(request_id = %p.request_id(), "the holder claims {} blocks of {} asked for; recomputing", done.blocks, p.import.blocks.len());
-                self.end_pull(id, 0);
-            }
-            Err(e) => {
-                tracing::info!(request_id = %p.request_id(), "pull failed: {e}; recomputing");
-                self.end_pull(id, 0);
-            }
-        }
-    }
-
-    fn on_pull_chunk(&mut self, chunk: KvChunk) {
-        let id = chunk.header.request_id;
-        let Some(p) = self.pulls.get_mut(&id) else {
-            return;
-        };
-        if let Err(e) = p.incoming.check(&chunk) {
-            tracing::warn!(request_id = %p.request_id(), "refusing pulled KV: {e}; recomputing");
-            return self.end_pull(id, 0);
-        }
-        let h = &chunk.header;
-        if let Err(e) = self
-            .engine
-            .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
-        {
-            tracing::warn!(request_id = %p.request_id(), "writing pulled KV: {e}; recomputing");
-            return self.end_pull(id, 0);
-        }
-        p.incoming.record(&chunk);
-        self.try_finish_pull(id);
-    }
-
-    fn try_finish_pull(&mut self, id: RequestId) {
-        if let Some(p) = self.pulls.get(&id) {
-            if p.is_complete() {
-                let sent = p.sent.expect("complete pulls have a reply");
-                self.end_pull(id, sent);
-            }
-        }
-    }
-
-    /// Ends a pull whose first `arrived` blocks came whole (0: it failed) and queues its
-    /// request, which finds those blocks in the prefix cache.
-    fn end_pull(&mut self, id: RequestId, arrived: usize) {
-        let Some(p) = self.pulls.remove(&id) else {
-            return;
-        };
-        self.engine.finish_import(p.import, arrived);
-        if arrived > 0 {
-            let bytes = p.incoming.bytes();
-            self.metrics.kv_pulled_blocks.inc_by(arrived as u64);
-            self.metrics.kv_pulled_bytes.inc_by(bytes);
-            self.pull_cost.observe_pull(bytes, p.started.elapsed());
-        } else {
-            self.metrics.kv_pull_failures.inc();
-            self.pull_cost.observe_failed_pull(p.started.elapsed());
-        }
+    /// Queues the request of a pull that ended: it finds the blocks that arrived in the
+    /// prefix cache.
+    fn pull_ended(&mut self, ended: PullEnded<Submission>) {
         self.kicked = true;
-        self.admit(p.request);
-    }
-
-    /// Drops a pull whose request will not be served here (its client left, or the worker
-    /// stops): releases its blocks and queue slot; returns where the request's events go.
-    fn abandon_pull(&mut self, p: PendingPull) -> UnboundedSender<GenerateEvent> {
-        self.engine.finish_import(p.import, 0);
-        self.shared.queue.give_back();
-        p.request.events
-    }
-
-    /// Pulls that ran out of time: their requests recompute.
-    fn expire_pulls(&mut self) {
-        let now = Instant::now();
-        let expired: Vec<RequestId> = self
-            .pulls
-            .iter()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(&id, _)| id)
-            .collect();
-        for id in expired {
-            tracing::info!("pull {id} timed out; recomputing");
-            self.end_pull(id, 0);
-        }
+        self.admit(ended.waiting);
     }
 
     /// Queues a request in the engine.
@@ -751,9 +621,15 @@ impl<R: ModelRunner> Loop<R> {
 
     fn on_chunk(&mut self, chunk: KvChunk) {
         let request_id = chunk.header.request_id;
-        if self.pulls.contains_key(&request_id) {
-            return self.on_pull_chunk(chunk);
-        }
+        let chunk = match self.pulls.on_chunk(&mut self.engine, chunk) {
+            Ok(ended) => {
+                if let Some(e) = ended {
+                    self.pull_ended(e);
+                }
+                return;
+            }
+            Err(chunk) => chunk,
+        };
         let Some(&seq_id) = self.by_request.get(&request_id) else {
             return; // finished, cancelled or fell back: a late chunk
         };
@@ -844,7 +720,9 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn handle_timeouts(&mut self) {
-        self.expire_pulls();
+        for ended in self.pulls.expire(&mut self.engine) {
+            self.pull_ended(ended);
+        }
         for seq_id in self.engine.handle_timeouts(Instant::now()) {
             if let Some(a) = self.active.get_mut(&seq_id) {
                 tracing::warn!(request_id = %a.request_id, "remote prefill timed out; prefilling locally");
@@ -867,22 +745,18 @@ impl<R: ModelRunner> Loop<R> {
         for seq_id in gone {
             self.remove(seq_id);
         }
-        let gone: Vec<RequestId> = self
+        let gone = self
             .pulls
-            .iter()
-            .filter(|(_, p)| p.request.events.is_closed())
-            .map(|(&id, _)| id)
-            .collect();
-        for id in gone {
-            let p = self.pulls.remove(&id).expect("listed");
-            self.abandon_pull(p);
+            .abandon(&mut self.engine, |s| s.events.is_closed());
+        for _ in gone {
+            self.shared.queue.give_back();
         }
     }
 
     fn step(&mut self) {
         let started = Instant::now();
         let outputs = self.engine.step();
-        self.pull_cost
+        self.pulls
             .observe_step(self.engine.last_step_tokens(), started.elapsed());
         self.record_admissions();
         match outputs {
@@ -901,10 +775,20 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
+    /// This worker, for a prefill worker to pull the prompt's cached prefix from.
+    fn as_holder(&self) -> Option<ExportSource> {
+        let inbox = self.myself.upgrade()?;
+        let shared = self.shared.clone();
+        Some(Arc::new(DecodeHandle { inbox, shared }))
+    }
+
     /// Asks the prefill worker of every newly admitted remote prefill to start.
     fn start_transfers(&mut self) {
         let admitted = self.engine.last_remote_admitted().to_vec();
         for adm in admitted {
+            let holder = (adm.num_cached_tokens > 0)
+                .then(|| self.as_holder())
+                .flatten();
             let Some(a) = self.active.get_mut(&adm.seq_id) else {
                 continue;
             };
@@ -927,6 +811,7 @@ impl<R: ModelRunner> Loop<R> {
                     node: self.config.node_id,
                     blocks: adm.blocks.clone(),
                 },
+                holder,
                 cancel: cancel.clone(),
             };
             match prefill.prefill(request, self.reply_tx.clone()) {

@@ -6,9 +6,12 @@ mod common;
 
 use common::*;
 use kvmesh_common::grpc::{self, pb, PrefillTarget};
-use kvmesh_common::{GenerateEvent, NodeId};
+use kvmesh_common::{metrics, GenerateEvent, GenerateRequest, NodeId};
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{
+    DestinationAddresses, HolderDirectory, KvCacheService, LearnPeer, PrefillConfig,
+    PrefillService, PrefillWorker,
+};
 use kvmesh_transfer::{
     LoopbackFabric, LoopbackRdma, NetworkTransport, QuicConfig, QuicTransport, RdmaPeering,
     Transport,
@@ -91,8 +94,12 @@ async fn mesh_with(rdma: bool) -> Mesh {
     config.local_prefill_max_tokens = 32;
     let decode = DecodeWorker::spawn(config, engine(), decode_network.clone()).unwrap();
     let directory = Arc::new(
-        PrefillDirectory::new(transfer_address, None, Duration::from_secs(2))
-            .with_rdma(decode_id, decode_network.clone()),
+        PrefillDirectory::new(
+            DestinationAddresses::receive_only(transfer_address),
+            None,
+            Duration::from_secs(2),
+        )
+        .with_rdma(decode_id, decode_network.clone()),
     );
     let service = DecodeService::new(decode.handle(), directory);
     let decode_addr = serve(service.into_server()).await;
@@ -137,6 +144,105 @@ async fn with_rdma_on_both_nodes_the_kv_comes_over_rdma() {
     );
 }
 
+/// Two prefill nodes, the second pulling prefixes from its destinations; the decode node
+/// serves pulls (`KvCache`) on its gRPC address. A prompt the decode node holds the first
+/// 192 tokens of, prefilled on the node that lacks them: that node pulls those 12 blocks
+/// from the decode node instead of recomputing them, and the output is a lone run's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
+    let (p1_id, p2_id, d_id) = (NodeId(0x110), NodeId(0x111), NodeId(0x210));
+    let quic = || {
+        let quic = QuicTransport::start(QuicConfig {
+            listen: LOOPBACK,
+            ..QuicConfig::default()
+        })
+        .unwrap();
+        Arc::new(NetworkTransport::with_rdma(quic, None))
+    };
+    let learn = |n: &Arc<NetworkTransport>| -> LearnPeer {
+        let n = n.clone();
+        Arc::new(move |node, addr| n.add_peer(node, addr))
+    };
+    let fingerprint = loaded().fingerprint.0;
+    let (p1_net, p2_net, d_net) = (quic(), quic(), quic());
+    let p1 = PrefillWorker::spawn(PrefillConfig::new(p1_id), engine(), p1_net.clone()).unwrap();
+    let p2 = PrefillWorker::spawn(PrefillConfig::new(p2_id), engine(), p2_net.clone()).unwrap();
+    let p1_addr =
+        serve(PrefillService::new(p1.handle(), fingerprint, learn(&p1_net)).into_server()).await;
+    let p2_transfer = p2_net.quic().local_addr().to_string();
+    let holders = HolderDirectory::new(p2_transfer, None, Duration::from_secs(2));
+    let p2_service =
+        PrefillService::new(p2.handle(), fingerprint, learn(&p2_net)).with_pulls(Arc::new(holders));
+    let p2_addr = serve(p2_service.into_server()).await;
+
+    let mut config = DecodeConfig::new(d_id);
+    config.local_prefill_max_tokens = 32;
+    let decode = DecodeWorker::spawn(config, engine(), d_net.clone()).unwrap();
+    let listener = tokio::net::TcpListener::bind(LOOPBACK).await.unwrap();
+    let d_addr = listener.local_addr().unwrap();
+    let addresses = DestinationAddresses {
+        transfer: d_net.quic().local_addr().to_string(),
+        holder: d_addr.to_string(),
+    };
+    let directory = Arc::new(PrefillDirectory::new(
+        addresses,
+        None,
+        Duration::from_secs(2),
+    ));
+    let kv_cache = KvCacheService::new(Arc::new(decode.handle()), learn(&d_net));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeService::new(decode.handle(), directory).into_server())
+            .add_service(kv_cache.into_server())
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+
+    let mut c = client(d_addr).await;
+    let target = |node_id, addr: SocketAddr| PrefillTarget {
+        node_id,
+        address: addr.to_string(),
+    };
+    let prefix = prompt(7, 192);
+    generate(
+        &mut c,
+        &request(41, prefix.clone(), 4),
+        target(p1_id, p1_addr),
+    )
+    .await;
+    let mut long = prefix;
+    long.extend(prompt(8, 100));
+    let second = request(42, long, 12);
+    let want = tokio::task::spawn_blocking({
+        let req = second.clone();
+        move || reference(&req)
+    })
+    .await
+    .unwrap();
+    let got = generate(&mut c, &second, target(p2_id, p2_addr)).await;
+    assert_eq!(got, want, "the pulled prefix changed the output");
+    assert_eq!(counter(metrics::WORKER_KV_PULLED_BLOCKS_TOTAL, p2_id), 12);
+    assert_eq!(counter(metrics::WORKER_KV_EXPORTED_BLOCKS_TOTAL, d_id), 12);
+}
+
+/// Streams `req`'s tokens from the decode node, prefilled on `prefill`.
+async fn generate(
+    c: &mut pb::decode_client::DecodeClient<tonic::transport::Channel>,
+    req: &GenerateRequest,
+    prefill: PrefillTarget,
+) -> Vec<u32> {
+    let call = grpc::generate_request_to_pb(req, &prefill.into());
+    let mut stream = c.generate(call).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(e) = stream.message().await.unwrap() {
+        match GenerateEvent::try_from(e).unwrap() {
+            GenerateEvent::Token(t) => got.push(t.token),
+            GenerateEvent::Finished { .. } => break,
+            GenerateEvent::Error(e) => panic!("{e}"),
+        }
+    }
+    got
+}
+
 async fn remote_prefills_match_local_runs(m: &Mesh) {
     let mut c = client(m.decode_addr).await;
     for (id, len) in [(1, 200), (2, 20), (3, 300)] {
@@ -147,16 +253,7 @@ async fn remote_prefills_match_local_runs(m: &Mesh) {
         })
         .await
         .unwrap();
-        let call = grpc::generate_request_to_pb(&req, &m.prefill.clone().into());
-        let mut stream = c.generate(call).await.unwrap().into_inner();
-        let mut got = Vec::new();
-        while let Some(e) = stream.message().await.unwrap() {
-            match GenerateEvent::try_from(e).unwrap() {
-                GenerateEvent::Token(t) => got.push(t.token),
-                GenerateEvent::Finished { .. } => break,
-                GenerateEvent::Error(e) => panic!("{e}"),
-            }
-        }
+        let got = generate(&mut c, &req, m.prefill.clone()).await;
         assert_eq!(got, want, "prompt of {len} tokens");
     }
     let prefill_served = transfers_completed(NodeId(0x200));

@@ -33,22 +33,6 @@ fn shared_prefix_prompt(tail: usize) -> Vec<TokenId> {
     p
 }
 
-/// A decode worker's counter `name` (process-wide metrics, told apart by node).
-fn counter(name: &str, node: NodeId) -> u64 {
-    let node = node.to_string();
-    prometheus::gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric())
-        .filter(|m| {
-            m.get_label()
-                .iter()
-                .any(|l| l.name() == "node" && l.value() == node)
-        })
-        .map(|m| m.get_counter().get_value() as u64)
-        .sum()
-}
-
 #[test]
 fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
     let t = transport();

@@ -10,7 +10,9 @@ use crossbeam_channel::Sender;
 use kvmesh_common::grpc::{pb, tag_request, WireError};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::{BlockId, NodeId, RequestId, SequenceHash};
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
@@ -189,6 +191,62 @@ fn error_from_status(s: &Status) -> ExportError {
         Code::NotFound => ExportError::NotHeld,
         Code::InvalidArgument => ExportError::InvalidRequest(s.message().to_string()),
         _ => ExportError::Rpc(format!("{:?}: {}", s.code(), s.message())),
+    }
+}
+
+/// Connections to the nodes this one pulls cached KV from, made on first use and kept.
+pub struct HolderDirectory {
+    /// Where this node receives KV (told to every holder).
+    transfer_address: String,
+    tls: Option<ClusterTls>,
+    timeout: Duration,
+    holders: Mutex<HashMap<NodeId, (String, ExportSource)>>,
+}
+
+impl HolderDirectory {
+    /// Holders are called over mutual TLS when `tls` is given; each call may take `timeout`.
+    pub fn new(transfer_address: String, tls: Option<ClusterTls>, timeout: Duration) -> Self {
+        HolderDirectory {
+            transfer_address,
+            tls,
+            timeout,
+            holders: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The node `node` serving pulls at `address`; `None` when the address is unusable
+    /// (then the prefix is recomputed). Call within a tokio runtime.
+    pub fn source(&self, node: NodeId, address: &str) -> Option<ExportSource> {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((known, source)) = holders.get(&node) {
+            if known == address {
+                return Some(source.clone());
+            }
+        }
+        let client = RemoteExporter::new(
+            node,
+            address,
+            self.tls.as_ref(),
+            self.transfer_address.clone(),
+            self.timeout,
+        );
+        match client {
+            Ok(c) => {
+                let source: ExportSource = Arc::new(c);
+                holders.insert(node, (address.to_string(), source.clone()));
+                Some(source)
+            }
+            Err(e) => {
+                tracing::warn!(%node, "{e}; not pulling from it");
+                None
+            }
+        }
+    }
+
+    /// Forgets the nodes not in `alive` (they left the mesh).
+    pub fn retain(&self, alive: &HashSet<NodeId>) {
+        let mut holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
+        holders.retain(|id, _| alive.contains(id));
     }
 }
 

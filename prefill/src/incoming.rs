@@ -1,5 +1,6 @@
 //! One incoming KV transfer: which (layer, block) pieces have arrived intact. No I/O; the
-//! decode worker feeds it chunks and asks whether the prompt's KV is whole.
+//! receiving worker (a decode worker taking a prompt's KV, or any worker pulling a prefix)
+//! feeds it chunks and asks whether the KV is whole.
 
 use kvmesh_common::{BlockId, RequestId};
 use kvmesh_engine::runner::KvShape;

@@ -12,6 +12,8 @@
 mod client;
 pub mod export;
 mod export_rpc;
+mod incoming;
+mod pull;
 mod push;
 mod remote;
 mod request;
@@ -23,11 +25,14 @@ pub use client::{PrefillClient, PrefillTarget};
 pub use export::{
     ExportDone, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource, KvExporter,
 };
-pub use export_rpc::{KvCacheService, RemoteExporter};
+pub use export_rpc::{HolderDirectory, KvCacheService, RemoteExporter};
+pub use incoming::{IncomingError, IncomingTransfer};
+pub use pull::{KvPull, PullEnded, Puller};
 pub use push::KvPush;
 pub use remote::RemotePrefill;
 pub use request::{
     CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest,
 };
 pub use service::{LearnPeer, PrefillService};
+pub use wire::DestinationAddresses;
 pub use worker::{PrefillConfig, PrefillHandle, PrefillWorker};

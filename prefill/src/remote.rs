@@ -2,7 +2,7 @@
 
 use crate::client::PrefillClient;
 use crate::request::{PrefillError, PrefillReply, PrefillRequest};
-use crate::wire;
+use crate::wire::{self, DestinationAddresses};
 use crossbeam_channel::Sender;
 use kvmesh_common::grpc::{pb, tag_request};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
@@ -22,8 +22,8 @@ pub struct RemotePrefill {
     kv_shape: KvShape,
     client: Client,
     runtime: tokio::runtime::Handle,
-    /// Where this (the decode) node receives KV; sent with every request.
-    transfer_address: String,
+    /// Where this (the decode) node receives KV and serves pulls; sent with every request.
+    addresses: DestinationAddresses,
     /// The node answers `RdmaConnect`.
     offers_rdma: bool,
 }
@@ -38,12 +38,12 @@ impl std::fmt::Debug for RemotePrefill {
 
 impl RemotePrefill {
     /// Connects to the prefill node at `address` (host:port), over mutual TLS when `tls` is
-    /// given, and asks what KV it produces. Call from within a tokio runtime; its tasks run
-    /// there.
+    /// given, and asks what KV it produces. `addresses` say where this node receives KV and
+    /// serves pulls. Call from within a tokio runtime; its tasks run there.
     pub async fn connect(
         address: &str,
         tls: Option<&ClusterTls>,
-        transfer_address: String,
+        addresses: DestinationAddresses,
         timeout: Duration,
     ) -> Result<RemotePrefill, PrefillError> {
         let unreachable = |e: &dyn std::fmt::Display| {
@@ -69,7 +69,7 @@ impl RemotePrefill {
             kv_shape: wire::kv_shape_from_pb(&shape),
             client,
             runtime: tokio::runtime::Handle::current(),
-            transfer_address,
+            addresses,
             offers_rdma: info.rdma,
         })
     }
@@ -127,7 +127,7 @@ impl PrefillClient for RemotePrefill {
         let mut client = self.client.clone();
         let request_id = request.request_id;
         let cancel = request.cancel.clone();
-        let mut call = tonic::Request::new(wire::request_to_pb(&request, &self.transfer_address));
+        let mut call = tonic::Request::new(wire::request_to_pb(&request, &self.addresses));
         tag_request(&mut call, request_id);
         self.runtime.spawn(async move {
             let result = tokio::select! {

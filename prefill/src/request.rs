@@ -1,5 +1,6 @@
 //! The messages between a decode worker and a prefill worker.
 
+use crate::export::ExportSource;
 use crossbeam_channel::Sender;
 use kvmesh_common::{BlockId, NodeId, RequestId, SamplingParams, TokenId};
 use kvmesh_engine::sampler::Sampled;
@@ -51,6 +52,9 @@ pub struct PrefillRequest {
     /// Leading prompt tokens the destination has already (whole blocks): not sent.
     pub cached_prefix_len: usize,
     pub destination: KvDestination,
+    /// The destination, to pull the first `cached_prefix_len` tokens' KV from when this
+    /// worker lacks them and pulling beats recomputing them (`None`: recompute).
+    pub holder: Option<ExportSource>,
     pub cancel: CancelToken,
 }
 

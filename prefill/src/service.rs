@@ -1,5 +1,6 @@
 //! The prefill node's gRPC service (`kvmesh.v1.Prefill`) over a local [`PrefillHandle`].
 
+use crate::export_rpc::HolderDirectory;
 use crate::wire;
 use crate::worker::PrefillHandle;
 use kvmesh_common::grpc::{self, pb};
@@ -19,6 +20,8 @@ pub struct PrefillService {
     learn_peer: LearnPeer,
     /// The node's transport when it has RDMA: callers may swap RDMA details with it.
     rdma: Option<Arc<NetworkTransport>>,
+    /// Where to pull the prefixes that destinations hold (`None`: never pull).
+    holders: Option<Arc<HolderDirectory>>,
     accepted: AtomicU64,
 }
 
@@ -29,8 +32,16 @@ impl PrefillService {
             model_fingerprint,
             learn_peer,
             rdma: None,
+            holders: None,
             accepted: AtomicU64::new(0),
         }
+    }
+
+    /// Pulls from each request's destination the cached prefix it holds and this node lacks,
+    /// when that beats recomputing it; `holders` connects to the destinations.
+    pub fn with_pulls(mut self, holders: Arc<HolderDirectory>) -> Self {
+        self.holders = Some(holders);
+        self
     }
 
     /// Answers `RdmaConnect` over `transport` when it has RDMA (else refuses it).
@@ -50,13 +61,18 @@ impl pb::prefill_server::Prefill for PrefillService {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillReply>, Status> {
-        let (request, transfer_address) = wire::request_from_pb(request.into_inner())?;
-        let addr: SocketAddr = transfer_address.parse().map_err(|_| {
+        let (mut request, to) = wire::request_from_pb(request.into_inner())?;
+        let addr: SocketAddr = to.transfer.parse().map_err(|_| {
             Status::invalid_argument(format!(
-                "destination transfer address {transfer_address:?} is not host:port"
+                "destination transfer address {:?} is not host:port",
+                to.transfer
             ))
         })?;
-        (self.learn_peer)(request.destination.node, addr);
+        let destination = request.destination.node;
+        (self.learn_peer)(destination, addr);
+        if let (Some(holders), false) = (&self.holders, to.holder.is_empty()) {
+            request.holder = holders.source(destination, &to.holder);
+        }
         let request_id = request.request_id;
         // Dropping this call (the decode node cancelled, died or timed out) cancels the job.
         let _cancel_on_drop = CancelOnDrop(request.cancel.clone());

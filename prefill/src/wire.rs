@@ -8,7 +8,32 @@ use kvmesh_engine::sampler::Sampled;
 use kvmesh_transfer::{RdmaEndpoint, RdmaPeerInfo, RdmaRegion};
 use tonic::{Code, Status};
 
-pub fn request_to_pb(r: &PrefillRequest, transfer_address: &str) -> pb::PrefillRequest {
+/// Where a prefill request's destination can be reached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DestinationAddresses {
+    /// Where it receives KV.
+    pub transfer: String,
+    /// Where it serves `KvCache.Export` (empty: the prefill node does not pull from it).
+    pub holder: String,
+}
+
+impl DestinationAddresses {
+    /// Receives KV at `transfer`; serves no pulls.
+    pub fn receive_only(transfer: String) -> Self {
+        DestinationAddresses {
+            transfer,
+            holder: String::new(),
+        }
+    }
+}
+
+/// The request as sent: `holder` is sent only when the request names a holder.
+pub fn request_to_pb(r: &PrefillRequest, to: &DestinationAddresses) -> pb::PrefillRequest {
+    let holder = if r.holder.is_some() {
+        &to.holder[..]
+    } else {
+        ""
+    };
     pb::PrefillRequest {
         request_id: r.request_id.0,
         prompt: r.prompt.clone(),
@@ -16,14 +41,18 @@ pub fn request_to_pb(r: &PrefillRequest, transfer_address: &str) -> pb::PrefillR
         cached_prefix_len: r.cached_prefix_len as u64,
         destination: Some(pb::KvDestination {
             node_id: r.destination.node.0,
-            transfer_address: transfer_address.to_string(),
+            transfer_address: to.transfer.clone(),
             blocks: r.destination.blocks.iter().map(|b| b.0).collect(),
         }),
+        holder_address: holder.to_string(),
     }
 }
 
-/// The request (with a fresh cancel token) and the destination's transfer address.
-pub fn request_from_pb(m: pb::PrefillRequest) -> Result<(PrefillRequest, String), WireError> {
+/// The request (with a fresh cancel token, and no holder: the caller connects to
+/// `holder`'s address) and where its destination is.
+pub fn request_from_pb(
+    m: pb::PrefillRequest,
+) -> Result<(PrefillRequest, DestinationAddresses), WireError> {
     const M: &str = "PrefillRequest";
     let params = params_from(M, m.params)?;
     let dest = m
@@ -42,9 +71,14 @@ pub fn request_from_pb(m: pb::PrefillRequest) -> Result<(PrefillRequest, String)
             node: NodeId(dest.node_id),
             blocks: dest.blocks.into_iter().map(BlockId).collect(),
         },
+        holder: None,
         cancel: CancelToken::new(),
     };
-    Ok((request, dest.transfer_address))
+    let to = DestinationAddresses {
+        transfer: dest.transfer_address,
+        holder: m.holder_address,
+    };
+    Ok((request, to))
 }
 
 pub fn done_to_pb(d: &PrefillDone) -> pb::PrefillReply {
@@ -171,6 +205,25 @@ pub fn rdma_info_from_pb(
 mod tests {
     use super::*;
     use kvmesh_common::SamplingParams;
+    use std::sync::Arc;
+
+    /// A holder, as far as the wire cares.
+    #[derive(Debug)]
+    struct NoExports;
+
+    impl crate::KvExporter for NoExports {
+        fn node_id(&self) -> NodeId {
+            NodeId(0x200)
+        }
+
+        fn export(
+            &self,
+            _: crate::ExportRequest,
+            _: crossbeam_channel::Sender<crate::ExportReply>,
+        ) -> Result<(), crate::ExportError> {
+            Err(crate::ExportError::Unavailable)
+        }
+    }
 
     #[test]
     fn requests_and_replies_round_trip() {
@@ -183,10 +236,25 @@ mod tests {
                 node: NodeId(0x200),
                 blocks: vec![BlockId(9), BlockId(2)],
             },
+            holder: None,
             cancel: CancelToken::new(),
         };
-        let (back, addr) = request_from_pb(request_to_pb(&r, "127.0.0.3:7000")).unwrap();
-        assert_eq!(addr, "127.0.0.3:7000");
+        let to = DestinationAddresses {
+            transfer: "127.0.0.3:7000".into(),
+            holder: "127.0.0.3:7001".into(),
+        };
+        let (back, addr) = request_from_pb(request_to_pb(&r, &to)).unwrap();
+        // No holder named: the prefill node is not told where to pull from.
+        assert_eq!(
+            (&addr.transfer[..], &addr.holder[..]),
+            ("127.0.0.3:7000", "")
+        );
+        let named = PrefillRequest {
+            holder: Some(Arc::new(NoExports)),
+            ..r.clone()
+        };
+        let (_, addr) = request_from_pb(request_to_pb(&named, &to)).unwrap();
+        assert_eq!(addr, to);
         assert_eq!(
             (
                 back.request_id,
@@ -211,7 +279,7 @@ mod tests {
         assert!(done_from_pb(pb::PrefillReply::default()).is_err());
         let no_dest = pb::PrefillRequest {
             destination: None,
-            ..request_to_pb(&r, "x")
+            ..request_to_pb(&r, &to)
         };
         assert!(request_from_pb(no_dest).is_err());
     }

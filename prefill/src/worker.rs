@@ -1,19 +1,18 @@
 //! The prefill worker thread and its handle.
 
 use crate::export::{ExportError, ExportJob, ExportReply, ExportRequest, KvExporter};
+use crate::pull::{KvPull, Puller};
 use crate::push::KvPush;
-use crate::request::{
-    CancelToken, KvDestination, PrefillDone, PrefillError, PrefillRequest, ReplyTo,
-};
+use crate::request::{CancelToken, PrefillDone, PrefillError, PrefillRequest, ReplyTo};
 use crate::PrefillReply;
-use crossbeam_channel::{Receiver, Sender, TrySendError};
+use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{NodeId, RequestId};
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
 use kvmesh_engine::worker_metrics::WorkerMetrics;
-use kvmesh_transfer::{BlockShape, KvChunk, Transport, TransportError};
+use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -30,6 +29,9 @@ pub struct PrefillConfig {
     /// How long one chunk may wait for room in the destination's queue before the transfer
     /// counts as failed.
     pub send_timeout: Duration,
+    /// How long a request waits for its cached prefix to be pulled from its destination
+    /// before it recomputes the prefix instead.
+    pub pull_timeout: Duration,
     /// Where this node announces its prefix-cache changes (none: not announced).
     pub kv_events: Option<KvEventSink>,
 }
@@ -40,6 +42,7 @@ impl PrefillConfig {
             node_id,
             max_queued_requests: 256,
             send_timeout: Duration::from_secs(5),
+            pull_timeout: Duration::from_secs(2),
             kv_events: None,
         }
     }
@@ -154,13 +157,17 @@ pub struct PrefillWorker {
 
 impl PrefillWorker {
     /// Starts the thread. `engine` should have prefix caching on; its block size must match
-    /// the decode workers'.
+    /// the decode workers'. The worker binds its node on `transport` to receive the prefixes
+    /// it pulls.
     pub fn spawn<R: ModelRunner + 'static>(
         config: PrefillConfig,
         mut engine: LlmEngine<R>,
         transport: Arc<dyn Transport>,
     ) -> std::io::Result<PrefillWorker> {
         engine.set_record_kv_events(config.kv_events.is_some());
+        let kv_rx = transport.bind(config.node_id).map_err(|e| {
+            std::io::Error::other(format!("binding the KV transport for pulls: {e}"))
+        })?;
         // The inbox is far larger than the queue bound, so a `try_send` fails only when the
         // thread is gone.
         let (tx, rx) =
@@ -172,20 +179,26 @@ impl PrefillWorker {
             draining: AtomicBool::new(false),
             load: LoadCell::default(),
         });
+        let metrics = WorkerMetrics::new(config.node_id, "prefill");
+        let node_id = config.node_id;
         let mut state = Loop {
-            metrics: WorkerMetrics::new(config.node_id, "prefill"),
+            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone()),
+            metrics,
             config,
             engine,
-            transport,
+            transport: transport.clone(),
             inbox: rx,
+            kv_rx,
+            kv_closed: false,
             shared: shared.clone(),
             jobs: HashMap::new(),
             next_seq_id: 0,
             last_preemptions: 0,
         };
         let thread = std::thread::Builder::new()
-            .name(format!("prefill-{}", state.config.node_id))
-            .spawn(move || state.run())?;
+            .name(format!("prefill-{node_id}"))
+            .spawn(move || state.run())
+            .inspect_err(|_| transport.unbind(node_id))?;
         Ok(PrefillWorker {
             handle: PrefillHandle { inbox: tx, shared },
             thread: Some(thread),
@@ -239,11 +252,24 @@ struct Job {
     bytes_sent: u64,
 }
 
+/// A request accepted and not yet in the engine: its cached prefix may be on the way.
+struct Accepted {
+    request: PrefillRequest,
+    reply: ReplyTo,
+    push: KvPush,
+    enqueued_at: Instant,
+}
+
 struct Loop<R: ModelRunner> {
     config: PrefillConfig,
     engine: LlmEngine<R>,
     transport: Arc<dyn Transport>,
     inbox: Receiver<Inbox>,
+    /// The KV of the prefixes this worker pulls.
+    kv_rx: KvReceiver,
+    /// The transport let go of this node: no more pulled KV.
+    kv_closed: bool,
+    pulls: Puller<Accepted>,
     shared: Arc<Shared>,
     jobs: HashMap<SeqId, Job>,
     next_seq_id: SeqId,
@@ -259,18 +285,16 @@ impl<R: ModelRunner> Loop<R> {
             let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
             if idle {
                 let draining = self.shared.draining.load(Ordering::Acquire);
-                if draining && self.jobs.is_empty() && self.inbox.is_empty() {
+                if draining
+                    && self.jobs.is_empty()
+                    && self.pulls.is_empty()
+                    && self.inbox.is_empty()
+                {
                     break;
                 }
-                match self.inbox.recv() {
-                    Ok(msg) => {
-                        if !self.handle(msg) {
-                            break;
-                        }
-                    }
-                    Err(_) => break,
-                }
+                self.wait();
             }
+            self.receive_pulls();
             if !self.drain_inbox() {
                 break;
             }
@@ -280,9 +304,14 @@ impl<R: ModelRunner> Loop<R> {
             }
             self.publish_load();
         }
+        self.transport.unbind(self.config.node_id);
         for (seq_id, job) in self.jobs.drain() {
             self.engine.abort(seq_id);
             job.reply.send(Err(PrefillError::Unavailable));
+        }
+        for a in self.pulls.abandon(&mut self.engine, |_| true) {
+            self.shared.queue.give_back();
+            a.reply.send(Err(PrefillError::Unavailable));
         }
         // Requests that raced the drain or the stop.
         while let Ok(msg) = self.inbox.try_recv() {
@@ -297,14 +326,64 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
-    /// False on `Stop`.
-    fn drain_inbox(&mut self) -> bool {
-        while let Ok(msg) = self.inbox.try_recv() {
-            if !self.handle(msg) {
-                return false;
+    /// Blocks until a message, a pulled chunk or a holder's reply arrives, or a pull times
+    /// out.
+    fn wait(&self) {
+        let mut sel = Select::new();
+        sel.recv(&self.inbox);
+        if !self.kv_closed {
+            sel.recv(&self.kv_rx);
+        }
+        sel.recv(self.pulls.replies());
+        match self.pulls.next_deadline() {
+            Some(d) => {
+                let _ = sel.ready_deadline(d);
+            }
+            None => {
+                sel.ready();
             }
         }
-        true
+    }
+
+    /// Takes the holders' replies, then the pulled KV (a reply's chunks were sent before
+    /// it), then the clock; queues the requests whose pulls ended.
+    fn receive_pulls(&mut self) {
+        let mut ended = self.pulls.on_replies(&mut self.engine);
+        loop {
+            let chunk = match self.kv_rx.try_recv() {
+                Ok(chunk) => chunk,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.kv_closed = true;
+                    break;
+                }
+            };
+            match self.pulls.on_chunk(&mut self.engine, chunk) {
+                Ok(e) => ended.extend(e),
+                Err(late) => {
+                    tracing::debug!(transfer = %late.header.request_id, "KV of a pull that ended");
+                }
+            }
+        }
+        ended.extend(self.pulls.expire(&mut self.engine));
+        for e in ended {
+            self.queue(e.waiting);
+        }
+    }
+
+    /// False on `Stop`, or once every handle is gone.
+    fn drain_inbox(&mut self) -> bool {
+        loop {
+            match self.inbox.try_recv() {
+                Ok(msg) => {
+                    if !self.handle(msg) {
+                        return false;
+                    }
+                }
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
+            }
+        }
     }
 
     fn handle(&mut self, msg: Inbox) -> bool {
@@ -325,16 +404,51 @@ impl<R: ModelRunner> Loop<R> {
         true
     }
 
-    fn accept(&mut self, req: PrefillRequest, reply: ReplyTo, enqueued_at: Instant) {
+    fn accept(&mut self, mut request: PrefillRequest, reply: ReplyTo, enqueued_at: Instant) {
         let bs = self.engine.runner().kv_shape().block_size;
-        let KvDestination { node, blocks } = req.destination;
-        let push = match KvPush::new(bs, req.prompt.len(), req.cached_prefix_len, blocks) {
+        let blocks = std::mem::take(&mut request.destination.blocks);
+        let push = match KvPush::new(bs, request.prompt.len(), request.cached_prefix_len, blocks) {
             Ok(p) => p,
             Err(e) => {
                 self.shared.queue.give_back();
                 return reply.send(Err(PrefillError::InvalidRequest(e)));
             }
         };
+        let holder = request.holder.take();
+        let pull_blocks = request.cached_prefix_len / bs;
+        let accepted = Accepted {
+            request,
+            reply,
+            push,
+            enqueued_at,
+        };
+        let accepted = match holder {
+            Some(source) if pull_blocks > 0 => {
+                let pull = KvPull {
+                    source,
+                    blocks: pull_blocks,
+                };
+                match self
+                    .pulls
+                    .start(&mut self.engine, pull, accepted, |a| &a.request.prompt)
+                {
+                    Ok(()) => return,
+                    Err(a) => a,
+                }
+            }
+            _ => accepted,
+        };
+        self.queue(accepted);
+    }
+
+    /// Puts an accepted request in the engine.
+    fn queue(&mut self, a: Accepted) {
+        let Accepted {
+            request: req,
+            reply,
+            push,
+            enqueued_at,
+        } = a;
         let seq_id = self.next_seq_id;
         self.next_seq_id += 1;
         if let Err(e) = self
@@ -350,7 +464,7 @@ impl<R: ModelRunner> Loop<R> {
                 request_id: req.request_id,
                 reply,
                 push,
-                dest_node: node,
+                dest_node: req.destination.node,
                 cancel: req.cancel,
                 enqueued_at,
                 admitted: false,
@@ -372,6 +486,11 @@ impl<R: ModelRunner> Loop<R> {
             self.engine.abort(seq_id);
             self.end(seq_id, Err(PrefillError::Cancelled));
         }
+        let pulling = |a: &Accepted| a.request.cancel.is_cancelled();
+        for a in self.pulls.abandon(&mut self.engine, pulling) {
+            self.shared.queue.give_back();
+            a.reply.send(Err(PrefillError::Cancelled));
+        }
     }
 
     fn step(&mut self) {
@@ -389,9 +508,12 @@ impl<R: ModelRunner> Loop<R> {
             last_layer: num_layers.saturating_sub(1),
             metrics: &self.metrics,
         };
+        let started = Instant::now();
         let result = self
             .engine
             .step_observed(&mut |layer, step, kv| push.on_layer(layer, step, kv));
+        self.pulls
+            .observe_step(self.engine.last_step_tokens(), started.elapsed());
         self.record_admissions();
         let outputs = match result {
             Ok(o) => o,
@@ -487,7 +609,7 @@ impl<R: ModelRunner> Loop<R> {
         let s = self.engine.scheduler();
         let load = WorkerLoad {
             running: s.num_running() + s.num_awaiting_kv(),
-            waiting: s.num_waiting(),
+            waiting: s.num_waiting() + self.pulls.len(),
             kv_blocks_used: s.pool().num_used(),
             kv_blocks_total: s.pool().num_blocks(),
         };

@@ -10,8 +10,8 @@ use kvmesh_engine::runner::{KvSource, ModelRunner};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_engine::Loaded;
 use kvmesh_prefill::{
-    CancelToken, KvDestination, PrefillConfig, PrefillError, PrefillReply, PrefillRequest,
-    PrefillWorker,
+    CancelToken, ExportSource, KvDestination, PrefillConfig, PrefillDone, PrefillError,
+    PrefillReply, PrefillRequest, PrefillWorker,
 };
 use kvmesh_transfer::{InProcessTransport, KvChunk, Transport};
 use std::collections::HashMap;
@@ -110,6 +110,7 @@ fn prefill(
         params,
         cached_prefix_len,
         destination: KvDestination { node: dest, blocks },
+        holder: None,
         cancel: CancelToken::new(),
     };
     worker.handle().prefill(request, reply_tx).unwrap();
@@ -168,6 +169,88 @@ fn pushed_kv_equals_local_kv_and_skips_the_destination_cache() {
     );
 }
 
+/// Prefills `prompt` on `worker` for destination `dest`, which holds its first
+/// `cached_prefix_len` tokens and names `holder` to pull them from.
+fn prefill_on(
+    worker: &PrefillWorker,
+    dest: NodeId,
+    prompt: &[TokenId],
+    cached_prefix_len: usize,
+    holder: Option<ExportSource>,
+) -> PrefillDone {
+    let blocks = (cached_prefix_len / BS..prompt.len().div_ceil(BS))
+        .map(|i| BlockId(1000 + i as u32))
+        .collect();
+    let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+    let request = PrefillRequest {
+        request_id: RequestId(rand_id()),
+        prompt: prompt.to_vec(),
+        params: SamplingParams::greedy(4),
+        cached_prefix_len,
+        destination: KvDestination { node: dest, blocks },
+        holder,
+        cancel: CancelToken::new(),
+    };
+    worker.handle().prefill(request, reply_tx).unwrap();
+    let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
+    reply.result.expect("prefill succeeds")
+}
+
+fn rand_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+#[test]
+fn a_prefix_the_destination_holds_is_pulled_from_it_not_recomputed() {
+    let p = prompt(100); // 6 full blocks and a partial one
+    let (first, local_kv) = local_run(&p, &SamplingParams::greedy(4));
+    let transport = Arc::new(InProcessTransport::new(4096));
+    let dest = NodeId(2);
+    let rx = transport.bind(dest).unwrap();
+    let spawn = |id| {
+        let t = transport.clone() as Arc<dyn Transport>;
+        PrefillWorker::spawn(PrefillConfig::new(NodeId(id)), engine(2048), t).unwrap()
+    };
+    // The holder stands in for a destination that computed the prompt earlier.
+    let holder = spawn(3);
+    prefill_on(&holder, dest, &p, 0, None);
+    let source: ExportSource = Arc::new(holder.handle());
+    drain(&rx);
+
+    // Holding the first 96 tokens, the destination asks for the rest: the worker pulls
+    // those 6 blocks and computes only the tail.
+    let worker = spawn(1);
+    let done = prefill_on(&worker, dest, &p, 96, Some(source.clone()));
+    assert_eq!(done.first.token, first.token);
+    assert_eq!(done.cached_tokens, 96, "the pulled prefix counts as cached");
+    let chunks = drain(&rx);
+    let layers = loaded().model.config.num_layers;
+    assert_eq!(
+        chunks.len(),
+        layers,
+        "one chunk per layer of the last block"
+    );
+    for c in &chunks {
+        assert_eq!(c.header.blocks, [BlockId(1006)]);
+        let key = (c.header.first_layer as usize, 6);
+        assert!(
+            local_kv[&key] == c.payload,
+            "KV of {key:?} differs from the local run"
+        );
+    }
+
+    // Without a holder, a fresh worker recomputes the prefix, to the same first token.
+    let fresh = spawn(4);
+    let done = prefill_on(&fresh, dest, &p, 96, None);
+    assert_eq!((done.first.token, done.cached_tokens), (first.token, 0));
+    // A holder that lacks the blocks costs only the attempt.
+    let lacking = spawn(5);
+    let empty: ExportSource = Arc::new(lacking.handle());
+    let done = prefill_on(&spawn(6), dest, &p, 96, Some(empty));
+    assert_eq!((done.first.token, done.cached_tokens), (first.token, 0));
+}
+
 #[test]
 fn a_seeded_sample_equals_the_local_one() {
     let p = prompt(40);
@@ -198,6 +281,7 @@ fn an_unreachable_destination_fails_the_prefill() {
             node: NodeId(99),
             blocks: vec![BlockId(0), BlockId(1)],
         },
+        holder: None,
         cancel: CancelToken::new(),
     };
     worker

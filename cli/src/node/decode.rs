@@ -4,16 +4,14 @@
 //! back. Serves its own cache to other nodes' pulls (`KvCache`).
 
 use super::engine_args::EngineArgs;
-use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
+use super::{forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_kvstore::Discovery;
-use kvmesh_prefill::{KvCacheService, LearnPeer};
+use kvmesh_prefill::{DestinationAddresses, KvCacheService, LearnPeer};
 use kvmesh_transfer::Transport;
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,14 +58,20 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         model_fingerprint: loaded.fingerprint.0,
         kv_blocks_total: handle.load().kv_blocks_total,
     };
+    // gRPC (with KvCache) and QUIC share the advertised host:port.
+    let addresses = DestinationAddresses {
+        transfer: advertise.clone(),
+        holder: advertise.clone(),
+    };
     let peers = network.clone();
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let prefill = Arc::new(
-            PrefillDirectory::new(advertise, tls.clone(), Duration::from_secs(1))
+            PrefillDirectory::new(addresses, tls.clone(), Duration::from_secs(1))
                 .with_rdma(node_id, network.clone()),
         );
-        forget_departed_nodes(&discovery, prefill.clone());
+        let directory = prefill.clone();
+        forget_departed_nodes(&discovery, move |alive| directory.retain(alive));
         let learn: LearnPeer = Arc::new(move |node, addr| peers.add_peer(node, addr));
         let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn);
         let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server())
@@ -85,20 +89,4 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     })?;
     tracing::info!("stopped");
     Ok(())
-}
-
-/// Drops connections to nodes as they leave discovery.
-fn forget_departed_nodes(discovery: &kvmesh_kvstore::EtcdDiscovery, dir: Arc<PrefillDirectory>) {
-    let discovery = discovery.clone();
-    let mut changes = discovery.subscribe();
-    tokio::spawn(async move {
-        while changes.changed().await.is_ok() {
-            let alive: HashSet<_> = [NodeRole::Prefill, NodeRole::Decode]
-                .into_iter()
-                .flat_map(|role| discovery.nodes(role))
-                .map(|n| n.info.node_id)
-                .collect();
-            dir.retain(&alive);
-        }
-    });
 }

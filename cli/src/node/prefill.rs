@@ -1,17 +1,20 @@
 //! `kvmesh prefill`: a prefill node. Computes prompts it is asked for over gRPC and pushes
-//! their KV to the decode node that asked: over RDMA where both have it, else QUIC. Decode
-//! nodes may also pull prefixes it has cached (`KvCache`).
+//! their KV to the decode node that asked: over RDMA where both have it, else QUIC. A prefix
+//! the decode node holds and this node lacks is pulled from it (into this node's QUIC port)
+//! when that beats recomputing it. Other nodes may pull prefixes it has cached (`KvCache`).
 
 use super::engine_args::EngineArgs;
-use super::{kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
+use super::{forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_prefill::{KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{
+    HolderDirectory, KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker,
+};
 use kvmesh_transfer::Transport;
-use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 #[derive(Args, Debug)]
 pub struct PrefillArgs {
@@ -32,10 +35,9 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         .config()
         .llama_engine(&loaded)
         .context("building the engine")?;
-    // Sends only: any UDP port on the listen address.
-    let quic_listen = SocketAddr::new(args.mesh.listen.ip(), 0);
+    // Pulled KV arrives on the gRPC port's number, over UDP.
     let tls = args.mesh.cluster_tls()?;
-    let network = Arc::new(args.mesh.kv_transport(quic_listen, tls.as_ref())?);
+    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?);
     let transport: Arc<dyn Transport> = network.clone();
     let kv_events = KvPublisherSlot::default();
     let config = PrefillConfig {
@@ -50,18 +52,27 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         Arc::new(move |node, addr| network.add_peer(node, addr))
     };
     let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn.clone());
-    let service =
-        PrefillService::new(handle.clone(), loaded.fingerprint.0, learn).with_rdma(network);
+    let advertise = args.mesh.advertise().to_string();
     let info = NodeInfo {
         node_id,
         role: NodeRole::Prefill,
-        address: args.mesh.advertise().to_string(),
-        transfer_address: String::new(),
+        address: advertise.clone(),
+        transfer_address: advertise.clone(),
         model_fingerprint: loaded.fingerprint.0,
         kv_blocks_total: handle.load().kv_blocks_total,
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
+        let holders = Arc::new(HolderDirectory::new(
+            advertise,
+            tls.clone(),
+            Duration::from_secs(1),
+        ));
+        let directory = holders.clone();
+        forget_departed_nodes(&discovery, move |alive| directory.retain(alive));
+        let service = PrefillService::new(handle.clone(), loaded.fingerprint.0, learn)
+            .with_rdma(network)
+            .with_pulls(holders);
         let routes =
             tonic::service::Routes::new(service.into_server()).add_service(kv_cache.into_server());
         run_node(

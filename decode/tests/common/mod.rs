@@ -122,6 +122,22 @@ pub fn wait_until_idle(load: impl Fn() -> kvmesh_decode::WorkerLoad, within: std
 }
 
 /// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
+/// A worker's counter `name` (process-wide metrics, told apart by node).
+pub fn counter(name: &str, node: kvmesh_common::NodeId) -> u64 {
+    let node = node.to_string();
+    prometheus::gather()
+        .iter()
+        .filter(|f| f.name() == name)
+        .flat_map(|f| f.get_metric())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == "node" && l.value() == node)
+        })
+        .map(|m| m.get_counter().get_value() as u64)
+        .sum()
+}
+
 pub fn transfers_completed(node: kvmesh_common::NodeId) -> u64 {
     let node = node.to_string();
     prometheus::gather()
