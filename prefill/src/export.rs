@@ -1,6 +1,6 @@
 //! Pulls: a node sends the KV of prefix blocks it has cached to a node that wants them,
-//! instead of that node recomputing them. The node that wants them (a decode worker) reserves
-//! blocks and sends an [`ExportRequest`]; the holder (a prefill or a decode worker, in this
+//! instead of that node recomputing them. The node that wants them (a decode or a prefill
+//! worker, see [`crate::Puller`]) reserves blocks and sends an [`ExportRequest`]; the holder (a prefill or a decode worker, in this
 //! process or across the network through `KvCache.Export`) reads the longest leading run of
 //! the asked-for blocks it holds, in its pool or a tier below, and pushes it through the KV
 //! transport, one chunk per layer, between two of its engine steps; then it replies.

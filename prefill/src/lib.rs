@@ -6,8 +6,13 @@
 //! [`PrefillRequest`]s; the reply (first token and its log-probabilities, or why not) comes back
 //! on the channel passed with the request. The KV travels separately, through a
 //! `kvmesh_transfer::Transport`, one chunk per layer per engine step, so the transfer overlaps
-//! the compute of the layers still to go. The same messages will cross machines (gRPC for the
+//! the compute of the layers still to go. The same messages cross machines (gRPC for the
 //! requests, QUIC or RDMA for the KV) in the multi-process mesh.
+//!
+//! Cached prefixes move between nodes instead of being recomputed: every worker serves its
+//! cache to pullers ([`export`], [`KvCacheService`]), and both kinds of worker pull with a
+//! [`Puller`]: a decode worker from the node the router names, a prefill worker from the
+//! request's destination, which holds the prefix it did not ask for.
 
 mod client;
 pub mod export;
