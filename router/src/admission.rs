@@ -4,21 +4,24 @@
 //!
 //! The estimate calibrates itself from what the backend actually does, so the same code fits
 //! one process (`kvmesh serve`) and the mesh router. It tracks the prompt tokens of admitted
-//! requests still waiting for their first token (*pending tokens*). When a request gets its
-//! first token, `(x, ttft)` is a sample, `x` being the tokens pending ahead of it at
-//! admission plus its own; an exponentially weighted least-squares line `ttft = a + b * x`
-//! through the recent samples is the model. `a` is what a request costs with nothing ahead
-//! (a step of the engine, HTTP, tokenizing); `b` is the cost of a queued token, which a
-//! batching engine keeps far below `ttft / x`. Until the samples are spread enough to fit a
-//! slope (they are all about the same size, e.g. one client at a time), the line goes
-//! through the origin (`b = mean ttft / mean x`): the cautious reading, since it charges
-//! every queued token the full cost.
+//! requests still waiting for their first token (*pending tokens*) and the admitted requests
+//! past it (*decoding*: every engine step also carries their next tokens). When a request
+//! gets its first token, `(x, d, ttft)` is a sample, `x` being the tokens pending ahead of it
+//! at admission plus its own and `d` the requests decoding then; an exponentially weighted
+//! least-squares plane `ttft = a + b * x + c * d` through the recent samples is the model.
+//! `a` is what a request costs with nothing ahead (a step of the engine, HTTP, tokenizing);
+//! `b` is the cost of a queued token, which a batching engine keeps far below `ttft / x`; `c`
+//! is what each decoding request adds (longer steps to wait through). A slope is fitted only
+//! along a regressor whose samples are spread enough; until `x` is (the prompts are all about
+//! the same size and queues short, e.g. one client at a time), the plane goes through the
+//! origin along it (`b = (mean ttft - c * mean d) / mean x`): the cautious reading, since it
+//! charges every queued token the full cost.
 //!
-//! A request with `own` tokens is refused iff something is pending and
-//! `a + b * (pending + own) > ttft_target`. With nothing pending a request is always
-//! admitted, so samples keep coming and a stale, too-pessimistic model recovers. Before the
-//! first sample only the in-flight bound applies: at most `max_in_flight` admitted requests
-//! may be unfinished (a bounded queue whatever the estimate says).
+//! A request with `own` tokens is refused iff something is in flight and
+//! `a + b * (pending + own) + c * decoding > ttft_target`. With nothing in flight a request
+//! is always admitted, so samples keep coming and a stale, too-pessimistic model recovers.
+//! Before the first sample only the in-flight bound applies: at most `max_in_flight` admitted
+//! requests may be unfinished (a bounded queue whatever the estimate says).
 //!
 //! [`Estimator`] is the pure core (time comes in as `now`); [`Admission`] wraps it in a mutex
 //! and hands out [`Ticket`]s whose drop ends the request's accounting.
@@ -41,41 +44,99 @@ const EWMA_WEIGHT: f64 = 0.2;
 /// variation) before a slope is fitted; below it the slope is noise.
 const MIN_SPREAD: f64 = 0.25;
 
-/// An exponentially weighted least-squares fit of `ttft` (seconds) against `x` (tokens).
+/// An exponentially weighted least-squares fit of `ttft` (seconds) against `x` (tokens
+/// pending ahead plus the request's own) and `d` (requests decoding at admission): running
+/// means of the regressors, the TTFT and their products.
 #[derive(Clone, Debug, Default)]
 struct Fit {
     samples: u64,
     x: f64,
+    d: f64,
     y: f64,
     xx: f64,
+    dd: f64,
+    xd: f64,
     xy: f64,
+    dy: f64,
+}
+
+/// `ttft = a + b * x + c * d`, all coefficients non-negative.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Model {
+    a: f64,
+    b: f64,
+    c: f64,
+}
+
+impl Model {
+    fn ttft(&self, x: f64, d: f64) -> f64 {
+        self.a + self.b * x + self.c * d
+    }
 }
 
 impl Fit {
-    fn add(&mut self, x: f64, y: f64) {
+    fn add(&mut self, x: f64, d: f64, y: f64) {
         // A plain mean over the first few samples, then exponential forgetting.
         let w = EWMA_WEIGHT.max(1.0 / (self.samples + 1) as f64);
-        self.x += w * (x - self.x);
-        self.y += w * (y - self.y);
-        self.xx += w * (x * x - self.xx);
-        self.xy += w * (x * y - self.xy);
+        let mean = |m: &mut f64, v: f64| *m += w * (v - *m);
+        mean(&mut self.x, x);
+        mean(&mut self.d, d);
+        mean(&mut self.y, y);
+        mean(&mut self.xx, x * x);
+        mean(&mut self.dd, d * d);
+        mean(&mut self.xd, x * d);
+        mean(&mut self.xy, x * y);
+        mean(&mut self.dy, d * y);
         self.samples += 1;
     }
 
-    /// `(a, b)` of `ttft = a + b * x`, both non-negative; `None` before any sample.
-    fn line(&self) -> Option<(f64, f64)> {
+    /// `None` before any sample.
+    fn model(&self) -> Option<Model> {
         if self.samples == 0 {
             return None;
         }
-        let var = self.xx - self.x * self.x;
-        if var > (MIN_SPREAD * self.x).powi(2) {
-            let b = ((self.xy - self.x * self.y) / var).max(0.0);
-            Some(((self.y - b * self.x).max(0.0), b))
-        } else if self.x > 0.0 {
-            Some((0.0, self.y / self.x))
-        } else {
-            Some((self.y, 0.0))
-        }
+        let (vx, vd) = (self.xx - self.x * self.x, self.dd - self.d * self.d);
+        let cxd = self.xd - self.x * self.d;
+        let (cxy, cdy) = (self.xy - self.x * self.y, self.dy - self.d * self.y);
+        let x_spread = vx > (MIN_SPREAD * self.x).powi(2);
+        // `d` counts requests, often 0 or 1: spread is judged against at least one.
+        let d_spread = vd > (MIN_SPREAD * self.d.max(1.0)).powi(2);
+        let along_x = || (cxy / vx).max(0.0);
+        let along_d = || (cdy / vd).max(0.0);
+        let (b, c) = match (x_spread, d_spread) {
+            (true, true) => {
+                let det = vx * vd - cxd * cxd;
+                // Nearly collinear regressors tell the slopes apart no better than noise.
+                let b = (cxy * vd - cdy * cxd) / det;
+                let c = (cdy * vx - cxy * cxd) / det;
+                if det <= 1e-3 * vx * vd {
+                    (along_x(), 0.0)
+                } else if b < 0.0 {
+                    (0.0, along_d())
+                } else if c < 0.0 {
+                    (along_x(), 0.0)
+                } else {
+                    (b, c)
+                }
+            }
+            (true, false) => (along_x(), 0.0),
+            (false, d_spread) => {
+                // Through the origin along x: the rest of the mean TTFT is the tokens' cost.
+                let c = if d_spread { along_d() } else { 0.0 };
+                let rest = (self.y - c * self.d).max(0.0);
+                return Some(if self.x > 0.0 {
+                    Model {
+                        a: 0.0,
+                        b: rest / self.x,
+                        c,
+                    }
+                } else {
+                    Model { a: rest, b: 0.0, c }
+                });
+            }
+        };
+        let a = (self.y - b * self.x - c * self.d).max(0.0);
+        Some(Model { a, b, c })
     }
 }
 
@@ -136,6 +197,8 @@ impl std::fmt::Display for Rejection {
 pub(crate) struct Admitted {
     /// Pending tokens ahead of it when it was admitted.
     ahead: u64,
+    /// Requests decoding when it was admitted.
+    decoding: usize,
     /// Its own prompt tokens (all choices).
     own: u64,
     at: Instant,
@@ -150,6 +213,8 @@ pub(crate) struct Estimator {
     ttft_target: Option<Duration>,
     max_in_flight: usize,
     pending_tokens: u64,
+    /// Admitted requests without their first token yet.
+    pending_requests: usize,
     in_flight: usize,
     fit: Fit,
 }
@@ -161,6 +226,7 @@ impl Estimator {
             ttft_target: (!ttft_target.is_zero()).then_some(ttft_target),
             max_in_flight,
             pending_tokens: 0,
+            pending_requests: 0,
             in_flight: 0,
             fit: Fit::default(),
         }
@@ -178,7 +244,7 @@ impl Estimator {
         }
         if let Some(target) = self.ttft_target {
             let estimated = self.estimated_ttft(self.pending_tokens.saturating_add(own));
-            if self.pending_tokens > 0 && estimated > target {
+            if self.in_flight > 0 && estimated > target {
                 return Err(Rejection::QueueDelay {
                     estimated,
                     target,
@@ -194,11 +260,13 @@ impl Estimator {
         self.check(own)?;
         let admitted = Admitted {
             ahead: self.pending_tokens,
+            decoding: self.decoding(),
             own,
             at: now,
             pending: true,
         };
         self.pending_tokens += own;
+        self.pending_requests += 1;
         self.in_flight += 1;
         Ok(admitted)
     }
@@ -210,27 +278,38 @@ impl Estimator {
             return;
         }
         self.pending_tokens -= request.own;
+        self.pending_requests -= 1;
         let ttft = now.saturating_duration_since(request.at).as_secs_f64();
-        self.fit.add((request.ahead + request.own) as f64, ttft);
+        let x = (request.ahead + request.own) as f64;
+        self.fit.add(x, request.decoding as f64, ttft);
     }
 
     /// `request` is over (finished, failed or cancelled).
     pub(crate) fn finish(&mut self, request: Admitted) {
         if request.pending {
             self.pending_tokens -= request.own;
+            self.pending_requests -= 1;
         }
         self.in_flight -= 1;
     }
 
-    /// The model's TTFT for a request with `tokens` pending ahead plus its own (zero before
-    /// any sample).
+    /// The model's TTFT now for a request with `tokens` pending ahead plus its own (zero
+    /// before any sample).
     fn estimated_ttft(&self, tokens: u64) -> Duration {
-        let (a, b) = self.fit.line().unwrap_or((0.0, 0.0));
-        secs(a + b * tokens as f64)
+        let ttft = self
+            .fit
+            .model()
+            .map_or(0.0, |m| m.ttft(tokens as f64, self.decoding() as f64));
+        secs(ttft)
+    }
+
+    /// Admitted requests past their first token.
+    fn decoding(&self) -> usize {
+        self.in_flight - self.pending_requests
     }
 
     fn slope(&self) -> f64 {
-        self.fit.line().map_or(0.0, |(_, b)| b)
+        self.fit.model().map_or(0.0, |m| m.b)
     }
 
     /// The model's TTFT for a new one-token request now (for the gauge).
@@ -383,7 +462,9 @@ mod tests {
     }
 
     fn line(e: &Estimator) -> (f64, f64) {
-        e.fit.line().unwrap()
+        let m = e.fit.model().unwrap();
+        assert_eq!(m.c, 0.0, "no decoding requests, no slope along them");
+        (m.a, m.b)
     }
 
     fn close(x: f64, y: f64) -> bool {
@@ -512,6 +593,45 @@ mod tests {
             (a - 0.01).abs() < 1e-6 && (b - 0.001).abs() < 1e-6,
             "{a} {b}"
         );
+    }
+
+    #[test]
+    fn requests_decoding_count_even_with_nothing_pending() {
+        let now = Instant::now();
+        let mut e = Estimator::new(ms(40), 100);
+        // A backend whose steps grow with the batch: 5 ms plus 3 ms per request decoding,
+        // whatever the prompt's size. Keep 0..10 requests decoding while one more arrives.
+        let ttft = |decoding: usize| ms(5 + 3 * decoding as u64);
+        let mut decoding = Vec::new();
+        let decode_until = |e: &mut Estimator, decoding: &mut Vec<Admitted>, n: usize| {
+            while decoding.len() > n {
+                e.finish(decoding.pop().unwrap());
+            }
+            while decoding.len() < n {
+                let mut a = e.admit(50, now).unwrap();
+                e.first_token(&mut a, now + ttft(decoding.len()));
+                decoding.push(a);
+            }
+        };
+        for i in 0..60 {
+            decode_until(&mut e, &mut decoding, i % 11);
+            let mut a = e.admit(50 + 10 * (i % 7) as u64, now).unwrap();
+            e.first_token(&mut a, now + ttft(decoding.len()));
+            e.finish(a);
+        }
+        let m = e.fit.model().unwrap();
+        assert!(close(m.c, 0.003) && m.b.abs() < 1e-9, "{m:?}");
+        assert!((m.a - 0.005).abs() < 1e-6, "{m:?}");
+        // Nothing is pending: with eleven decoding (38 ms) a request fits the 40 ms target,
+        // with twelve (41 ms) it does not.
+        decode_until(&mut e, &mut decoding, 11);
+        assert_eq!(e.pending_tokens(), 0);
+        assert!(e.check(50).is_ok());
+        decode_until(&mut e, &mut decoding, 12);
+        assert!(matches!(e.check(50), Err(Rejection::QueueDelay { .. })));
+        decode_until(&mut e, &mut decoding, 0);
+        // With nothing in flight, anything goes.
+        assert!(e.check(5000).is_ok());
     }
 
     #[test]
