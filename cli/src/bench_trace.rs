@@ -41,7 +41,8 @@ pub struct BenchTraceArgs {
     /// Replay against this router (http://HOST:PORT) instead of starting clusters.
     #[arg(long)]
     pub url: Option<String>,
-    /// The routers' `--pull-min-blocks` (0: no cross-node pulls).
+    /// The routers' `--pull-min-blocks` (0: no cross-node pulls at all: the decode nodes get
+    /// `--prefill-pulls false` too).
     #[arg(long)]
     pub pull_min_blocks: Option<usize>,
     /// Compute threads per node process.
@@ -144,8 +145,14 @@ impl Cluster {
         for ip in ["127.0.0.3", "127.0.0.4"] {
             spawn("prefill", ip, &[])?;
         }
+        let no_pulls = args.pull_min_blocks == Some(0);
+        let decode_args: &[&str] = if no_pulls {
+            &["--prefill-pulls", "false"]
+        } else {
+            &[]
+        };
         for ip in ["127.0.0.5", "127.0.0.6"] {
-            spawn("decode", ip, &[])?;
+            spawn("decode", ip, decode_args)?;
         }
         let mut router_args = vec!["--routing-policy".to_string(), policy.to_string()];
         if let Some(n) = args.pull_min_blocks {

@@ -27,6 +27,9 @@ pub struct DecodeConfig {
     /// How long serving one pull from another node may hold up this node's engine (it runs
     /// between two steps) before the transfer counts as failed.
     pub export_timeout: Duration,
+    /// Lets the prefill worker of a request pull the prompt's prefix this node holds (when it
+    /// lacks it and pulling beats recomputing) instead of recomputing it.
+    pub prefill_pulls: bool,
     /// Where this node announces its prefix-cache changes (none: not announced).
     pub kv_events: Option<KvEventSink>,
 }
@@ -40,6 +43,7 @@ impl DecodeConfig {
             remote_prefill_timeout: Duration::from_secs(10),
             pull_timeout: Duration::from_secs(2),
             export_timeout: Duration::from_secs(1),
+            prefill_pulls: true,
             kv_events: None,
         }
     }

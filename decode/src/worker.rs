@@ -786,7 +786,7 @@ impl<R: ModelRunner> Loop<R> {
     fn start_transfers(&mut self) {
         let admitted = self.engine.last_remote_admitted().to_vec();
         for adm in admitted {
-            let holder = (adm.num_cached_tokens > 0)
+            let holder = (self.config.prefill_pulls && adm.num_cached_tokens > 0)
                 .then(|| self.as_holder())
                 .flatten();
             let Some(a) = self.active.get_mut(&adm.seq_id) else {

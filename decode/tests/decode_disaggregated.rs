@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kvmesh_common::{NodeId, TokenId};
+use kvmesh_common::{metrics, NodeId, TokenId};
 use kvmesh_decode::{DecodeConfig, DecodeWorker};
 use kvmesh_prefill::{PrefillConfig, PrefillWorker};
 use kvmesh_transfer::{InProcessTransport, KvChunk, KvReceiver, Transport, TransportError};
@@ -100,6 +100,45 @@ fn start(
     };
     let decode = DecodeWorker::spawn(config, engine(), transport).unwrap();
     Pair { decode, prefill }
+}
+
+/// The decode worker holds a prefix the prefill worker lacks (another prefill worker
+/// computed it): the prefill worker pulls it from the decode worker rather than recompute it,
+/// unless the decode worker's config says no; the tokens are the same either way.
+#[test]
+fn a_prefill_worker_pulls_the_prefix_the_decode_worker_holds() {
+    for (base, prefill_pulls) in [(0x1400, true), (0x1500, false)] {
+        let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::new(256));
+        let config = DecodeConfig {
+            local_prefill_max_tokens: 32,
+            prefill_pulls,
+            ..DecodeConfig::new(NodeId(base))
+        };
+        let decode = DecodeWorker::spawn(config, engine(), transport.clone()).unwrap();
+        let spawn = |i| {
+            let config = PrefillConfig::new(NodeId(base + i));
+            PrefillWorker::spawn(config, engine(), transport.clone()).unwrap()
+        };
+        let (p1, p2) = (spawn(1), spawn(2));
+        let d = decode.handle();
+        let first = request(1, prompt(9, 192), 4);
+        collect(d.generate(first, Some(p1.handle().into())).unwrap());
+        let mut long = prompt(9, 192);
+        long.extend(prompt(10, 100));
+        let second = request(2, long, 10);
+        let (tokens, _, usage) = collect(
+            d.generate(second.clone(), Some(p2.handle().into()))
+                .unwrap(),
+        );
+        assert_eq!(usage.cached_tokens, 192);
+        assert_eq!(tokens, reference(&second));
+        let pulled = counter(metrics::WORKER_KV_PULLED_BLOCKS_TOTAL, NodeId(base + 2));
+        assert_eq!(
+            pulled,
+            if prefill_pulls { 12 } else { 0 },
+            "prefill_pulls {prefill_pulls}"
+        );
+    }
 }
 
 #[test]

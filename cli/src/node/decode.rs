@@ -26,6 +26,10 @@ pub struct DecodeArgs {
     /// Prompts whose uncached part is shorter than this are prefilled here.
     #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS")]
     pub local_prefill_max_tokens: Option<usize>,
+    /// Let prefill nodes pull the prefix of a prompt this node holds instead of recomputing
+    /// it (`false`: they recompute).
+    #[arg(long, env = "KVMESH_PREFILL_PULLS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prefill_pulls: bool,
 }
 
 pub fn run(args: &DecodeArgs) -> Result<()> {
@@ -43,6 +47,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let kv_events = KvPublisherSlot::default();
     let mut config = DecodeConfig::new(node_id);
     config.kv_events = Some(kv_event_sink(&kv_events));
+    config.prefill_pulls = args.prefill_pulls;
     if let Some(n) = args.local_prefill_max_tokens {
         config.local_prefill_max_tokens = n;
     }
