@@ -13,7 +13,7 @@ use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_prefill::{
     CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource,
     IncomingTransfer, KvDestination, KvExporter, KvPull, PrefillDone, PrefillReply, PrefillRequest,
-    PrefillTarget, PullEnded, Puller,
+    PrefillTarget, Puller,
 };
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use std::collections::HashMap;
@@ -244,7 +244,9 @@ impl DecodeWorker {
         let inbox = Arc::new(tx);
         let metrics = WorkerMetrics::new(config.node_id, "decode");
         let mut state = Loop {
-            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone()),
+            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone(), |s| {
+                &s.request.prompt
+            }),
             metrics,
             kv_shape: engine.runner().kv_shape(),
             config,
@@ -520,16 +522,14 @@ impl<R: ModelRunner> Loop<R> {
         if !s.request.resume.is_empty() {
             return Some(s);
         }
-        self.pulls
-            .start(&mut self.engine, pull, s, |s| &s.request.prompt)
-            .err()
+        self.pulls.start(&mut self.engine, pull, s).err()
     }
 
     /// Queues the request of a pull that ended: it finds the blocks that arrived in the
     /// prefix cache.
-    fn pull_ended(&mut self, ended: PullEnded<Submission>) {
+    fn pull_ended(&mut self, s: Submission) {
         self.kicked = true;
-        self.admit(ended.waiting);
+        self.admit(s);
     }
 
     /// Queues a request in the engine.
@@ -623,8 +623,8 @@ impl<R: ModelRunner> Loop<R> {
         let request_id = chunk.header.request_id;
         let chunk = match self.pulls.on_chunk(&mut self.engine, chunk) {
             Ok(ended) => {
-                if let Some(e) = ended {
-                    self.pull_ended(e);
+                for s in ended {
+                    self.pull_ended(s);
                 }
                 return;
             }

@@ -71,6 +71,48 @@ fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
     wait_until_idle(|| b.load(), Duration::from_secs(30));
 }
 
+/// A burst of requests on one prefix, each offered the same holder: the prefix moves once,
+/// and every request is served from it with the tokens of recomputing it.
+#[test]
+fn a_burst_on_one_prefix_pulls_it_once() {
+    let t = transport();
+    let (a_id, b_id) = (NodeId(0x3300), NodeId(0x3301));
+    let (a, b) = (worker(a_id, &t), worker(b_id, &t));
+    let (a, b) = (a.handle(), b.handle());
+    collect(
+        a.generate(request(1, shared_prefix_prompt(1), 4), None)
+            .unwrap(),
+    );
+    // A decodes for others, so it answers pulls only between its steps: the burst arrives
+    // while the first pull is in flight.
+    let busy: Vec<_> = (0..4)
+        .map(|i| {
+            a.generate(request(10 + i, prompt(20 + i as usize, 64), 1500), None)
+                .unwrap()
+        })
+        .collect();
+    let burst: Vec<_> = (0..4)
+        .map(|i| {
+            let req = request(20 + i, shared_prefix_prompt(2 + i as usize), 6);
+            let pull = KvPull {
+                source: Arc::new(a.clone()),
+                blocks: 62,
+            };
+            let rx = b.generate_pulling(req.clone(), None, Some(pull)).unwrap();
+            (req, rx)
+        })
+        .collect();
+    for (req, rx) in burst {
+        let (tokens, _, usage) = collect(rx);
+        assert_eq!(tokens, reference(&req), "request {}", req.request_id);
+        assert!(usage.cached_tokens >= 992, "{usage:?}");
+    }
+    assert_eq!(counter(names::WORKER_KV_EXPORTED_BLOCKS_TOTAL, a_id), 62);
+    assert_eq!(counter(names::WORKER_KV_PULLED_BLOCKS_TOTAL, b_id), 62);
+    drop(busy);
+    wait_until_idle(|| b.load(), Duration::from_secs(30));
+}
+
 #[test]
 fn a_holder_without_the_prefix_costs_a_recompute() {
     let t = transport();
@@ -121,10 +163,23 @@ fn a_pull_that_times_out_recomputes_and_releases_its_blocks() {
         source: silent.clone(),
         blocks: 62,
     };
-    let (tokens, _, usage) = collect(b.generate_pulling(req.clone(), None, Some(pull)).unwrap());
-    assert_eq!(silent.0.lock().unwrap().len(), 1, "the holder was asked");
+    let rx = b
+        .generate_pulling(req.clone(), None, Some(pull.clone()))
+        .unwrap();
+    // Another request for the same prefix waits for the same pull, and recomputes with it
+    // rather than ask the silent holder again.
+    let other = request(2, shared_prefix_prompt(2), 8);
+    let other_rx = b.generate_pulling(other.clone(), None, Some(pull)).unwrap();
+    let (tokens, _, usage) = collect(rx);
     assert_eq!(tokens, reference(&req));
     assert_eq!(usage.cached_tokens, 0);
+    let (tokens, _, _) = collect(other_rx);
+    assert_eq!(tokens, reference(&other));
+    assert_eq!(
+        silent.0.lock().unwrap().len(),
+        1,
+        "the holder was asked once"
+    );
     assert_eq!(counter(names::WORKER_KV_PULL_FAILURES_TOTAL, b_id), 1);
     wait_until_idle(|| b.load(), Duration::from_secs(30));
 }

@@ -32,7 +32,7 @@ pub use export::{
 };
 pub use export_rpc::{HolderDirectory, KvCacheService, RemoteExporter};
 pub use incoming::{IncomingError, IncomingTransfer};
-pub use pull::{KvPull, PullEnded, Puller};
+pub use pull::{KvPull, Puller};
 pub use push::KvPush;
 pub use remote::RemotePrefill;
 pub use request::{

@@ -101,10 +101,16 @@ fn ewma(old: f64, new: f64) -> f64 {
 /// The pulls of one worker, each with what waits for it (`T`: a request, as that worker
 /// holds one). Runs on the worker's thread; the worker feeds it the holders' replies
 /// ([`Puller::replies`]), the chunks of its transfers ([`Puller::on_chunk`]) and the clock,
-/// and queues each request handed back in a [`PullEnded`].
+/// and queues each request handed back.
+///
+/// A request whose prompt starts with blocks a pull in flight is bringing waits for that
+/// pull instead of asking for the same blocks again (a burst on a popular prefix moves it
+/// once); when the pull ends it goes on from what arrived, pulling the rest if worth it.
 pub struct Puller<T> {
     node_id: NodeId,
     timeout: Duration,
+    /// The prompt of a waiting request.
+    prompt: fn(&T) -> &[TokenId],
     pending: HashMap<RequestId, PendingPull<T>>,
     cost: PullCost,
     reply_tx: Sender<ExportReply>,
@@ -114,6 +120,8 @@ pub struct Puller<T> {
 
 struct PendingPull<T> {
     waiting: T,
+    /// Requests that need the same blocks, with the pull each was offered.
+    followers: Vec<(T, KvPull)>,
     import: Import,
     incoming: IncomingTransfer,
     /// Blocks the holder says it sent, once its reply is in.
@@ -122,20 +130,20 @@ struct PendingPull<T> {
     deadline: Instant,
 }
 
-/// A pull that ended: its first `arrived` blocks are in the prefix cache now (0: it failed,
-/// and the request recomputes).
-pub struct PullEnded<T> {
-    pub waiting: T,
-    pub arrived: usize,
-}
-
 impl<T> Puller<T> {
-    /// Pulls into `node_id`'s pool; each waits at most `timeout` before its request recomputes.
-    pub fn new(node_id: NodeId, timeout: Duration, metrics: WorkerMetrics) -> Self {
+    /// Pulls into `node_id`'s pool; each waits at most `timeout` before its request
+    /// recomputes. `prompt` reads a waiting request's prompt.
+    pub fn new(
+        node_id: NodeId,
+        timeout: Duration,
+        metrics: WorkerMetrics,
+        prompt: fn(&T) -> &[TokenId],
+    ) -> Self {
         let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
         Puller {
             node_id,
             timeout,
+            prompt,
             pending: HashMap::new(),
             cost: PullCost::default(),
             reply_tx,
@@ -149,8 +157,9 @@ impl<T> Puller<T> {
         &self.reply_rx
     }
 
+    /// Requests waiting for a pull.
     pub fn len(&self) -> usize {
-        self.pending.len()
+        self.pending.values().map(|p| 1 + p.followers.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -159,7 +168,9 @@ impl<T> Puller<T> {
 
     /// Whether a request waiting for a pull matches `f`.
     pub fn any(&self, f: impl Fn(&T) -> bool) -> bool {
-        self.pending.values().any(|p| f(&p.waiting))
+        self.pending
+            .values()
+            .any(|p| f(&p.waiting) || p.followers.iter().any(|(w, _)| f(w)))
     }
 
     /// When the next pull times out.
@@ -173,17 +184,27 @@ impl<T> Puller<T> {
     }
 
     /// Starts pulling the blocks of `waiting`'s prompt that this engine lacks from `pull`'s
-    /// holder, when it has some and moving them beats recomputing them; then `waiting` waits
-    /// for the pull. Otherwise hands `waiting` back, to be queued at once.
+    /// holder, when it has some and moving them beats recomputing them, or joins a pull in
+    /// flight that brings its next blocks; then `waiting` waits. Otherwise hands `waiting`
+    /// back, to be queued at once.
     pub fn start<R: ModelRunner>(
         &mut self,
         engine: &mut LlmEngine<R>,
         pull: KvPull,
         waiting: T,
-        prompt: fn(&T) -> &[TokenId],
     ) -> Result<(), T> {
         if pull.source.node_id() == self.node_id {
             return Err(waiting);
+        }
+        let hasher = &engine.scheduler().config().hasher;
+        let hashes = hasher.sequence_hashes((self.prompt)(&waiting));
+        let wanted = &hashes[..pull.blocks.min(hashes.len())];
+        // Hashes are chained: one equal hash means the whole prefix up to it is equal.
+        let brings =
+            |p: &PendingPull<T>| p.import.hashes.first().is_some_and(|h| wanted.contains(h));
+        if let Some(p) = self.pending.values_mut().find(|p| brings(p)) {
+            p.followers.push((waiting, pull));
+            return Ok(());
         }
         let shape = engine.runner().kv_shape();
         let cost = &self.cost;
@@ -191,7 +212,8 @@ impl<T> Puller<T> {
             let bytes = blocks * shape.block_bytes_per_layer() * shape.num_layers;
             cost.worth_pulling(bytes, blocks * shape.block_size)
         };
-        let Some(import) = engine.reserve_import(prompt(&waiting), pull.blocks, worth) else {
+        let prompt = (self.prompt)(&waiting);
+        let Some(import) = engine.reserve_import(prompt, pull.blocks, worth) else {
             return Err(waiting);
         };
         let transfer_id = RequestId(rand::random());
@@ -219,6 +241,7 @@ impl<T> Puller<T> {
                 incoming: IncomingTransfer::new(transfer_id, &shape, &import.blocks),
                 import,
                 waiting,
+                followers: Vec::new(),
                 sent: None,
                 started: now,
                 deadline: now + self.timeout,
@@ -227,8 +250,9 @@ impl<T> Puller<T> {
         Ok(())
     }
 
-    /// Takes the holders' replies that have arrived; returns the pulls they ended.
-    pub fn on_replies<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) -> Vec<PullEnded<T>> {
+    /// Takes the holders' replies that have arrived; returns the requests whose pulls they
+    /// ended, to be queued.
+    pub fn on_replies<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) -> Vec<T> {
         let mut ended = Vec::new();
         while let Ok(reply) = self.reply_rx.try_recv() {
             ended.extend(self.on_reply(engine, reply));
@@ -240,9 +264,11 @@ impl<T> Puller<T> {
         &mut self,
         engine: &mut LlmEngine<R>,
         reply: ExportReply,
-    ) -> Option<PullEnded<T>> {
+    ) -> Vec<T> {
         let id = reply.transfer_id;
-        let p = self.pending.get_mut(&id)?; // timed out or abandoned
+        let Some(p) = self.pending.get_mut(&id) else {
+            return Vec::new(); // timed out or abandoned
+        };
         match reply.result {
             Ok(done) if done.blocks <= p.import.blocks.len() => {
                 p.sent = Some(done.blocks);
@@ -264,12 +290,12 @@ impl<T> Puller<T> {
     }
 
     /// Writes `chunk` if it belongs to a pull (`Err(chunk)` when it does not); returns the
-    /// pull it ended, if any.
+    /// requests of the pull it ended, if any, to be queued.
     pub fn on_chunk<R: ModelRunner>(
         &mut self,
         engine: &mut LlmEngine<R>,
         chunk: KvChunk,
-    ) -> Result<Option<PullEnded<T>>, KvChunk> {
+    ) -> Result<Vec<T>, KvChunk> {
         let id = chunk.header.request_id;
         let Some(p) = self.pending.get_mut(&id) else {
             return Err(chunk);
@@ -288,7 +314,7 @@ impl<T> Puller<T> {
     }
 
     /// Ends the pulls past their deadline: their requests recompute.
-    pub fn expire<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) -> Vec<PullEnded<T>> {
+    pub fn expire<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) -> Vec<T> {
         let now = Instant::now();
         let expired: Vec<RequestId> = self
             .pending
@@ -298,53 +324,72 @@ impl<T> Puller<T> {
             .collect();
         expired
             .into_iter()
-            .filter_map(|id| {
+            .flat_map(|id| {
                 tracing::info!("pull {id} timed out; recomputing");
                 self.end(engine, id, 0)
             })
             .collect()
     }
 
-    /// Drops the pulls whose requests match `f` (their clients left, or the worker stops),
-    /// releasing their blocks; returns those requests.
+    /// Drops the requests that match `f` (their clients left, or the worker stops), releasing
+    /// the blocks of pulls no request waits for any more; returns those requests.
     pub fn abandon<R: ModelRunner>(
         &mut self,
         engine: &mut LlmEngine<R>,
         f: impl Fn(&T) -> bool,
     ) -> Vec<T> {
-        let gone: Vec<RequestId> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| f(&p.waiting))
-            .map(|(&id, _)| id)
-            .collect();
-        gone.into_iter()
-            .filter_map(|id| self.pending.remove(&id))
-            .map(|p| {
-                engine.finish_import(p.import, 0);
-                p.waiting
-            })
-            .collect()
+        let mut gone = Vec::new();
+        let mut unwanted = Vec::new();
+        for (&id, p) in &mut self.pending {
+            let (left, stay) = std::mem::take(&mut p.followers)
+                .into_iter()
+                .partition(|(w, _)| f(w));
+            p.followers = stay;
+            gone.extend(left.into_iter().map(|(w, _)| w));
+            if f(&p.waiting) {
+                if p.followers.is_empty() {
+                    unwanted.push(id);
+                } else {
+                    // A follower takes the pull over.
+                    let (next, _) = p.followers.remove(0);
+                    gone.push(std::mem::replace(&mut p.waiting, next));
+                }
+            }
+        }
+        for id in unwanted {
+            let p = self.pending.remove(&id).expect("listed");
+            engine.finish_import(p.import, 0);
+            gone.push(p.waiting);
+        }
+        gone
     }
 
     fn end_if_complete<R: ModelRunner>(
         &mut self,
         engine: &mut LlmEngine<R>,
         id: RequestId,
-    ) -> Option<PullEnded<T>> {
-        let p = self.pending.get(&id)?;
-        let sent = p.sent.filter(|&n| p.incoming.is_complete_upto(n))?;
-        self.end(engine, id, sent)
+    ) -> Vec<T> {
+        let Some(p) = self.pending.get(&id) else {
+            return Vec::new();
+        };
+        match p.sent.filter(|&n| p.incoming.is_complete_upto(n)) {
+            Some(sent) => self.end(engine, id, sent),
+            None => Vec::new(),
+        }
     }
 
-    /// Ends a pull whose first `arrived` blocks came whole (0: it failed).
+    /// Ends a pull whose first `arrived` blocks came whole (0: it failed); returns the
+    /// requests to queue. Its followers go on from what arrived (pulling the rest, if worth
+    /// it); after a failure they recompute, rather than each wait for the same holder again.
     fn end<R: ModelRunner>(
         &mut self,
         engine: &mut LlmEngine<R>,
         id: RequestId,
         arrived: usize,
-    ) -> Option<PullEnded<T>> {
-        let p = self.pending.remove(&id)?;
+    ) -> Vec<T> {
+        let Some(p) = self.pending.remove(&id) else {
+            return Vec::new();
+        };
         engine.finish_import(p.import, arrived);
         let elapsed = p.started.elapsed();
         if arrived > 0 {
@@ -356,10 +401,15 @@ impl<T> Puller<T> {
             self.metrics.kv_pull_failures.inc();
             self.cost.observe_failed_pull(elapsed);
         }
-        Some(PullEnded {
-            waiting: p.waiting,
-            arrived,
-        })
+        let mut ready = vec![p.waiting];
+        for (waiting, pull) in p.followers {
+            if arrived == 0 {
+                ready.push(waiting);
+            } else if let Err(waiting) = self.start(engine, pull, waiting) {
+                ready.push(waiting);
+            }
+        }
+        ready
     }
 }
 

@@ -182,7 +182,9 @@ impl PrefillWorker {
         let metrics = WorkerMetrics::new(config.node_id, "prefill");
         let node_id = config.node_id;
         let mut state = Loop {
-            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone()),
+            pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone(), |a| {
+                &a.request.prompt
+            }),
             metrics,
             config,
             engine,
@@ -366,8 +368,8 @@ impl<R: ModelRunner> Loop<R> {
             }
         }
         ended.extend(self.pulls.expire(&mut self.engine));
-        for e in ended {
-            self.queue(e.waiting);
+        for a in ended {
+            self.queue(a);
         }
     }
 
@@ -428,10 +430,7 @@ impl<R: ModelRunner> Loop<R> {
                     source,
                     blocks: pull_blocks,
                 };
-                match self
-                    .pulls
-                    .start(&mut self.engine, pull, accepted, |a| &a.request.prompt)
-                {
+                match self.pulls.start(&mut self.engine, pull, accepted) {
                     Ok(()) => return,
                     Err(a) => a,
                 }
