@@ -1,7 +1,8 @@
 //! The multi-process mesh for real: a local etcd, then `kvmesh router`, two `kvmesh prefill`
 //! and two `kvmesh decode` processes, each on its own loopback address. Requests through the
 //! router must give `kvmesh serve`'s greedy output, every node must serve traffic, and the
-//! mesh must survive a prefill node's `kill -9` and take it back when it restarts.
+//! mesh must survive a prefill node's `kill -9` and take it back when it restarts; cached
+//! prefixes move between the processes (decode from decode, prefill from its destination).
 
 mod cluster;
 
@@ -231,10 +232,15 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     let router_addr = free_addr("127.0.0.2");
     let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
     let decode_addrs = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
+    let prefill_metrics = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
     let mut prefill: Vec<Node> = prefill_addrs
         .iter()
         .enumerate()
-        .map(|(i, a)| Node::spawn(mesh_args("prefill", *a), log(&format!("prefill{i}"))))
+        .map(|(i, a)| {
+            let mut args = mesh_args("prefill", *a);
+            args.extend(["--metrics-listen".into(), prefill_metrics[i].to_string()]);
+            Node::spawn(args, log(&format!("prefill{i}")))
+        })
         .collect();
     let decode_metrics = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
     let decode: Vec<Node> = decode_addrs
@@ -346,4 +352,54 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
         NodeRole::Prefill,
     ));
     assert!(served > 0, "the restarted prefill node served nothing");
+
+    prefill_pulls_from_its_destination(
+        &rt,
+        &discovery,
+        &mut prefill,
+        prefill_metrics[0],
+        router_addr,
+        serve_addr,
+    );
+}
+
+/// With only the restarted prefill node left (its cache empty), a prompt that extends the
+/// shared prefix a decode node holds by a tail long enough for a prefill node: that node
+/// pulls the prefix from the decode node (QUIC into the prefill node's port) instead of
+/// recomputing it, and the answer is `kvmesh serve`'s.
+fn prefill_pulls_from_its_destination(
+    rt: &tokio::runtime::Runtime,
+    discovery: &EtcdDiscovery,
+    prefill: &mut [Node],
+    metrics: SocketAddr,
+    router: SocketAddr,
+    serve: SocketAddr,
+) {
+    prefill[1].child.kill().unwrap();
+    prefill[1].child.wait().unwrap();
+    rt.block_on(await_membership(discovery, 1, 2, LEASE_TTL * 3));
+    let pulled = || {
+        metric_value(
+            &get(metrics, "/metrics"),
+            "kvmesh_worker_kv_pulled_blocks_total",
+        )
+    };
+    let before = pulled();
+    let mut prompt = shared_prefix_prompt(30);
+    prompt.extend((0..200).map(|i| 5000 + i));
+    let body = json!({"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8,
+                      "temperature": 0});
+    let (status, v) = post(router, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        pulled() >= before + 62.0,
+        "the prefill node recomputed the prefix its destination holds"
+    );
+    let (status, reference) = post(serve, "/v1/completions", &body);
+    assert_eq!(status, 200);
+    assert_eq!(
+        output_text("/v1/completions", &v),
+        output_text("/v1/completions", &reference),
+        "pulled KV changed the output"
+    );
 }
