@@ -47,6 +47,14 @@ pub struct ReplayReport {
     pub ttft_p50_s: Option<f64>,
     pub ttft_p90_s: Option<f64>,
     pub ttft_p99_s: Option<f64>,
+    pub ttft_mean_s: Option<f64>,
+    /// The TTFT median of the requests served mostly (at least half their prompt) from the
+    /// prefix cache, and of the others, with their counts: a policy's median over all
+    /// requests falls in one group or the other as its share of hits crosses one half.
+    pub ttft_p50_hits_s: Option<f64>,
+    pub hits: usize,
+    pub ttft_p50_misses_s: Option<f64>,
+    pub misses: usize,
     pub e2e_p50_s: Option<f64>,
     pub e2e_p99_s: Option<f64>,
     /// Output tokens of completed requests per second of the run.
@@ -77,10 +85,19 @@ pub(crate) fn summarize(
     let mut error_examples = BTreeMap::new();
     let (mut prompt_tokens, mut cached_tokens, mut output_tokens) = (0, 0, 0);
     let (mut ttfts, mut e2es) = (Vec::new(), Vec::new());
+    let (mut hit_ttfts, mut miss_ttfts) = (Vec::new(), Vec::new());
     for o in outcomes {
         match &o.result {
             Ok(m) => {
                 ttfts.extend(m.ttft.map(|t| t.as_secs_f64()));
+                if let (Some(t), Some((prompt, cached))) = (m.ttft, m.usage) {
+                    let group = if 2 * cached >= prompt && prompt > 0 {
+                        &mut hit_ttfts
+                    } else {
+                        &mut miss_ttfts
+                    };
+                    group.push(t.as_secs_f64());
+                }
                 e2es.push(m.e2e.as_secs_f64());
                 output_tokens += m.output_tokens;
                 if let Some((prompt, cached)) = m.usage {
@@ -103,6 +120,8 @@ pub(crate) fn summarize(
         .max()
         .unwrap_or_default()
         .as_secs_f64();
+    let ttft_mean_s = (!ttfts.is_empty()).then(|| ttfts.iter().sum::<f64>() / ttfts.len() as f64);
+    let (hits, misses) = (hit_ttfts.len(), miss_ttfts.len());
     let (ttfts, e2es) = (sorted(ttfts), sorted(e2es));
     ReplayReport {
         requests: outcomes.len(),
@@ -119,6 +138,11 @@ pub(crate) fn summarize(
         ttft_p50_s: percentile(&ttfts, 50.0),
         ttft_p90_s: percentile(&ttfts, 90.0),
         ttft_p99_s: percentile(&ttfts, 99.0),
+        ttft_mean_s,
+        ttft_p50_hits_s: percentile(&sorted(hit_ttfts), 50.0),
+        hits,
+        ttft_p50_misses_s: percentile(&sorted(miss_ttfts), 50.0),
+        misses,
         e2e_p50_s: percentile(&e2es, 50.0),
         e2e_p99_s: percentile(&e2es, 99.0),
         output_tokens_per_s: ratio(output_tokens as f64, duration),
@@ -171,6 +195,17 @@ impl fmt::Display for ReplayReport {
                     ms(self.ttft_p50_s),
                     ms(self.ttft_p90_s),
                     ms(self.ttft_p99_s)
+                ),
+            ),
+            ("TTFT mean", ms(self.ttft_mean_s)),
+            (
+                "TTFT p50, hits / misses",
+                format!(
+                    "{} ({}) / {} ({}); a hit: half the prompt or more cached",
+                    ms(self.ttft_p50_hits_s),
+                    self.hits,
+                    ms(self.ttft_p50_misses_s),
+                    self.misses
                 ),
             ),
             (
@@ -265,6 +300,11 @@ mod tests {
         );
         assert_eq!(r.prefix_hit_rate, 0.25);
         assert_eq!(r.ttft_p50_s, Some(0.2));
+        assert!((r.ttft_mean_s.unwrap() - 0.2).abs() < 1e-12);
+        // Half of the first prompt was cached (a hit), none of the second; the third
+        // reported no usage and counts in neither group.
+        assert_eq!((r.ttft_p50_hits_s, r.hits), (Some(0.1), 1));
+        assert_eq!((r.ttft_p50_misses_s, r.misses), (Some(0.3), 1));
         assert_eq!(r.e2e_p50_s, Some(1.0));
         assert_eq!(r.duration_s, 2.0);
         assert_eq!(r.output_tokens_per_s, 30.0);
