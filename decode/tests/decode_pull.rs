@@ -8,7 +8,7 @@ use common::*;
 use crossbeam_channel::Sender;
 use kvmesh_common::metrics as names;
 use kvmesh_common::{NodeId, TokenId};
-use kvmesh_decode::{DecodeConfig, DecodeWorker, KvPull};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, EventReceiver, KvPull};
 use kvmesh_prefill::{ExportError, ExportReply, ExportRequest, KvExporter};
 use kvmesh_transfer::{InProcessTransport, Transport};
 use std::sync::{Arc, Mutex};
@@ -33,22 +33,32 @@ fn shared_prefix_prompt(tail: usize) -> Vec<TokenId> {
     p
 }
 
-#[test]
-fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
+/// Workers A and B on one transport, A holding the shared prefix.
+fn holder_and_puller(a_id: NodeId, b_id: NodeId) -> [DecodeWorker; 2] {
     let t = transport();
-    let (a_id, b_id) = (NodeId(0x3000), NodeId(0x3001));
     let (a, b) = (worker(a_id, &t), worker(b_id, &t));
-    let (a, b) = (a.handle(), b.handle());
     let first = request(1, shared_prefix_prompt(1), 4);
-    collect(a.generate(first, None).unwrap());
+    collect(a.handle().generate(first, None).unwrap());
+    [a, b]
+}
 
-    // Node A keeps decoding for others while B pulls from it.
-    let busy: Vec<_> = (0..4)
+/// Keeps `a` decoding four long requests for others until the streams are dropped, so that
+/// it answers pulls only between its steps.
+fn keep_busy(a: &DecodeHandle) -> Vec<EventReceiver> {
+    (0..4)
         .map(|i| {
             a.generate(request(10 + i, prompt(20 + i as usize, 64), 1500), None)
                 .unwrap()
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
+    let (a_id, b_id) = (NodeId(0x3000), NodeId(0x3001));
+    let [a, b] = holder_and_puller(a_id, b_id);
+    let (a, b) = (a.handle(), b.handle());
+    let busy = keep_busy(&a);
     let second = request(2, shared_prefix_prompt(2), 12);
     let pull = KvPull {
         source: Arc::new(a.clone()),
@@ -75,22 +85,12 @@ fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
 /// and every request is served from it with the tokens of recomputing it.
 #[test]
 fn a_burst_on_one_prefix_pulls_it_once() {
-    let t = transport();
     let (a_id, b_id) = (NodeId(0x3300), NodeId(0x3301));
-    let (a, b) = (worker(a_id, &t), worker(b_id, &t));
+    let [a, b] = holder_and_puller(a_id, b_id);
     let (a, b) = (a.handle(), b.handle());
-    collect(
-        a.generate(request(1, shared_prefix_prompt(1), 4), None)
-            .unwrap(),
-    );
-    // A decodes for others, so it answers pulls only between its steps: the burst arrives
-    // while the first pull is in flight.
-    let busy: Vec<_> = (0..4)
-        .map(|i| {
-            a.generate(request(10 + i, prompt(20 + i as usize, 64), 1500), None)
-                .unwrap()
-        })
-        .collect();
+    // A answers pulls only between its steps: the burst arrives while the first pull is in
+    // flight.
+    let busy = keep_busy(&a);
     let burst: Vec<_> = (0..4)
         .map(|i| {
             let req = request(20 + i, shared_prefix_prompt(2 + i as usize), 6);
