@@ -53,6 +53,14 @@ fn keep_busy(a: &DecodeHandle) -> Vec<EventReceiver> {
         .collect()
 }
 
+/// A pull of the shared prefix's 62 blocks from `a`.
+fn the_prefix_from(a: &DecodeHandle) -> KvPull {
+    KvPull {
+        source: Arc::new(a.clone()),
+        blocks: 62,
+    }
+}
+
 #[test]
 fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
     let (a_id, b_id) = (NodeId(0x3000), NodeId(0x3001));
@@ -60,10 +68,7 @@ fn a_prefix_pulled_from_a_busy_node_gives_the_tokens_of_recomputing_it() {
     let (a, b) = (a.handle(), b.handle());
     let busy = keep_busy(&a);
     let second = request(2, shared_prefix_prompt(2), 12);
-    let pull = KvPull {
-        source: Arc::new(a.clone()),
-        blocks: 62,
-    };
+    let pull = the_prefix_from(&a);
     let (tokens, _, usage) = collect(
         b.generate_pulling(second.clone(), None, Some(pull))
             .unwrap(),
@@ -94,10 +99,7 @@ fn a_burst_on_one_prefix_pulls_it_once() {
     let burst: Vec<_> = (0..4)
         .map(|i| {
             let req = request(20 + i, shared_prefix_prompt(2 + i as usize), 6);
-            let pull = KvPull {
-                source: Arc::new(a.clone()),
-                blocks: 62,
-            };
+            let pull = the_prefix_from(&a);
             let rx = b.generate_pulling(req.clone(), None, Some(pull)).unwrap();
             (req, rx)
         })
@@ -120,10 +122,7 @@ fn a_holder_without_the_prefix_costs_a_recompute() {
     let (a, b) = (worker(a_id, &t), worker(b_id, &t));
     let (a, b) = (a.handle(), b.handle());
     let req = request(1, shared_prefix_prompt(1), 8);
-    let pull = KvPull {
-        source: Arc::new(a.clone()),
-        blocks: 62,
-    };
+    let pull = the_prefix_from(&a);
     let (tokens, _, usage) = collect(b.generate_pulling(req.clone(), None, Some(pull)).unwrap());
     assert_eq!(tokens, reference(&req));
     assert_eq!(usage.cached_tokens, 0);
