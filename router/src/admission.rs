@@ -18,7 +18,9 @@
 //! charges every queued token the full cost.
 //!
 //! A request with `own` tokens is refused iff something is in flight and
-//! `a + b * (pending + own) + c * decoding > ttft_target`. With nothing in flight a request
+//! `a + b * (pending + own) + c * decoding + 2 * rms_error > ttft_target`, `rms_error` being
+//! the recent error of the model's predictions: the target then bounds the tail of the
+//! admitted requests' TTFT, not their mean. With nothing in flight a request
 //! is always admitted, so samples keep coming and a stale, too-pessimistic model recovers.
 //! Before the first sample only the in-flight bound applies: at most `max_in_flight` admitted
 //! requests may be unfinished (a bounded queue whatever the estimate says).
@@ -44,6 +46,12 @@ const EWMA_WEIGHT: f64 = 0.2;
 /// variation) before a slope is fitted; below it the slope is noise.
 const MIN_SPREAD: f64 = 0.25;
 
+/// The admission estimate is the model's TTFT plus this many of its recent prediction
+/// errors (root mean square), so that the target bounds the tail of admitted TTFTs rather
+/// than their mean: a request that arrives during a step waits out the rest of it, which no
+/// regressor sees.
+const ERROR_MARGIN: f64 = 2.0;
+
 /// An exponentially weighted least-squares fit of `ttft` (seconds) against `x` (tokens
 /// pending ahead plus the request's own) and `d` (requests decoding at admission): running
 /// means of the regressors, the TTFT and their products.
@@ -58,6 +66,8 @@ struct Fit {
     xd: f64,
     xy: f64,
     dy: f64,
+    /// Mean squared error of each sample's prediction by the model before it.
+    err: f64,
 }
 
 /// `ttft = a + b * x + c * d`, all coefficients non-negative.
@@ -79,6 +89,9 @@ impl Fit {
         // A plain mean over the first few samples, then exponential forgetting.
         let w = EWMA_WEIGHT.max(1.0 / (self.samples + 1) as f64);
         let mean = |m: &mut f64, v: f64| *m += w * (v - *m);
+        if let Some(m) = self.model() {
+            mean(&mut self.err, (y - m.ttft(x, d)).powi(2));
+        }
         mean(&mut self.x, x);
         mean(&mut self.d, d);
         mean(&mut self.y, y);
@@ -293,13 +306,13 @@ impl Estimator {
         self.in_flight -= 1;
     }
 
-    /// The model's TTFT now for a request with `tokens` pending ahead plus its own (zero
-    /// before any sample).
+    /// The TTFT now for a request with `tokens` pending ahead plus its own, with the margin
+    /// for the model's error (zero before any sample).
     fn estimated_ttft(&self, tokens: u64) -> Duration {
-        let ttft = self
-            .fit
-            .model()
-            .map_or(0.0, |m| m.ttft(tokens as f64, self.decoding() as f64));
+        let ttft = self.fit.model().map_or(0.0, |m| {
+            let margin = ERROR_MARGIN * self.fit.err.sqrt();
+            m.ttft(tokens as f64, self.decoding() as f64) + margin
+        });
         secs(ttft)
     }
 
@@ -632,6 +645,30 @@ mod tests {
         decode_until(&mut e, &mut decoding, 0);
         // With nothing in flight, anything goes.
         assert!(e.check(5000).is_ok());
+    }
+
+    #[test]
+    fn the_target_bounds_the_tail_not_the_mean() {
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut e = Estimator::new(ms(30), 100);
+        // The same request alone takes 10 ms or 30 ms, by turns (where in a step it
+        // arrives): 20 ms on average, 10 ms off either way.
+        for i in 0..100 {
+            serve_alone(&mut e, &mut now, 100, ms(if i % 2 == 0 { 10 } else { 30 }));
+        }
+        let (a, b) = line(&e);
+        assert!(close(a, 0.0) && (b * 100.0 - 0.02).abs() < 0.002, "{a} {b}");
+        assert!(
+            (e.fit.err.sqrt() - 0.01).abs() < 0.002,
+            "{}",
+            e.fit.err.sqrt()
+        );
+        // With one in flight, a 2-token request is expected at 20.4 ms on average (the 100
+        // tokens ahead and its own), under the target, but its tail is some 40 ms: refused.
+        let held = e.admit(100, now).unwrap();
+        assert!(matches!(e.check(2), Err(Rejection::QueueDelay { .. })));
+        e.finish(held);
     }
 
     #[test]
