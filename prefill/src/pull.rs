@@ -196,13 +196,7 @@ impl<T> Puller<T> {
         if pull.source.node_id() == self.node_id {
             return Err(waiting);
         }
-        let hasher = &engine.scheduler().config().hasher;
-        let hashes = hasher.sequence_hashes((self.prompt)(&waiting));
-        let wanted = &hashes[..pull.blocks.min(hashes.len())];
-        // Hashes are chained: one equal hash means the whole prefix up to it is equal.
-        let brings =
-            |p: &PendingPull<T>| p.import.hashes.first().is_some_and(|h| wanted.contains(h));
-        if let Some(p) = self.pending.values_mut().find(|p| brings(p)) {
+        if let Some(p) = self.pull_bringing(engine, &waiting, pull.blocks) {
             p.followers.push((waiting, pull));
             return Ok(());
         }
@@ -248,6 +242,26 @@ impl<T> Puller<T> {
             },
         );
         Ok(())
+    }
+
+    /// The pull in flight that brings some of the first `blocks` blocks of `waiting`'s prompt.
+    fn pull_bringing<R: ModelRunner>(
+        &mut self,
+        engine: &LlmEngine<R>,
+        waiting: &T,
+        blocks: usize,
+    ) -> Option<&mut PendingPull<T>> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        let config = engine.scheduler().config();
+        let prompt = (self.prompt)(waiting);
+        let wanted = &prompt[..(blocks * config.block_size).min(prompt.len())];
+        let wanted = config.hasher.sequence_hashes(wanted);
+        // Hashes are chained: one equal hash means the whole prefix up to it is equal.
+        self.pending
+            .values_mut()
+            .find(|p| p.import.hashes.first().is_some_and(|h| wanted.contains(h)))
     }
 
     /// Takes the holders' replies that have arrived; returns the requests whose pulls they
