@@ -121,38 +121,37 @@ pub fn wait_until_idle(load: impl Fn() -> kvmesh_decode::WorkerLoad, within: std
     }
 }
 
-/// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
-/// A worker's counter `name` (process-wide metrics, told apart by node).
-pub fn counter(name: &str, node: kvmesh_common::NodeId) -> u64 {
-    let node = node.to_string();
+/// The process-wide metrics `name` whose labels include every `(label, value)`.
+fn metrics_labelled(name: &str, labels: &[(&str, &str)]) -> Vec<prometheus::proto::Metric> {
     prometheus::gather()
         .iter()
         .filter(|f| f.name() == name)
         .flat_map(|f| f.get_metric())
         .filter(|m| {
-            m.get_label()
-                .iter()
-                .any(|l| l.name() == "node" && l.value() == node)
+            labels.iter().all(|&(k, v)| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == k && l.value() == v)
+            })
         })
+        .cloned()
+        .collect()
+}
+
+/// A worker's counter `name` (process-wide metrics, told apart by node).
+pub fn counter(name: &str, node: kvmesh_common::NodeId) -> u64 {
+    metrics_labelled(name, &[("node", &node.to_string())])
+        .iter()
         .map(|m| m.get_counter().get_value() as u64)
         .sum()
 }
 
+/// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
 pub fn transfers_completed(node: kvmesh_common::NodeId) -> u64 {
     let node = node.to_string();
-    prometheus::gather()
+    let labels = [("node", &node[..]), ("role", "decode")];
+    metrics_labelled(kvmesh_common::metrics::TRANSFER_SECONDS, &labels)
         .iter()
-        .filter(|f| f.name() == kvmesh_common::metrics::TRANSFER_SECONDS)
-        .flat_map(|f| f.get_metric())
-        .filter(|m| {
-            let labels = m.get_label();
-            labels
-                .iter()
-                .any(|l| l.name() == "node" && l.value() == node)
-                && labels
-                    .iter()
-                    .any(|l| l.name() == "role" && l.value() == "decode")
-        })
         .map(|m| m.get_histogram().get_sample_count())
         .sum()
 }
