@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_bench::{
     load_trace, read_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions,
-    ReplayReport, ScaleConfig,
+    ReplayReport, RequestRecord, ScaleConfig,
 };
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
@@ -53,6 +53,10 @@ pub struct BenchTraceArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Also write every request (policy, schedule, prompt and cached tokens, TTFT, ...) to
+    /// this CSV file.
+    #[arg(long)]
+    pub requests_csv: Option<PathBuf>,
 }
 
 pub fn run(args: &BenchTraceArgs) -> Result<()> {
@@ -91,6 +95,10 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
             reports.push((policy.clone(), report));
         }
     }
+    if let Some(path) = &args.requests_csv {
+        write_requests_csv(path, &reports)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if args.json {
         let map: serde_json::Map<String, serde_json::Value> = reports
             .iter()
@@ -103,6 +111,16 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn write_requests_csv(path: &std::path::Path, reports: &[(String, ReplayReport)]) -> Result<()> {
+    let mut csv = format!("policy,{}\n", RequestRecord::CSV_HEADER);
+    for (policy, report) in reports {
+        for r in &report.per_request {
+            csv.push_str(&format!("{policy},{}\n", r.csv_row()));
+        }
+    }
+    Ok(std::fs::write(path, csv)?)
 }
 
 /// etcd, two prefill, two decode nodes and a router with `policy`; stopped on drop.

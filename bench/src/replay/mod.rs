@@ -9,6 +9,7 @@ mod client;
 mod report;
 mod sse;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use tokio::time::Instant;
 use crate::trace::{ideal_hit_rate, ScaledRequest};
 use client::{Endpoint, Failure};
 use report::Outcome;
-pub use report::ReplayReport;
+pub use report::{ReplayReport, RequestRecord};
 
 /// How requests are sent.
 #[derive(Clone, Debug, PartialEq)]
@@ -99,12 +100,15 @@ pub async fn replay(
     let start = Instant::now();
     let mut max_lateness = Duration::ZERO;
     let mut tasks = JoinSet::new();
-    for (request, body) in order.iter().zip(bodies) {
-        let due = start + request.at;
+    // Which request each task sends, should one panic.
+    let mut scheduled = HashMap::new();
+    for (index, (request, body)) in order.iter().zip(bodies).enumerate() {
+        let at = request.at;
+        let due = start + at;
         tokio::time::sleep_until(due).await;
         max_lateness = max_lateness.max(due.elapsed());
         let (endpoint, api_key, permits) = (endpoint.clone(), api_key.clone(), permits.clone());
-        tasks.spawn(async move {
+        let task = tasks.spawn(async move {
             let (permit, waited) = match permits.clone().try_acquire_owned() {
                 Ok(p) => (Some(p), false),
                 Err(_) => (permits.acquire_owned().await.ok(), true),
@@ -120,19 +124,30 @@ pub async fn replay(
                 });
             drop(permit);
             Outcome {
+                index,
+                due: at,
                 waited,
                 finished: start.elapsed(),
                 result,
             }
         });
+        scheduled.insert(task.id(), (index, at));
     }
     let mut outcomes = Vec::with_capacity(order.len());
-    while let Some(joined) = tasks.join_next().await {
-        outcomes.push(joined.unwrap_or_else(|e| Outcome {
-            waited: false,
-            finished: start.elapsed(),
-            result: Err(Failure::new("panic", e)),
-        }));
+    while let Some(joined) = tasks.join_next_with_id().await {
+        outcomes.push(match joined {
+            Ok((_, outcome)) => outcome,
+            Err(e) => {
+                let (index, due) = scheduled.get(&e.id()).copied().unwrap_or_default();
+                Outcome {
+                    index,
+                    due,
+                    waited: false,
+                    finished: start.elapsed(),
+                    result: Err(Failure::new("panic", e)),
+                }
+            }
+        });
     }
     let offered_span = match (order.first(), order.last()) {
         (Some(first), Some(last)) => last.at - first.at,

@@ -12,6 +12,10 @@ use crate::stats::{percentile, sorted};
 /// One request's fate.
 #[derive(Debug)]
 pub(crate) struct Outcome {
+    /// Its place in the schedule (0 = sent first).
+    pub(crate) index: usize,
+    /// When it was due, from the start of the replay.
+    pub(crate) due: Duration,
     /// It found the concurrency cap full.
     pub(crate) waited: bool,
     /// When it ended, from the start of the replay.
@@ -65,6 +69,65 @@ pub struct ReplayReport {
     pub offered_rate: f64,
     /// From the start to the end of the last request.
     pub duration_s: f64,
+    /// Every request, in schedule order (for `--requests-csv`; not in the JSON summary).
+    #[serde(skip)]
+    pub per_request: Vec<RequestRecord>,
+}
+
+/// One request as the client saw it; times in seconds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestRecord {
+    pub index: usize,
+    /// When it was due, from the start of the replay.
+    pub sent_s: f64,
+    /// `(prompt_tokens, cached_tokens)` as the router reported them.
+    pub usage: Option<(u64, u64)>,
+    pub ttft_s: Option<f64>,
+    /// End to end, for a completed request.
+    pub e2e_s: Option<f64>,
+    pub output_tokens: u64,
+    /// The failure's label (`429`, `timeout`, ...) for one that did not complete.
+    pub error: Option<String>,
+}
+
+impl RequestRecord {
+    pub const CSV_HEADER: &'static str =
+        "index,sent_s,prompt_tokens,cached_tokens,ttft_s,e2e_s,output_tokens,error";
+
+    fn from_outcome(o: &Outcome) -> RequestRecord {
+        let (m, error) = match &o.result {
+            Ok(m) => (m.clone(), None),
+            Err(f) => (Measured::default(), Some(f.label.clone())),
+        };
+        RequestRecord {
+            index: o.index,
+            sent_s: o.due.as_secs_f64(),
+            usage: m.usage,
+            ttft_s: m.ttft.map(|t| t.as_secs_f64()),
+            e2e_s: error.is_none().then(|| m.e2e.as_secs_f64()),
+            output_tokens: m.output_tokens,
+            error,
+        }
+    }
+
+    /// One line matching [`Self::CSV_HEADER`]; a missing value is an empty field.
+    pub fn csv_row(&self) -> String {
+        fn opt<T: ToString>(v: Option<T>) -> String {
+            v.map_or_else(String::new, |v| v.to_string())
+        }
+        // Labels are HTTP statuses or fixed words: nothing to quote.
+        format!(
+            "{},{:.3},{},{},{},{},{},{}",
+            self.index,
+            self.sent_s,
+            opt(self.usage.map(|u| u.0)),
+            opt(self.usage.map(|u| u.1)),
+            opt(self.ttft_s.map(|t| format!("{t:.4}"))),
+            opt(self.e2e_s.map(|t| format!("{t:.4}"))),
+            self.output_tokens,
+            self.error.as_deref().unwrap_or(""),
+        )
+    }
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -123,6 +186,9 @@ pub(crate) fn summarize(
     let ttft_mean_s = (!ttfts.is_empty()).then(|| ttfts.iter().sum::<f64>() / ttfts.len() as f64);
     let (hits, misses) = (hit_ttfts.len(), miss_ttfts.len());
     let (ttfts, e2es) = (sorted(ttfts), sorted(e2es));
+    let mut per_request: Vec<RequestRecord> =
+        outcomes.iter().map(RequestRecord::from_outcome).collect();
+    per_request.sort_by_key(|r| r.index);
     ReplayReport {
         requests: outcomes.len(),
         completed,
@@ -152,6 +218,7 @@ pub(crate) fn summarize(
             offered_span.as_secs_f64(),
         ),
         duration_s: duration,
+        per_request,
     }
 }
 
@@ -261,6 +328,8 @@ mod tests {
 
     fn ok(ttft_ms: u64, e2e_ms: u64, out: u64, usage: Option<(u64, u64)>) -> Outcome {
         Outcome {
+            index: 0,
+            due: Duration::ZERO,
             waited: false,
             finished: Duration::from_millis(e2e_ms),
             result: Ok(Measured {
@@ -279,11 +348,15 @@ mod tests {
             ok(300, 2000, 30, Some((100, 0))),
             ok(200, 500, 20, None),
             Outcome {
+                index: 4,
+                due: Duration::from_millis(5),
                 waited: true,
                 finished: Duration::from_millis(10),
                 result: Err(Failure::new("429", "busy")),
             },
             Outcome {
+                index: 3,
+                due: Duration::from_millis(3),
                 waited: false,
                 finished: Duration::from_millis(20),
                 result: Err(Failure::new("429", "still busy")),
@@ -315,6 +388,18 @@ mod tests {
         assert!(table.contains("error 429"), "{table}");
         let json = serde_json::to_value(&r).unwrap();
         assert_eq!(json["errors"]["429"], 2);
+        assert!(json.get("per_request").is_none());
+        // Every request, failures too, in schedule order.
+        let rows: Vec<String> = r.per_request.iter().map(RequestRecord::csv_row).collect();
+        assert_eq!(rows.len(), 5);
+        assert!(
+            rows[0].starts_with("0,0.000,100,50,0.1000,1.0000,10,"),
+            "{rows:?}"
+        );
+        assert_eq!(rows[3], "3,0.003,,,,,0,429");
+        assert_eq!(rows[4], "4,0.005,,,,,0,429");
+        let header_fields = RequestRecord::CSV_HEADER.split(',').count();
+        assert!(rows.iter().all(|r| r.split(',').count() == header_fields));
     }
 
     #[test]
