@@ -212,7 +212,8 @@ pub struct ScaledRequest {
 }
 
 /// Reads at most `limit` requests from `path` and scales them.
-/// The requests of the first `conversations` multi-turn conversations, in time order.
+/// The requests of `conversations` multi-turn conversations spread evenly over the trace
+/// (by when they start), in time order.
 ///
 /// Consecutive windows of the conversation trace share little (about 4% of blocks in any
 /// 100 requests): a conversation's turns are spread over the hour the trace covers. A turn's
@@ -220,6 +221,11 @@ pub struct ScaledRequest {
 /// blocks after the common system block: grouping by the second hash id (the first for
 /// one-block prompts) finds them, and replaying whole conversations keeps the reuse a real
 /// deployment sees while fitting in a short run.
+///
+/// Spread, not the first ones: the first 20 conversations all start within 12 s of a
+/// 3,500 s trace while their later turns stretch over half an hour, so compressed to a
+/// replay they would open with a burst of every first turn at 20 times the mean rate, an
+/// arrival pattern the trace itself never has.
 pub fn sample_conversations(records: &[TraceRecord], conversations: usize) -> Vec<TraceRecord> {
     let key = |r: &TraceRecord| r.hash_ids.get(1).or(r.hash_ids.first()).copied();
     let mut order: Vec<u64> = Vec::new();
@@ -232,12 +238,15 @@ pub fn sample_conversations(records: &[TraceRecord], conversations: usize) -> Ve
         }
         group.push(r);
     }
-    let mut sample: Vec<TraceRecord> = order
+    let multi_turn: Vec<&Vec<&TraceRecord>> = order
         .iter()
         .map(|k| &turns[k])
         .filter(|g| g.len() >= 2)
-        .take(conversations)
-        .flat_map(|g| g.iter().map(|r| (*r).clone()))
+        .collect();
+    let n = conversations.min(multi_turn.len());
+    let mut sample: Vec<TraceRecord> = (0..n)
+        .flat_map(|i| multi_turn[i * multi_turn.len() / n].iter())
+        .map(|r| (*r).clone())
         .collect();
     sample.sort_by_key(|r| r.timestamp);
     sample
@@ -375,6 +384,22 @@ mod conversation_tests {
             [0, 2, 3, 4, 5],
             "one-turn conversations are left out"
         );
+    }
+
+    #[test]
+    fn sampled_conversations_are_spread_over_the_trace() {
+        // Four two-turn conversations starting at 0, 10, 20 and 30.
+        let records: Vec<TraceRecord> = (0..4)
+            .flat_map(|c| [rec(10 * c, &[0, c + 1]), rec(10 * c + 5, &[0, c + 1, 9])])
+            .collect();
+        let starts = |n| {
+            let s = sample_conversations(&records, n);
+            s.iter().step_by(2).map(|r| r.timestamp).collect::<Vec<_>>()
+        };
+        assert_eq!(starts(2), [0, 20]);
+        assert_eq!(starts(4), [0, 10, 20, 30]);
+        assert_eq!(starts(9), [0, 10, 20, 30], "no more than there are");
+        assert!(sample_conversations(&records, 0).is_empty());
     }
 }
 

@@ -104,7 +104,7 @@ impl RequestRecord {
             sent_s: o.due.as_secs_f64(),
             usage: m.usage,
             ttft_s: m.ttft.map(|t| t.as_secs_f64()),
-            e2e_s: error.is_none().then(|| m.e2e.as_secs_f64()),
+            e2e_s: error.is_none().then_some(m.e2e.as_secs_f64()),
             output_tokens: m.output_tokens,
             error,
         }
