@@ -80,6 +80,8 @@ struct Opened {
     node: NodeId,
     stream: tonic::Streaming<pb::GenerateEvent>,
     _in_flight: InFlight,
+    /// On the prefill node until the first token.
+    prefilling: Option<InFlight>,
 }
 
 impl RemoteBackend {
@@ -198,6 +200,10 @@ impl Mesh {
             tag_request(&mut call, req.request_id);
             call.set_timeout(timeout);
             let in_flight = self.routing.track(id);
+            let prefilling = placement
+                .prefill
+                .as_ref()
+                .map(|p| self.routing.track(p.node_id));
             if attempt > 0 {
                 metrics().decode_retries.inc();
             }
@@ -207,6 +213,7 @@ impl Mesh {
                         node: id,
                         stream: stream.into_inner(),
                         _in_flight: in_flight,
+                        prefilling,
                     })
                 }
                 Err(status) => {
@@ -269,6 +276,7 @@ async fn relay(
         let broken = match message {
             Ok(Some(m)) => match GenerateEvent::try_from(m) {
                 Ok(GenerateEvent::Token(t)) => {
+                    opened.prefilling = None;
                     req.resume.push(t.token);
                     if tx.send(GenerateEvent::Token(t)).is_err() {
                         return;

@@ -30,7 +30,8 @@ pub struct Routing {
     disaggregation: DisaggConfig,
     index: Arc<dyn PrefixIndex>,
     hasher: BlockHasher,
-    /// Requests this router has on each decode node.
+    /// Requests this router has on each node: on a decode node until their stream ends, on
+    /// a prefill node until their first token (when the prefill is done).
     in_flight: Arc<Mutex<HashMap<NodeId, usize>>>,
 }
 
@@ -81,8 +82,7 @@ impl Routing {
         // Planned as if the pull fails: the decode node skips the prefill node when, after
         // the pull, little is left to compute.
         let uncached = prompt.len().saturating_sub(cached_tokens);
-        let none = HashMap::new();
-        let remote = should_prefill_remotely(uncached, prefill, &none, &self.disaggregation);
+        let remote = should_prefill_remotely(uncached, prefill, &in_flight, &self.disaggregation);
         let p = if remote {
             self.policy.select(&request(prefill))
         } else {
@@ -96,7 +96,8 @@ impl Routing {
         })
     }
 
-    /// Counts a request on `node` until the guard is dropped (when its stream ends).
+    /// Counts a request on `node` until the guard is dropped: on its decode node when its
+    /// stream ends, on its prefill node at its first token.
     pub fn track(&self, node: NodeId) -> InFlight {
         *lock(&self.in_flight).entry(node).or_default() += 1;
         InFlight {
@@ -205,6 +206,30 @@ mod tests {
         assert_eq!(route.pull, Some((NodeId(1), 62)));
         // Should the pull fail, the prompt is long: a prefill node stands by.
         assert_eq!((route.cached_tokens, route.prefill), (0, Some(NodeId(3))));
+    }
+
+    #[test]
+    fn a_burst_spreads_over_the_prefill_nodes_until_they_are_busy() {
+        let r = routing(Arc::new(InMemoryPrefixIndex::new()));
+        let prompt: Vec<TokenId> = (0..1000).collect();
+        let decode = [node(1, NodeRole::Decode)];
+        let prefill = [node(2, NodeRole::Prefill), node(3, NodeRole::Prefill)];
+        // Their load reports lag: only the router's own count tells the nodes apart.
+        let mut prefilling = Vec::new();
+        for _ in 0..16 {
+            let p = r.route(&prompt, &decode, &prefill).unwrap().prefill;
+            prefilling.push(r.track(p.expect("a prefill node is not busy yet")));
+        }
+        assert_eq!(lock(&r.in_flight)[&NodeId(2)], 8);
+        assert_eq!(lock(&r.in_flight)[&NodeId(3)], 8);
+        // Both have the default busy threshold queued: the decode node prefills itself.
+        assert_eq!(r.route(&prompt, &decode, &prefill).unwrap().prefill, None);
+        prefilling.pop();
+        assert!(r
+            .route(&prompt, &decode, &prefill)
+            .unwrap()
+            .prefill
+            .is_some());
     }
 
     #[test]

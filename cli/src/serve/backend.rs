@@ -106,9 +106,14 @@ impl kvmesh_router::Backend for MeshBackend {
             };
             Some(KvPull { source, blocks })
         });
-        // Counted on its node until its stream ends: load reports lag a burst, and without
-        // this every request of the burst would see the same idle node.
+        // Counted on its node until its stream ends (and on its prefill node until its first
+        // token): load reports lag a burst, and without this every request of the burst would
+        // see the same idle node.
         let in_flight = self.routing.track(route.decode);
+        let mut prefilling = prefill
+            .as_ref()
+            .and(route.prefill)
+            .map(|p| self.routing.track(p));
         let mut events = decode.generate_pulling(req, prefill, pull)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -117,6 +122,7 @@ impl kvmesh_router::Backend for MeshBackend {
                 tokio::select! {
                     event = events.recv() => {
                         let Some(e) = event else { break };
+                        drop(prefilling.take());
                         if tx.send(e).is_err() {
                             break;
                         }
