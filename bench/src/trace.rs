@@ -209,6 +209,9 @@ pub struct ScaledRequest {
     pub max_tokens: u32,
     /// The trace's block ids behind the prompt (fewer when `max_prompt_tokens` cut it).
     pub hash_ids: Vec<u64>,
+    /// The previous turn of its conversation (an index into the same list): the prompt
+    /// holds that turn's answer, so it cannot be sent before that turn has ended.
+    pub previous_turn: Option<usize>,
 }
 
 /// Reads at most `limit` requests from `path` and scales them.
@@ -273,6 +276,7 @@ pub fn scale_trace(
         return Err(TraceError::Empty);
     };
     let span_ms = (last.timestamp - first.timestamp) as f64;
+    let previous = previous_turns(&records);
     let block = config.block_tokens() as usize;
     let scale = u64::from(config.scale);
     Ok(records
@@ -312,9 +316,31 @@ pub fn scale_trace(
                 prompt_tokens,
                 max_tokens,
                 hash_ids,
+                previous_turn: previous[i],
             }
         })
         .collect())
+}
+
+/// For each of `records` (in arrival order), the latest earlier one whose prompt, but for
+/// its last (possibly partial) block, begins this one's: the turn this one follows up on.
+/// Candidates share the second hash id, the first after the common system block.
+fn previous_turns(records: &[&TraceRecord]) -> Vec<Option<usize>> {
+    let mut by_key: std::collections::HashMap<u64, Vec<usize>> = Default::default();
+    records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let key = *r.hash_ids.get(1)?;
+            let earlier = by_key.entry(key).or_default();
+            let previous = earlier.iter().rev().copied().find(|&j| {
+                let full = &records[j].hash_ids[..records[j].hash_ids.len() - 1];
+                r.hash_ids.len() > full.len() && r.hash_ids.starts_with(full)
+            });
+            earlier.push(i);
+            previous
+        })
+        .collect()
 }
 
 /// The first `len` token ids of the block named `hash_id`: a fixed pseudo-random sequence
@@ -384,6 +410,23 @@ mod conversation_tests {
             [0, 2, 3, 4, 5],
             "one-turn conversations are left out"
         );
+    }
+
+    #[test]
+    fn a_follow_up_waits_for_the_turn_it_extends() {
+        let records = [
+            rec(0, &[0, 1, 2]),
+            rec(1, &[0, 5]),
+            rec(2, &[0, 1, 2, 3]),
+            // Shares the second block but not the first turn's whole prompt: a branch of
+            // the first turn (its last block may differ), not of the second.
+            rec(3, &[0, 1, 4, 8, 9]),
+            rec(4, &[0, 6, 7]),
+            rec(5, &[0, 1, 2, 3, 10]),
+        ];
+        let scaled = scale_trace(&records, &ScaleConfig::default()).unwrap();
+        let previous: Vec<Option<usize>> = scaled.iter().map(|r| r.previous_turn).collect();
+        assert_eq!(previous, [None, None, Some(0), Some(0), None, Some(2)]);
     }
 
     #[test]

@@ -45,6 +45,10 @@ pub struct BenchTraceArgs {
     /// `--prefill-pulls false` too).
     #[arg(long)]
     pub pull_min_blocks: Option<usize>,
+    /// Send every request at its scheduled time, a follow-up turn even before the turn it
+    /// follows has been answered (by default it waits for that turn's end).
+    #[arg(long)]
+    pub open_loop: bool,
     /// Compute threads per node process.
     #[arg(long, default_value_t = 1)]
     pub node_threads: usize,
@@ -74,10 +78,14 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
         }),
     }
     .with_context(|| format!("reading {}", args.trace.display()))?;
+    let options = ReplayOptions {
+        follow_turns: !args.open_loop,
+        ..ReplayOptions::default()
+    };
     let runtime = crate::node::runtime()?;
     let replay_at = |url: &str| -> Result<ReplayReport> {
         runtime
-            .block_on(replay(url, "", &requests, &ReplayOptions::default()))
+            .block_on(replay(url, "", &requests, &options))
             .context("replaying")
     };
     let mut reports = Vec::new();

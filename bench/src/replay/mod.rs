@@ -2,8 +2,9 @@
 //!
 //! Every request is a streaming `POST /v1/completions` whose prompt is an array of token
 //! ids (so the router tokenizes nothing), fired at its scheduled time whether or not
-//! earlier ones finished; a concurrency cap is only a safety valve, and the report counts
-//! the requests that had to wait for it.
+//! earlier ones finished, except that a conversation's next turn waits for the end of the
+//! turn it follows; a concurrency cap is only a safety valve, and the report counts the
+//! requests that had to wait for it.
 
 mod client;
 mod report;
@@ -15,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use serde_json::json;
-use tokio::sync::Semaphore;
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
@@ -36,6 +37,10 @@ pub struct ReplayOptions {
     /// Generate exactly `max_tokens` tokens (`ignore_eos`), so output lengths follow the
     /// trace rather than the model's taste.
     pub ignore_eos: bool,
+    /// Send a follow-up turn no earlier than the end of the turn it follows (see
+    /// [`ScaledRequest::previous_turn`]): a compressed schedule would otherwise send it
+    /// before the answer its prompt contains exists.
+    pub follow_turns: bool,
 }
 
 impl Default for ReplayOptions {
@@ -45,6 +50,7 @@ impl Default for ReplayOptions {
             request_timeout: Duration::from_secs(300),
             api_key: None,
             ignore_eos: true,
+            follow_turns: true,
         }
     }
 }
@@ -90,10 +96,22 @@ pub async fn replay(
     }
     let endpoint = Arc::new(Endpoint::parse(base_url)?);
     let api_key: Option<Arc<str>> = opts.api_key.as_deref().map(Arc::from);
-    let mut order: Vec<&ScaledRequest> = requests.iter().collect();
-    order.sort_by_key(|r| r.at);
+    let mut order: Vec<usize> = (0..requests.len()).collect();
+    order.sort_by_key(|&i| requests[i].at);
     // Bodies are built before the clock starts, so building them never delays a send.
-    let bodies: Vec<Bytes> = order.iter().map(|r| request_body(model, r, opts)).collect();
+    let mut bodies: Vec<Option<Bytes>> = requests
+        .iter()
+        .map(|r| Some(request_body(model, r, opts)))
+        .collect();
+    // A request's task holds its sender; the sender dropping, when the task ends however
+    // it ends, releases the next turn of its conversation.
+    let (mut ended, ends): (Vec<_>, Vec<_>) = requests
+        .iter()
+        .map(|_| {
+            let (tx, rx) = watch::channel(());
+            (Some(tx), rx)
+        })
+        .unzip();
     let permits = Arc::new(Semaphore::new(opts.max_concurrency));
     let timeout = opts.request_timeout;
 
@@ -102,13 +120,30 @@ pub async fn replay(
     let mut tasks = JoinSet::new();
     // Which request each task sends, should one panic.
     let mut scheduled = HashMap::new();
-    for (index, (request, body)) in order.iter().zip(bodies).enumerate() {
-        let at = request.at;
+    for (index, &i) in order.iter().enumerate() {
+        let at = requests[i].at;
         let due = start + at;
         tokio::time::sleep_until(due).await;
         max_lateness = max_lateness.max(due.elapsed());
         let (endpoint, api_key, permits) = (endpoint.clone(), api_key.clone(), permits.clone());
+        let body = bodies[i].take().unwrap_or_default();
+        let this_ended = ended[i].take();
+        let previous_turn = requests[i]
+            .previous_turn
+            .filter(|_| opts.follow_turns)
+            .and_then(|p| ends.get(p).cloned());
         let task = tasks.spawn(async move {
+            let _ended = this_ended;
+            let held = match previous_turn {
+                // `Err` once the sender is gone: the previous turn has ended.
+                Some(mut previous) => {
+                    let running = previous.has_changed().is_ok();
+                    let _ = previous.changed().await;
+                    running
+                }
+                None => false,
+            };
+            let sent_at = start.elapsed();
             let (permit, waited) = match permits.clone().try_acquire_owned() {
                 Ok(p) => (Some(p), false),
                 Err(_) => (permits.acquire_owned().await.ok(), true),
@@ -125,7 +160,8 @@ pub async fn replay(
             drop(permit);
             Outcome {
                 index,
-                due: at,
+                sent: sent_at,
+                held,
                 waited,
                 finished: start.elapsed(),
                 result,
@@ -138,10 +174,11 @@ pub async fn replay(
         outcomes.push(match joined {
             Ok((_, outcome)) => outcome,
             Err(e) => {
-                let (index, due) = scheduled.get(&e.id()).copied().unwrap_or_default();
+                let (index, sent) = scheduled.get(&e.id()).copied().unwrap_or_default();
                 Outcome {
                     index,
-                    due,
+                    sent,
+                    held: false,
                     waited: false,
                     finished: start.elapsed(),
                     result: Err(Failure::new("panic", e)),
@@ -150,12 +187,12 @@ pub async fn replay(
         });
     }
     let offered_span = match (order.first(), order.last()) {
-        (Some(first), Some(last)) => last.at - first.at,
+        (Some(&first), Some(&last)) => requests[last].at - requests[first].at,
         _ => Duration::ZERO,
     };
     Ok(report::summarize(
         &outcomes,
-        ideal_hit_rate(order.iter().copied()),
+        ideal_hit_rate(order.iter().map(|&i| &requests[i])),
         offered_span,
         max_lateness,
     ))

@@ -14,8 +14,10 @@ use crate::stats::{percentile, sorted};
 pub(crate) struct Outcome {
     /// Its place in the schedule (0 = sent first).
     pub(crate) index: usize,
-    /// When it was due, from the start of the replay.
-    pub(crate) due: Duration,
+    /// When it was sent (after its previous turn ended), from the start of the replay.
+    pub(crate) sent: Duration,
+    /// It was due before the previous turn of its conversation had ended, and waited.
+    pub(crate) held: bool,
     /// It found the concurrency cap full.
     pub(crate) waited: bool,
     /// When it ended, from the start of the replay.
@@ -38,6 +40,8 @@ pub struct ReplayReport {
     pub error_examples: BTreeMap<String, String>,
     /// Requests that found `max_concurrency` requests in flight and waited.
     pub waited_for_concurrency: usize,
+    /// Follow-up turns that were due before the turn they follow had ended, and waited.
+    pub held_for_previous_turn: usize,
     /// How late the latest request left its schedule (the sender's own lag).
     pub max_send_lateness_s: f64,
     /// Summed over completed requests that reported usage.
@@ -78,7 +82,7 @@ pub struct ReplayReport {
 #[derive(Clone, Debug, PartialEq)]
 pub struct RequestRecord {
     pub index: usize,
-    /// When it was due, from the start of the replay.
+    /// When it was sent, from the start of the replay.
     pub sent_s: f64,
     /// `(prompt_tokens, cached_tokens)` as the router reported them.
     pub usage: Option<(u64, u64)>,
@@ -101,7 +105,7 @@ impl RequestRecord {
         };
         RequestRecord {
             index: o.index,
-            sent_s: o.due.as_secs_f64(),
+            sent_s: o.sent.as_secs_f64(),
             usage: m.usage,
             ttft_s: m.ttft.map(|t| t.as_secs_f64()),
             e2e_s: error.is_none().then_some(m.e2e.as_secs_f64()),
@@ -195,6 +199,7 @@ pub(crate) fn summarize(
         errors,
         error_examples,
         waited_for_concurrency: outcomes.iter().filter(|o| o.waited).count(),
+        held_for_previous_turn: outcomes.iter().filter(|o| o.held).count(),
         max_send_lateness_s: max_lateness.as_secs_f64(),
         prompt_tokens,
         cached_tokens,
@@ -301,6 +306,10 @@ impl fmt::Display for ReplayReport {
                 self.waited_for_concurrency.to_string(),
             ),
             (
+                "held for the previous turn",
+                self.held_for_previous_turn.to_string(),
+            ),
+            (
                 "max send lateness",
                 format!("{:.1} ms", self.max_send_lateness_s * 1000.0),
             ),
@@ -329,7 +338,8 @@ mod tests {
     fn ok(ttft_ms: u64, e2e_ms: u64, out: u64, usage: Option<(u64, u64)>) -> Outcome {
         Outcome {
             index: 0,
-            due: Duration::ZERO,
+            sent: Duration::ZERO,
+            held: false,
             waited: false,
             finished: Duration::from_millis(e2e_ms),
             result: Ok(Measured {
@@ -349,14 +359,16 @@ mod tests {
             ok(200, 500, 20, None),
             Outcome {
                 index: 4,
-                due: Duration::from_millis(5),
+                sent: Duration::from_millis(5),
+                held: true,
                 waited: true,
                 finished: Duration::from_millis(10),
                 result: Err(Failure::new("429", "busy")),
             },
             Outcome {
                 index: 3,
-                due: Duration::from_millis(3),
+                sent: Duration::from_millis(3),
+                held: false,
                 waited: false,
                 finished: Duration::from_millis(20),
                 result: Err(Failure::new("429", "still busy")),
@@ -367,6 +379,7 @@ mod tests {
         assert_eq!(r.errors, BTreeMap::from([("429".to_string(), 2)]));
         assert_eq!(r.error_examples["429"], "busy");
         assert_eq!(r.waited_for_concurrency, 1);
+        assert_eq!(r.held_for_previous_turn, 1);
         assert_eq!(
             (r.prompt_tokens, r.cached_tokens, r.output_tokens),
             (200, 50, 60)
