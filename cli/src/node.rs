@@ -72,6 +72,15 @@ pub struct MeshArgs {
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// Pulling cached prefixes from other nodes (prefill and decode nodes).
+#[derive(Args, Clone, Debug)]
+pub struct PullArgs {
+    /// How long to wait for a holder's blocks before recomputing them instead (a silent or
+    /// slow holder costs a request at most this).
+    #[arg(long, env = "KVMESH_PULL_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub pull_timeout: Duration,
+}
+
 /// The local address the kernel would send from to reach `url`'s host (a connected UDP
 /// socket sends nothing).
 fn route_source(url: &str) -> Option<std::net::IpAddr> {
@@ -329,4 +338,32 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        pulls: PullArgs,
+    }
+
+    #[test]
+    fn the_pull_timeout_flag_defaults_to_what_the_workers_default_to() {
+        let default = Cli::try_parse_from(["kvmesh"]).unwrap().pulls.pull_timeout;
+        assert_eq!(
+            default,
+            kvmesh_decode::DecodeConfig::new(NodeId(1)).pull_timeout
+        );
+        assert_eq!(
+            default,
+            kvmesh_prefill::PrefillConfig::new(NodeId(1)).pull_timeout
+        );
+        let set = Cli::try_parse_from(["kvmesh", "--pull-timeout", "500ms"]).unwrap();
+        assert_eq!(set.pulls.pull_timeout, Duration::from_millis(500));
+        assert!(Cli::try_parse_from(["kvmesh", "--pull-timeout", "soon"]).is_err());
+    }
 }

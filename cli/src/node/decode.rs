@@ -4,7 +4,9 @@
 //! back. Serves its own cache to other nodes' pulls (`KvCache`).
 
 use super::engine_args::EngineArgs;
-use super::{forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
+use super::{
+    forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, PullArgs,
+};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -23,6 +25,8 @@ pub struct DecodeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub pulls: PullArgs,
     /// Prompts whose uncached part is shorter than this are prefilled here.
     #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS")]
     pub local_prefill_max_tokens: Option<usize>,
@@ -48,6 +52,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
     let mut config = DecodeConfig::new(node_id);
     config.kv_events = Some(kv_event_sink(&kv_events));
     config.prefill_pulls = args.prefill_pulls;
+    config.pull_timeout = args.pulls.pull_timeout;
     if let Some(n) = args.local_prefill_max_tokens {
         config.local_prefill_max_tokens = n;
     }

@@ -4,7 +4,9 @@
 //! when that beats recomputing it. Other nodes may pull prefixes it has cached (`KvCache`).
 
 use super::engine_args::EngineArgs;
-use super::{forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs};
+use super::{
+    forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, PullArgs,
+};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -24,6 +26,8 @@ pub struct PrefillArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub pulls: PullArgs,
 }
 
 pub fn run(args: &PrefillArgs) -> Result<()> {
@@ -42,6 +46,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
     let kv_events = KvPublisherSlot::default();
     let config = PrefillConfig {
         kv_events: Some(kv_event_sink(&kv_events)),
+        pull_timeout: args.pulls.pull_timeout,
         ..PrefillConfig::new(node_id)
     };
     let worker =
