@@ -13,7 +13,7 @@
 
 use crate::backend::Backend;
 use crate::metrics::metrics;
-use crate::routing::{lock, InFlight, Routing};
+use crate::routing::{lock, Routing, Tracked};
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb, tag_request, KvHolder, Placement, PrefillTarget};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
@@ -79,9 +79,7 @@ struct Mesh {
 struct Opened {
     node: NodeId,
     stream: tonic::Streaming<pb::GenerateEvent>,
-    _in_flight: InFlight,
-    /// On the prefill node until the first token.
-    prefilling: Option<InFlight>,
+    in_flight: Tracked,
 }
 
 impl RemoteBackend {
@@ -199,11 +197,8 @@ impl Mesh {
             let mut call = tonic::Request::new(grpc::generate_request_to_pb(req, &placement));
             tag_request(&mut call, req.request_id);
             call.set_timeout(timeout);
-            let in_flight = self.routing.track(id);
-            let prefilling = placement
-                .prefill
-                .as_ref()
-                .map(|p| self.routing.track(p.node_id));
+            let prefill = placement.prefill.as_ref().map(|p| p.node_id);
+            let in_flight = self.routing.track_route(id, prefill);
             if attempt > 0 {
                 metrics().decode_retries.inc();
             }
@@ -212,8 +207,7 @@ impl Mesh {
                     return Ok(Opened {
                         node: id,
                         stream: stream.into_inner(),
-                        _in_flight: in_flight,
-                        prefilling,
+                        in_flight,
                     })
                 }
                 Err(status) => {
@@ -276,7 +270,7 @@ async fn relay(
         let broken = match message {
             Ok(Some(m)) => match GenerateEvent::try_from(m) {
                 Ok(GenerateEvent::Token(t)) => {
-                    opened.prefilling = None;
+                    opened.in_flight.prefilled();
                     req.resume.push(t.token);
                     if tx.send(GenerateEvent::Token(t)).is_err() {
                         return;

@@ -105,6 +105,29 @@ impl Routing {
             node,
         }
     }
+
+    /// Counts a routed request on its decode node and, when it has one, its prefill node;
+    /// see [`Tracked`].
+    pub fn track_route(&self, decode: NodeId, prefill: Option<NodeId>) -> Tracked {
+        Tracked {
+            _decode: self.track(decode),
+            prefilling: prefill.map(|p| self.track(p)),
+        }
+    }
+}
+
+/// A request counted on its decode node until dropped (when its stream ends), and on its
+/// prefill node until [`Tracked::prefilled`] (its first token: the prefill is done).
+pub struct Tracked {
+    _decode: InFlight,
+    prefilling: Option<InFlight>,
+}
+
+impl Tracked {
+    /// The first token is out: the request no longer counts on its prefill node.
+    pub fn prefilled(&mut self) {
+        self.prefilling = None;
+    }
 }
 
 /// See [`Routing::track`].

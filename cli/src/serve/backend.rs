@@ -109,20 +109,17 @@ impl kvmesh_router::Backend for MeshBackend {
         // Counted on its node until its stream ends (and on its prefill node until its first
         // token): load reports lag a burst, and without this every request of the burst would
         // see the same idle node.
-        let in_flight = self.routing.track(route.decode);
-        let mut prefilling = prefill
-            .as_ref()
-            .and(route.prefill)
-            .map(|p| self.routing.track(p));
+        let mut in_flight = self
+            .routing
+            .track_route(route.decode, prefill.as_ref().and(route.prefill));
         let mut events = decode.generate_pulling(req, prefill, pull)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
-            let _in_flight = in_flight;
             loop {
                 tokio::select! {
                     event = events.recv() => {
                         let Some(e) = event else { break };
-                        drop(prefilling.take());
+                        in_flight.prefilled();
                         if tx.send(e).is_err() {
                             break;
                         }
