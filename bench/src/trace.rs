@@ -230,11 +230,12 @@ pub struct ScaledRequest {
 /// replay they would open with a burst of every first turn at 20 times the mean rate, an
 /// arrival pattern the trace itself never has.
 pub fn sample_conversations(records: &[TraceRecord], conversations: usize) -> Vec<TraceRecord> {
-    let key = |r: &TraceRecord| r.hash_ids.get(1).or(r.hash_ids.first()).copied();
     let mut order: Vec<u64> = Vec::new();
     let mut turns: std::collections::HashMap<u64, Vec<&TraceRecord>> = Default::default();
     for r in records {
-        let Some(k) = key(r) else { continue };
+        let Some(k) = conversation_key(r) else {
+            continue;
+        };
         let group = turns.entry(k).or_default();
         if group.is_empty() {
             order.push(k);
@@ -322,20 +323,25 @@ pub fn scale_trace(
         .collect())
 }
 
-/// For each of `records` (in arrival order), the latest earlier one whose prompt, but for
-/// its last (possibly partial) block, begins this one's: the turn this one follows up on.
-/// Candidates share the second hash id, the first after the common system block.
+/// Which conversation a request belongs to: its second hash id, the first after the common
+/// system block (the first for a one-block prompt).
+fn conversation_key(r: &TraceRecord) -> Option<u64> {
+    r.hash_ids.get(1).or(r.hash_ids.first()).copied()
+}
+
+/// For each of `records` (in arrival order), the latest earlier one of its conversation
+/// whose prompt, but for its last (possibly partial) block, begins this one's: the turn
+/// this one follows up on. A one-block prompt has nothing to follow up on.
 fn previous_turns(records: &[&TraceRecord]) -> Vec<Option<usize>> {
     let mut by_key: std::collections::HashMap<u64, Vec<usize>> = Default::default();
     records
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let key = *r.hash_ids.get(1)?;
-            let earlier = by_key.entry(key).or_default();
+            let earlier = by_key.entry(conversation_key(r)?).or_default();
             let previous = earlier.iter().rev().copied().find(|&j| {
                 let full = &records[j].hash_ids[..records[j].hash_ids.len() - 1];
-                r.hash_ids.len() > full.len() && r.hash_ids.starts_with(full)
+                !full.is_empty() && r.hash_ids.len() > full.len() && r.hash_ids.starts_with(full)
             });
             earlier.push(i);
             previous
