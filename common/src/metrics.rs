@@ -19,6 +19,9 @@ pub const ROUTER_ADMISSION_PENDING_TOKENS: &str = "kvmesh_router_admission_pendi
 /// Admission control's estimate of a new request's time to first token.
 pub const ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS: &str =
     "kvmesh_router_admission_estimated_ttft_seconds";
+/// The share of the TTFT target admission control lets an estimate use (1 until admitted
+/// requests break the target).
+pub const ROUTER_ADMISSION_HEADROOM: &str = "kvmesh_router_admission_headroom";
 
 // Workers (labels: node, role).
 pub const WORKER_QUEUE_SECONDS: &str = "kvmesh_worker_queue_time_seconds";

@@ -25,6 +25,12 @@
 //! Before the first sample only the in-flight bound applies: at most `max_in_flight` admitted
 //! requests may be unfinished (a bounded queue whatever the estimate says).
 //!
+//! The model cannot see what slows every request at once: CPU throttling, a noisy neighbour,
+//! the cost of refusing the excess. So the outcome closes the loop: each admitted request
+//! whose TTFT breaks the target shrinks the share of the target the estimate may use
+//! (`headroom`, multiplicatively, down to a floor), each one that keeps it gives a little
+//! back. Shedding more lowers the load that causes the stalls, until few requests break it.
+//!
 //! [`Estimator`] is the pure core (time comes in as `now`); [`Admission`] wraps it in a mutex
 //! and hands out [`Ticket`]s whose drop ends the request's accounting.
 
@@ -51,6 +57,17 @@ const MIN_SPREAD: f64 = 0.25;
 /// than their mean: a request that arrives during a step waits out the rest of it, which no
 /// regressor sees.
 const ERROR_MARGIN: f64 = 2.0;
+
+/// A request that breaks the target multiplies the headroom by this...
+const TIGHTEN: f64 = 0.8;
+
+/// ...and one that keeps it adds this back (up to 1): at a headroom `h` the loop settles
+/// where about `RELAX / ((1 - TIGHTEN) * h)` of the requests break the target (1% at 1).
+const RELAX: f64 = 0.002;
+
+/// The headroom never falls below this: stalls that shedding cannot cure (a request alone
+/// breaks the target) must not shut the door.
+const MIN_HEADROOM: f64 = 0.25;
 
 /// An exponentially weighted least-squares fit of `ttft` (seconds) against `x` (tokens
 /// pending ahead plus the request's own) and `d` (requests decoding at admission): running
@@ -230,6 +247,8 @@ pub(crate) struct Estimator {
     pending_requests: usize,
     in_flight: usize,
     fit: Fit,
+    /// The share of the target an admitted request's estimate may use (see the module doc).
+    headroom: f64,
 }
 
 impl Estimator {
@@ -242,6 +261,7 @@ impl Estimator {
             pending_requests: 0,
             in_flight: 0,
             fit: Fit::default(),
+            headroom: 1.0,
         }
     }
 
@@ -257,7 +277,7 @@ impl Estimator {
         }
         if let Some(target) = self.ttft_target {
             let estimated = self.estimated_ttft(self.pending_tokens.saturating_add(own));
-            if self.in_flight > 0 && estimated > target {
+            if self.in_flight > 0 && estimated > target.mul_f64(self.headroom) {
                 return Err(Rejection::QueueDelay {
                     estimated,
                     target,
@@ -292,9 +312,16 @@ impl Estimator {
         }
         self.pending_tokens -= request.own;
         self.pending_requests -= 1;
-        let ttft = now.saturating_duration_since(request.at).as_secs_f64();
+        let ttft = now.saturating_duration_since(request.at);
+        if let Some(target) = self.ttft_target {
+            self.headroom = if ttft > target {
+                (self.headroom * TIGHTEN).max(MIN_HEADROOM)
+            } else {
+                (self.headroom + RELAX).min(1.0)
+            };
+        }
         let x = (request.ahead + request.own) as f64;
-        self.fit.add(x, request.decoding as f64, ttft);
+        self.fit.add(x, request.decoding as f64, ttft.as_secs_f64());
     }
 
     /// `request` is over (finished, failed or cancelled).
@@ -389,6 +416,7 @@ impl Admission {
             .set(i64::try_from(e.pending_tokens()).unwrap_or(i64::MAX));
         m.admission_estimated_ttft
             .set(e.estimated_ttft_now().as_secs_f64());
+        m.admission_headroom.set(e.headroom);
         out
     }
 }
@@ -669,6 +697,48 @@ mod tests {
         let held = e.admit(100, now).unwrap();
         assert!(matches!(e.check(2), Err(Rejection::QueueDelay { .. })));
         e.finish(held);
+    }
+
+    #[test]
+    fn requests_that_break_the_target_tighten_admission_until_they_keep_it() {
+        let mut now = Instant::now();
+        let mut e = Estimator::new(ms(30), 100);
+        for _ in 0..20 {
+            serve_alone(&mut e, &mut now, 100, ms(10));
+        }
+        assert_eq!(e.headroom, 1.0);
+        // A stall the model cannot see (it strikes requests alone): three break the target.
+        for _ in 0..3 {
+            serve_alone(&mut e, &mut now, 100, ms(40));
+        }
+        assert!((e.headroom - 0.8f64.powi(3)).abs() < 1e-9, "{}", e.headroom);
+        // Fast answers bring the model back within a few dozen requests; with one request
+        // in flight another is then expected inside the target, yet refused: the headroom
+        // is still short of it.
+        for _ in 0..30 {
+            serve_alone(&mut e, &mut now, 100, ms(10));
+        }
+        let held = e.admit(100, now).unwrap();
+        assert!(
+            e.estimated_ttft(200) < ms(30),
+            "{:?}",
+            e.estimated_ttft(200)
+        );
+        assert!(matches!(e.check(100), Err(Rejection::QueueDelay { .. })));
+        e.finish(held);
+        // Requests that keep the target give the headroom back, and the second is admitted.
+        for _ in 0..250 {
+            serve_alone(&mut e, &mut now, 100, ms(10));
+        }
+        assert_eq!(e.headroom, 1.0);
+        let held = e.admit(100, now).unwrap();
+        assert!(e.check(100).is_ok());
+        e.finish(held);
+        // However many break it, the headroom stays above its floor.
+        for _ in 0..50 {
+            serve_alone(&mut e, &mut now, 100, ms(40));
+        }
+        assert_eq!(e.headroom, MIN_HEADROOM);
     }
 
     #[test]

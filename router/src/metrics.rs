@@ -49,6 +49,7 @@ pub(crate) struct Metrics {
     pub(crate) rejected: IntCounterVec,
     pub(crate) admission_pending_tokens: IntGauge,
     pub(crate) admission_estimated_ttft: Gauge,
+    pub(crate) admission_headroom: Gauge,
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
@@ -157,6 +158,15 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
             Gauge::new(
                 names::ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS,
                 "Admission control's estimate of a new request's time to first token.",
+            )
+            .expect("valid gauge options"),
+        ),
+        admission_headroom: register(
+            r,
+            Gauge::new(
+                names::ROUTER_ADMISSION_HEADROOM,
+                "The share of the TTFT target admission control lets an estimate use; it \
+                 shrinks when admitted requests break the target.",
             )
             .expect("valid gauge options"),
         ),
