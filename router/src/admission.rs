@@ -173,9 +173,11 @@ impl Fit {
 /// Why a request was refused.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) enum Rejection {
-    /// The estimated time to its first token exceeds the TTFT target.
+    /// The estimated time to its first token exceeds what admission allows: the TTFT
+    /// target, or less while admitted requests break it (the headroom).
     QueueDelay {
         estimated: Duration,
+        allowed: Duration,
         target: Duration,
         retry_after_secs: u64,
     },
@@ -208,13 +210,27 @@ impl std::fmt::Display for Rejection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Rejection::QueueDelay {
-                estimated, target, ..
-            } => write!(
-                f,
-                "the estimated time to the first token ({:.2}s) exceeds the target ({:.2}s)",
-                estimated.as_secs_f64(),
-                target.as_secs_f64()
-            ),
+                estimated,
+                allowed,
+                target,
+                ..
+            } => {
+                write!(
+                    f,
+                    "the estimated time to the first token ({:.3}s) exceeds ",
+                    estimated.as_secs_f64()
+                )?;
+                if allowed < target {
+                    write!(
+                        f,
+                        "the {:.3}s admitted while recent requests break the target ({:.3}s)",
+                        allowed.as_secs_f64(),
+                        target.as_secs_f64()
+                    )
+                } else {
+                    write!(f, "the target ({:.3}s)", target.as_secs_f64())
+                }
+            }
             Rejection::InFlight { limit, .. } => {
                 write!(f, "{limit} requests are already in flight")
             }
@@ -277,9 +293,11 @@ impl Estimator {
         }
         if let Some(target) = self.ttft_target {
             let estimated = self.estimated_ttft(self.pending_tokens.saturating_add(own));
-            if self.in_flight > 0 && estimated > target.mul_f64(self.headroom) {
+            let allowed = target.mul_f64(self.headroom);
+            if self.in_flight > 0 && estimated > allowed {
                 return Err(Rejection::QueueDelay {
                     estimated,
+                    allowed,
                     target,
                     retry_after_secs,
                 });
@@ -540,6 +558,7 @@ mod tests {
             r,
             Rejection::QueueDelay {
                 estimated: ms(1100),
+                allowed: TARGET,
                 target: TARGET,
                 retry_after_secs: 1,
             }
@@ -724,7 +743,13 @@ mod tests {
             "{:?}",
             e.estimated_ttft(200)
         );
-        assert!(matches!(e.check(100), Err(Rejection::QueueDelay { .. })));
+        let refused = e.check(100).unwrap_err();
+        assert!(
+            refused
+                .to_string()
+                .contains("while recent requests break the target"),
+            "{refused}"
+        );
         e.finish(held);
         // Requests that keep the target give the headroom back, and the second is admitted.
         for _ in 0..250 {
