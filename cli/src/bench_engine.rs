@@ -2,12 +2,16 @@
 //!
 //! Prefill: one prompt of `--prefill-tokens` tokens in one step. Decode: `B` sequences with
 //! `--decode-prompt`-token prompts, then `--decode-tokens` greedy steps of the whole batch
-//! (aggregate tokens/s), the same shape as llama.cpp's `llama-batched-bench`.
+//! (aggregate tokens/s), the same shape as llama.cpp's `llama-batched-bench`. Step budget:
+//! through the engine's scheduler, a long prompt arrives while `--interference-decodes`
+//! sequences decode; per step budget, the decodes' longest gap between tokens and the long
+//! prompt's TTFT, against the first budget given (measured in the same run).
 
 use crate::model_args::ModelArgs;
 use anyhow::Result;
 use clap::Args;
-use kvmesh_common::BlockId;
+use kvmesh_common::{BlockId, SamplingParams};
+use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::model::LlamaModel;
 use kvmesh_engine::runner::{ModelRunner, SeqChunk, StepInput};
@@ -34,6 +38,16 @@ pub struct BenchEngineArgs {
     /// Batch sizes for the decode measurement.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1, 8, 32])]
     pub batches: Vec<usize>,
+    /// Step budgets (`max_num_batched_tokens`) for the step-budget measurement; the first is
+    /// the baseline of the ratios.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![2048, 512, 256, 128])]
+    pub budgets: Vec<usize>,
+    /// The long prompt that arrives in the step-budget measurement (tokens).
+    #[arg(long, default_value_t = 2000)]
+    pub interference_prompt: usize,
+    /// Sequences decoding when it arrives.
+    #[arg(long, default_value_t = 4)]
+    pub interference_decodes: usize,
     /// Timed repetitions of each measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
     pub repeats: usize,
@@ -47,7 +61,8 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
     model_args.threads = Some(model_args.threads.unwrap_or(2));
     let threads = model_args.threads.unwrap_or(2);
     let path = model_args.prepare()?;
-    let model = crate::model_args::load(&path)?.model;
+    let loaded = crate::model_args::load(&path)?;
+    let model = loaded.model.clone();
 
     let prefill = median_time(args.repeats, || time_prefill(&model, args.prefill_tokens))?;
     let prefill_tok_s = args.prefill_tokens as f64 / prefill.as_secs_f64();
@@ -57,6 +72,17 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
             time_decode(&model, batch, args.decode_prompt, args.decode_tokens)
         })?;
         decode.push((batch, (batch * args.decode_tokens) as f64 / t.as_secs_f64()));
+    }
+    let mut budgets = Vec::new();
+    for &budget in &args.budgets {
+        let runs = (0..args.repeats.max(1))
+            .map(|_| interference(&loaded, budget, args))
+            .collect::<Result<Vec<_>>>()?;
+        budgets.push((
+            budget,
+            median(runs.iter().map(|r| r.0)),
+            median(runs.iter().map(|r| r.1)),
+        ));
     }
 
     if args.json {
@@ -73,6 +99,13 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
                 "decode_prompt": args.decode_prompt,
                 "decode_tokens": args.decode_tokens,
                 "decode": decode,
+                "interference_prompt": args.interference_prompt,
+                "interference_decodes": args.interference_decodes,
+                "budgets": budgets.iter().map(|(b, gap, ttft)| serde_json::json!({
+                    "budget": b,
+                    "longest_decode_gap_s": gap.as_secs_f64(),
+                    "long_prompt_ttft_s": ttft.as_secs_f64(),
+                })).collect::<Vec<_>>(),
             })
         );
     } else {
@@ -84,8 +117,80 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
         for (b, s) in decode {
             println!("decode batch {b:>3}: {s:.1} tok/s (aggregate)");
         }
+        println!(
+            "a {}-token prompt arriving while {} sequences decode:",
+            args.interference_prompt, args.interference_decodes
+        );
+        if let Some(&(_, gap0, ttft0)) = budgets.first() {
+            for (b, gap, ttft) in &budgets {
+                println!(
+                    "step budget {b:>5}: decodes' longest gap {:.1} ms ({:.2}x), the prompt's TTFT {:.1} ms ({:.2}x)",
+                    gap.as_secs_f64() * 1e3,
+                    gap.as_secs_f64() / gap0.as_secs_f64(),
+                    ttft.as_secs_f64() * 1e3,
+                    ttft.as_secs_f64() / ttft0.as_secs_f64(),
+                );
+            }
+        }
     }
     Ok(())
+}
+
+fn median(times: impl Iterator<Item = Duration>) -> Duration {
+    let mut times: Vec<Duration> = times.collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+/// Through the engine with a step budget of `budget`: `interference_decodes` sequences are
+/// decoding when a prompt of `interference_prompt` tokens arrives. Returns the longest step
+/// until its first token (every decode waits that long for its next token) and that TTFT.
+fn interference(
+    loaded: &kvmesh_engine::Loaded,
+    budget: usize,
+    args: &BenchEngineArgs,
+) -> Result<(Duration, Duration)> {
+    let decode_prompt: usize = 64;
+    let per_seq = (decode_prompt + 1024).div_ceil(BLOCK_SIZE);
+    let config = EngineConfig {
+        max_num_batched_tokens: budget,
+        num_blocks: args.interference_decodes * per_seq
+            + args.interference_prompt.div_ceil(BLOCK_SIZE)
+            + 1,
+        enable_prefix_caching: false,
+        ..EngineConfig::default()
+    };
+    let mut engine = config.llama_engine(loaded)?;
+    let params = |max_tokens| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(max_tokens)
+    };
+    let decodes = args.interference_decodes as u64;
+    for i in 0..decodes {
+        engine.add_request(i, random_tokens(decode_prompt, 200 + i), params(1024), 0)?;
+    }
+    // Until every sequence has its first token: all decoding.
+    let mut started = std::collections::HashSet::new();
+    while started.len() < args.interference_decodes {
+        started.extend(engine.step()?.iter().map(|o| o.seq_id));
+    }
+    let long = decodes;
+    engine.add_request(
+        long,
+        random_tokens(args.interference_prompt, 7),
+        params(1),
+        0,
+    )?;
+    let arrived = Instant::now();
+    let mut longest_step = Duration::ZERO;
+    loop {
+        let step = Instant::now();
+        let out = engine.step()?;
+        longest_step = longest_step.max(step.elapsed());
+        if out.iter().any(|o| o.seq_id == long) {
+            return Ok((longest_step, arrived.elapsed()));
+        }
+    }
 }
 
 fn median_time(repeats: usize, mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {

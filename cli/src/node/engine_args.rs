@@ -23,11 +23,9 @@ pub struct EngineArgs {
     /// The disk tier's directory (one file per block).
     #[arg(long, env = "KVMESH_KV_DISK_DIR")]
     pub kv_disk_dir: Option<std::path::PathBuf>,
-    /// Token budget of one engine step (prefill chunks and decodes together); default 2048.
-    /// A step holds every decode on the node until it ends: on CPU, where prefill runs at
-    /// about a thousand tokens a second per thread and is as fast in 64-token chunks as in
-    /// 512-token ones, a few hundred keeps decodes (and short prompts) from waiting seconds
-    /// behind a long prompt.
+    /// Token budget of one engine step (prefill chunks and decodes together); default 256,
+    /// sized for a CPU (a step holds every decode on the node until it ends); a GPU wants
+    /// 2048 or more.
     #[arg(long, env = "KVMESH_MAX_BATCHED_TOKENS", value_parser = clap::value_parser!(u32).range(1..))]
     pub max_batched_tokens: Option<u32>,
 }
