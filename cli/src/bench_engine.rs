@@ -150,8 +150,9 @@ fn interference(
     budget: usize,
     args: &BenchEngineArgs,
 ) -> Result<(Duration, Duration)> {
-    let decode_prompt: usize = 64;
-    let per_seq = (decode_prompt + 1024).div_ceil(BLOCK_SIZE);
+    // Short prompts, and room to decode through any long prompt's chunks.
+    let (decode_prompt, decode_max): (usize, u32) = (64, 1024);
+    let per_seq = (decode_prompt + decode_max as usize).div_ceil(BLOCK_SIZE);
     let config = EngineConfig {
         max_num_batched_tokens: budget,
         num_blocks: args.interference_decodes * per_seq
@@ -167,7 +168,12 @@ fn interference(
     };
     let decodes = args.interference_decodes as u64;
     for i in 0..decodes {
-        engine.add_request(i, random_tokens(decode_prompt, 200 + i), params(1024), 0)?;
+        engine.add_request(
+            i,
+            random_tokens(decode_prompt, 200 + i),
+            params(decode_max),
+            0,
+        )?;
     }
     // Until every sequence has its first token: all decoding.
     let mut started = std::collections::HashSet::new();
@@ -195,11 +201,10 @@ fn interference(
 
 fn median_time(repeats: usize, mut f: impl FnMut() -> Result<Duration>) -> Result<Duration> {
     f()?; // warm-up: page in weights, size scratch buffers
-    let mut times = (0..repeats.max(1))
+    let times = (0..repeats.max(1))
         .map(|_| f())
         .collect::<Result<Vec<_>>>()?;
-    times.sort();
-    Ok(times[times.len() / 2])
+    Ok(median(times.into_iter()))
 }
 
 /// Ordinary-text token ids, away from the special tokens at the start of the vocabulary.
