@@ -14,6 +14,7 @@
 
 mod config;
 mod mesh;
+mod remote_prefill;
 mod service;
 mod worker;
 

@@ -1,6 +1,9 @@
 //! The decode worker thread and its handle.
 
 use crate::config::DecodeConfig;
+use crate::remote_prefill::{
+    Action, ChunkVerdict, Completion, FallBack, FallBackReason, RemotePrefills,
+};
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{
     GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
@@ -12,7 +15,7 @@ use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
 use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_prefill::{
     CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource,
-    IncomingTransfer, KvDestination, KvExporter, KvPull, PrefillDone, PrefillReply, PrefillRequest,
+    IncomingTransfer, KvDestination, KvExporter, KvPull, PrefillReply, PrefillRequest,
     PrefillTarget, Puller,
 };
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
@@ -249,6 +252,7 @@ impl DecodeWorker {
             }),
             metrics,
             kv_shape: engine.runner().kv_shape(),
+            remote: RemotePrefills::new(config.remote_prefill_timeout),
             config,
             engine,
             transport: transport.clone(),
@@ -316,22 +320,6 @@ impl Drop for DecodeWorker {
     }
 }
 
-/// Where a request's prompt KV comes from.
-enum Remote {
-    Local,
-    /// Queued for blocks; will ask this prefill worker once it has them.
-    Queued(PrefillTarget),
-    Transferring(Box<Transfer>),
-}
-
-struct Transfer {
-    cancel: CancelToken,
-    incoming: IncomingTransfer,
-    /// The prefill worker's answer, kept until every chunk is in.
-    done: Option<PrefillDone>,
-    started: Instant,
-}
-
 struct Active {
     request_id: RequestId,
     events: UnboundedSender<GenerateEvent>,
@@ -342,7 +330,9 @@ struct Active {
     enqueued_at: Instant,
     /// Holds a queue slot (not yet admitted).
     in_queue: bool,
-    remote: Remote,
+    /// Queued for blocks to be prefilled remotely: the prefill worker to ask once it has them.
+    /// Once asked, the transfer is in `Loop::remote`.
+    prefill: Option<PrefillTarget>,
 }
 
 struct Loop<R: ModelRunner> {
@@ -354,6 +344,8 @@ struct Loop<R: ModelRunner> {
     /// Where this worker's handles send: its prefill workers pull cached prefixes from it.
     myself: Weak<Sender<Inbox>>,
     kv_rx: KvReceiver,
+    /// The transfers of the remote prefills in flight.
+    remote: RemotePrefills,
     reply_tx: Sender<PrefillReply>,
     reply_rx: Receiver<PrefillReply>,
     /// Requests waiting for their prefix to be pulled.
@@ -447,9 +439,9 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
-    /// When the engine's transfers or a pull next time out.
+    /// When a remote prefill's transfer or a pull next times out.
     fn next_timeout(&self) -> Option<Instant> {
-        match (self.engine.next_timeout(), self.pulls.next_deadline()) {
+        match (self.remote.next_deadline(), self.pulls.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -563,13 +555,9 @@ impl<R: ModelRunner> Loop<R> {
         let prompt_tokens = prompt.len() as u32;
         let resumed_tokens = resume.len() as u32;
         let added = match &prefill {
-            Some(_) => self.engine.add_remote_request(
-                seq_id,
-                prompt,
-                params.clone(),
-                0,
-                self.config.remote_prefill_timeout,
-            ),
+            Some(_) => self
+                .engine
+                .add_remote_request(seq_id, prompt, params.clone(), 0),
             None if resumed_tokens > 0 => {
                 self.engine
                     .resume_request(seq_id, prompt, resume, params.clone(), 0)
@@ -596,7 +584,7 @@ impl<R: ModelRunner> Loop<R> {
                 cached_tokens: 0,
                 enqueued_at,
                 in_queue: true,
-                remote: prefill.map_or(Remote::Local, Remote::Queued),
+                prefill,
             },
         );
         self.kicked = true;
@@ -631,15 +619,12 @@ impl<R: ModelRunner> Loop<R> {
             Err(chunk) => chunk,
         };
         let Some(&seq_id) = self.by_request.get(&request_id) else {
-            return; // finished, cancelled or fell back: a late chunk
+            return; // finished or cancelled: a late chunk
         };
-        let Some(Remote::Transferring(t)) = self.active.get_mut(&seq_id).map(|a| &mut a.remote)
-        else {
-            return;
-        };
-        if let Err(e) = t.incoming.check(&chunk) {
-            tracing::warn!(%request_id, "refusing KV chunk: {e}; prefilling locally");
-            return self.fall_back(seq_id);
+        match self.remote.on_chunk(seq_id, &chunk) {
+            ChunkVerdict::Late => return,
+            ChunkVerdict::FallBack(f) => return self.fall_back(f),
+            ChunkVerdict::Write => {}
         }
         let h = &chunk.header;
         if let Err(e) = self
@@ -647,75 +632,70 @@ impl<R: ModelRunner> Loop<R> {
             .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
         {
             tracing::warn!(%request_id, "writing KV chunk: {e}; prefilling locally");
-            return self.fall_back(seq_id);
+            if let Some(cancel) = self.remote.remove(seq_id) {
+                cancel.cancel();
+            }
+            self.engine.fail_remote_prefill(seq_id);
+            self.kicked = true;
+            return;
         }
         self.metrics
             .transfer_bytes
             .inc_by(chunk.payload.len() as u64);
-        t.incoming.record(&chunk);
-        self.engine.note_transfer_progress(seq_id, Instant::now());
-        self.try_complete(seq_id);
+        if let Some(c) = self.remote.written(Instant::now(), seq_id, &chunk) {
+            self.complete(c);
+        }
     }
 
     fn on_reply(&mut self, reply: PrefillReply) {
         let Some(&seq_id) = self.by_request.get(&reply.request_id) else {
             return;
         };
-        let Some(Remote::Transferring(t)) = self.active.get_mut(&seq_id).map(|a| &mut a.remote)
-        else {
-            return;
-        };
-        match reply.result {
-            Ok(done) => {
-                t.done = Some(done);
-                self.try_complete(seq_id);
-            }
-            Err(e) => {
-                tracing::info!(request_id = %reply.request_id, "remote prefill failed: {e}; prefilling locally");
-                self.fall_back(seq_id);
-            }
+        match self.remote.on_reply(Instant::now(), seq_id, reply.result) {
+            Some(Action::Complete(c)) => self.complete(c),
+            Some(Action::FallBack(f)) => self.fall_back(f),
+            None => {}
         }
     }
 
-    /// Completes a transfer once its reply and all of its KV are in.
-    fn try_complete(&mut self, seq_id: SeqId) {
-        let Some(a) = self.active.get_mut(&seq_id) else {
-            return;
-        };
-        let Remote::Transferring(t) = &mut a.remote else {
-            return;
-        };
-        if !t.incoming.is_complete() || t.done.is_none() {
-            return;
-        }
-        let done = t.done.take().expect("checked");
-        let elapsed = t.started.elapsed();
-        a.remote = Remote::Local;
+    /// Hands a transfer whose reply and KV are all in to the engine.
+    fn complete(&mut self, c: Completion) {
+        let Completion {
+            seq_id,
+            done,
+            elapsed,
+        } = c;
+        self.kicked = true;
         match self
             .engine
             .complete_remote_prefill(seq_id, done.first, done.cached_tokens)
         {
             Ok(out) => {
                 self.metrics.transfer_seconds.observe(elapsed.as_secs_f64());
-                self.kicked = true;
                 self.emit(out);
             }
             Err(e) => {
                 tracing::warn!("completing a remote prefill: {e}; prefilling locally");
                 self.engine.fail_remote_prefill(seq_id);
-                self.kicked = true;
             }
         }
     }
 
     /// Gives up on a remote prefill: tells the prefill worker to stop and prefills locally.
-    fn fall_back(&mut self, seq_id: SeqId) {
-        if let Some(a) = self.active.get_mut(&seq_id) {
-            if let Remote::Transferring(t) = std::mem::replace(&mut a.remote, Remote::Local) {
-                t.cancel.cancel();
+    fn fall_back(&mut self, f: FallBack) {
+        if let Some(a) = self.active.get(&f.seq_id) {
+            let (request_id, reason) = (a.request_id, &f.reason);
+            match reason {
+                FallBackReason::Failed(_) => {
+                    tracing::info!(%request_id, "{reason}; prefilling locally")
+                }
+                FallBackReason::Refused(_) | FallBackReason::TimedOut => {
+                    tracing::warn!(%request_id, "{reason}; prefilling locally")
+                }
             }
         }
-        self.engine.fail_remote_prefill(seq_id);
+        f.cancel.cancel();
+        self.engine.fail_remote_prefill(f.seq_id);
         self.kicked = true;
     }
 
@@ -723,14 +703,8 @@ impl<R: ModelRunner> Loop<R> {
         for ended in self.pulls.expire(&mut self.engine) {
             self.pull_ended(ended);
         }
-        for seq_id in self.engine.handle_timeouts(Instant::now()) {
-            if let Some(a) = self.active.get_mut(&seq_id) {
-                tracing::warn!(request_id = %a.request_id, "remote prefill timed out; prefilling locally");
-                if let Remote::Transferring(t) = std::mem::replace(&mut a.remote, Remote::Local) {
-                    t.cancel.cancel();
-                }
-            }
-            self.kicked = true;
+        for f in self.remote.on_tick(Instant::now()) {
+            self.fall_back(f);
         }
     }
 
@@ -792,7 +766,9 @@ impl<R: ModelRunner> Loop<R> {
             let Some(a) = self.active.get_mut(&adm.seq_id) else {
                 continue;
             };
-            let Remote::Queued(prefill) = std::mem::replace(&mut a.remote, Remote::Local) else {
+            let Some(prefill) = a.prefill.take() else {
+                // Not ours to transfer: never leave its blocks waiting for KV.
+                self.engine.fail_remote_prefill(adm.seq_id);
                 continue;
             };
             let prompt = self
@@ -816,12 +792,9 @@ impl<R: ModelRunner> Loop<R> {
             };
             match prefill.prefill(request, self.reply_tx.clone()) {
                 Ok(()) => {
-                    a.remote = Remote::Transferring(Box::new(Transfer {
-                        cancel,
-                        incoming: IncomingTransfer::new(a.request_id, &self.kv_shape, &adm.blocks),
-                        done: None,
-                        started: Instant::now(),
-                    }));
+                    let incoming = IncomingTransfer::new(a.request_id, &self.kv_shape, &adm.blocks);
+                    self.remote
+                        .start(Instant::now(), adm.seq_id, incoming, cancel);
                 }
                 Err(e) => {
                     tracing::info!(request_id = %a.request_id, "prefill worker {} refused: {e}; prefilling locally", prefill.node_id());
@@ -921,8 +894,8 @@ impl<R: ModelRunner> Loop<R> {
             if a.in_queue {
                 self.shared.queue.give_back();
             }
-            if let Remote::Transferring(t) = a.remote {
-                t.cancel.cancel();
+            if let Some(cancel) = self.remote.remove(seq_id) {
+                cancel.cancel();
             }
         }
     }

@@ -7,8 +7,8 @@
 //! - a *decode worker* adds `add_remote_request` sequences, starts a transfer for each one in
 //!   `last_remote_admitted`, writes arriving KV with `write_kv_blocks`, and ends the wait with
 //!   `complete_remote_prefill` (the first token comes from the prefill worker) or
-//!   `fail_remote_prefill` (prefill locally instead). `handle_timeouts(now)` releases the
-//!   blocks of transfers that never complete. See the scheduler's module docs.
+//!   `fail_remote_prefill` (prefill locally instead, also when a transfer stalls: the
+//!   worker keeps the transfer's clock). See the scheduler's module docs.
 
 use crate::block_pool::Held;
 use crate::detokenizer::IncrementalDetokenizer;
@@ -26,7 +26,6 @@ use kvmesh_common::{
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -104,7 +103,7 @@ pub struct ExportedKv {
 #[derive(Clone, Copy, Debug)]
 enum Mode {
     Local,
-    Remote { transfer_timeout: Duration },
+    Remote,
     PrefillOnly,
 }
 
@@ -182,18 +181,16 @@ impl<R: ModelRunner> LlmEngine<R> {
     }
 
     /// Queues a sequence whose prompt KV will come from a prefill worker (see the module
-    /// docs). Once it has blocks, the transfer has `transfer_timeout` before the sequence falls
-    /// back to a local prefill.
+    /// docs). Once it has blocks, it waits for `complete_remote_prefill` or
+    /// `fail_remote_prefill`.
     pub fn add_remote_request(
         &mut self,
         seq_id: SeqId,
         prompt: Vec<TokenId>,
         params: SamplingParams,
         top_logits: usize,
-        transfer_timeout: Duration,
     ) -> Result<(), EngineError> {
-        let mode = Mode::Remote { transfer_timeout };
-        self.add(seq_id, prompt, Vec::new(), params, top_logits, mode)
+        self.add(seq_id, prompt, Vec::new(), params, top_logits, Mode::Remote)
     }
 
     /// Queues a prefill-only sequence: it computes the prompt, samples the first token with
@@ -239,10 +236,7 @@ impl<R: ModelRunner> LlmEngine<R> {
                 .scheduler
                 .add_resumed_sequence(seq_id, prompt, generated)?,
             Mode::Local | Mode::PrefillOnly => self.scheduler.add_sequence(seq_id, prompt)?,
-            Mode::Remote { transfer_timeout } => {
-                self.scheduler
-                    .add_remote_sequence(seq_id, prompt, transfer_timeout)?
-            }
+            Mode::Remote => self.scheduler.add_remote_sequence(seq_id, prompt)?,
         }
         self.seqs.insert(seq_id, state);
         Ok(())
@@ -433,22 +427,6 @@ impl<R: ModelRunner> LlmEngine<R> {
     /// the sequence prefills locally instead. False if it is not a remote prefill.
     pub fn fail_remote_prefill(&mut self, seq_id: SeqId) -> bool {
         self.scheduler.fail_remote_prefill(seq_id)
-    }
-
-    /// See `Scheduler::handle_timeouts`: returns the remote prefills that timed out and will
-    /// prefill locally.
-    pub fn handle_timeouts(&mut self, now: Instant) -> Vec<SeqId> {
-        self.scheduler.handle_timeouts(now)
-    }
-
-    /// KV of `seq_id`'s transfer arrived at `now`: its timeout starts over.
-    pub fn note_transfer_progress(&mut self, seq_id: SeqId, now: Instant) -> bool {
-        self.scheduler.note_transfer_progress(seq_id, now)
-    }
-
-    /// When `handle_timeouts` must run next, if a transfer is pending.
-    pub fn next_timeout(&self) -> Option<Instant> {
-        self.scheduler.next_timeout()
     }
 
     /// Runs one step and returns what every sequence that advanced produced.

@@ -45,11 +45,10 @@
 //! - `fail_remote_prefill(seq_id)`: the transfer failed or was corrupt; the blocks are released
 //!   and the sequence goes back to the head of the queue to prefill locally.
 //!
-//! Time comes in as `now`: `handle_timeouts(now)` starts the clock of every transfer admitted
-//! since the last call and falls back, as `fail_remote_prefill` does, each one older than its
-//! timeout, so blocks reserved for a transfer that never completes are not stranded.
-//! `next_timeout` says when to call it again. Blocks that await KV are never registered in the
-//! prefix cache, so nothing ever reads partial or corrupt KV.
+//! The scheduler keeps no clock for transfers: the driver, which sees the KV arrive, gives up
+//! one that stalls with `fail_remote_prefill` (the decode worker's `remote_prefill` module), so
+//! blocks reserved for a transfer that never completes are not stranded. Blocks that await KV
+//! are never registered in the prefix cache, so nothing ever reads partial or corrupt KV.
 
 mod discard;
 mod import;
@@ -61,7 +60,6 @@ use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::{HashMap, VecDeque};
-use std::time::{Duration, Instant};
 
 pub use import::Import;
 
@@ -260,19 +258,12 @@ impl Scheduler {
     }
 
     /// Queues a sequence whose prompt KV will arrive from another node (see the module docs).
-    /// Once admitted, the transfer has `transfer_timeout` to complete before the sequence falls
-    /// back to a local prefill.
     pub fn add_remote_sequence(
         &mut self,
         seq_id: SeqId,
         prompt: Vec<TokenId>,
-        transfer_timeout: Duration,
     ) -> Result<(), SchedulerError> {
-        let remote = RemotePrefill {
-            timeout: transfer_timeout,
-            deadline: None,
-        };
-        self.add(seq_id, prompt, Vec::new(), Some(remote))
+        self.add(seq_id, prompt, Vec::new(), Some(RemotePrefill))
     }
 
     fn add(
@@ -511,54 +502,6 @@ impl Scheduler {
             self.waiting.push_front(seq_id);
         }
         true
-    }
-
-    /// The scheduler's clock: starts the timeout of every transfer admitted since the last
-    /// call, and falls back (see `fail_remote_prefill`) every transfer whose deadline is not
-    /// after `now`. Returns the sequences that fell back, which will now prefill locally.
-    pub fn handle_timeouts(&mut self, now: Instant) -> Vec<SeqId> {
-        let mut expired = Vec::new();
-        for &id in &self.awaiting_kv {
-            let remote = self
-                .seqs
-                .get_mut(&id)
-                .and_then(|s| s.remote.as_mut())
-                .expect("awaiting sequences are remote");
-            match remote.deadline {
-                None => remote.deadline = Some(now + remote.timeout),
-                Some(d) if d <= now => expired.push(id),
-                Some(_) => {}
-            }
-        }
-        for &id in &expired {
-            self.fail_remote_prefill(id);
-        }
-        expired
-    }
-
-    /// Pushes back the deadline of `seq_id`'s transfer: KV arrived at `now`. The timeout
-    /// bounds a transfer's silence, not its length, so a long prompt that streams steadily is
-    /// never thrown away and recomputed. Returns false if it is not awaiting KV.
-    pub fn note_transfer_progress(&mut self, seq_id: SeqId, now: Instant) -> bool {
-        if !self.awaiting_kv.contains(&seq_id) {
-            return false;
-        }
-        match self.seqs.get_mut(&seq_id).and_then(|s| s.remote.as_mut()) {
-            Some(remote) => {
-                remote.deadline = Some(now + remote.timeout);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// The earliest transfer deadline: call `handle_timeouts` then (and after every
-    /// `schedule` that admitted a remote prefill, to start its clock).
-    pub fn next_timeout(&self) -> Option<Instant> {
-        self.awaiting_kv
-            .iter()
-            .filter_map(|id| self.seqs[id].remote.and_then(|r| r.deadline))
-            .min()
     }
 
     /// Admitted remote-prefill sequences whose KV has not arrived yet.

@@ -9,7 +9,7 @@ use kvmesh_engine::mock_runner::{CostModel, MockRunner};
 use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_engine::scheduler::{Scheduler, SchedulerConfig};
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const VOCAB: usize = 1_000;
 const TRANSFER_DELAY: Duration = Duration::from_millis(3);
@@ -112,7 +112,6 @@ impl Node {
 }
 
 struct Mesh {
-    t0: Instant,
     now: Duration,
     decode: Node,
     prefill: Node,
@@ -123,13 +122,14 @@ struct Mesh {
     lost: Vec<SeqId>,
     done: HashMap<SeqId, Vec<TokenId>>,
     first_token_at: HashMap<SeqId, Duration>,
+    /// The decode node's clock for each transfer in flight: when it gives up and falls back.
+    deadlines: HashMap<SeqId, Duration>,
     fell_back: Vec<SeqId>,
 }
 
 impl Mesh {
     fn new() -> Self {
         Mesh {
-            t0: Instant::now(),
             now: Duration::ZERO,
             decode: Node::new(128),
             prefill: Node::new(128),
@@ -138,16 +138,14 @@ impl Mesh {
             lost: Vec::new(),
             done: HashMap::new(),
             first_token_at: HashMap::new(),
+            deadlines: HashMap::new(),
             fell_back: Vec::new(),
         }
     }
 
     fn add(&mut self, id: SeqId, prompt: Vec<TokenId>, max_tokens: usize, remote: bool) {
         if remote {
-            self.decode
-                .sched
-                .add_remote_sequence(id, prompt, TIMEOUT)
-                .unwrap();
+            self.decode.sched.add_remote_sequence(id, prompt).unwrap();
         } else {
             self.decode.sched.add_sequence(id, prompt).unwrap();
         }
@@ -169,14 +167,28 @@ impl Mesh {
         }
     }
 
+    /// Falls back every transfer past its deadline, as the decode worker does.
+    fn expire_transfers(&mut self) {
+        let mut expired: Vec<SeqId> = self
+            .deadlines
+            .iter()
+            .filter(|&(_, &at)| at <= self.now)
+            .map(|(&id, _)| id)
+            .collect();
+        expired.sort_unstable();
+        for id in expired {
+            self.deadlines.remove(&id);
+            assert!(self.decode.sched.fail_remote_prefill(id));
+            self.fell_back.push(id);
+        }
+    }
+
     fn run(&mut self, max_iterations: usize) {
         for _ in 0..max_iterations {
             if !self.decode.sched.has_work() && !self.prefill.sched.has_work() {
                 return;
             }
-            let now = self.t0 + self.now;
-            self.fell_back
-                .extend(self.decode.sched.handle_timeouts(now));
+            self.expire_transfers();
             // Arrived transfers.
             let (ready, later): (Vec<_>, Vec<_>) = self
                 .arriving
@@ -184,6 +196,7 @@ impl Mesh {
                 .partition(|(at, _, _)| *at <= self.now);
             self.arriving = later;
             for (_, id, token) in ready {
+                self.deadlines.remove(&id);
                 let outcome = self
                     .decode
                     .sched
@@ -194,9 +207,8 @@ impl Mesh {
             }
             if self.decode.free_at <= self.now {
                 let (sampled, remote) = self.decode.step(self.now);
-                let expired = self.decode.sched.handle_timeouts(self.t0 + self.now);
-                self.fell_back.extend(expired);
                 for (id, cached) in remote {
+                    self.deadlines.insert(id, self.now + TIMEOUT);
                     if self.lost.contains(&id) {
                         continue;
                     }
@@ -223,9 +235,7 @@ impl Mesh {
             // Advance to the next event.
             let mut next = vec![self.decode.free_at, self.prefill.free_at];
             next.extend(self.arriving.iter().map(|a| a.0));
-            if let Some(t) = self.decode.sched.next_timeout() {
-                next.push(t - self.t0);
-            }
+            next.extend(self.deadlines.values().copied());
             let next = next.into_iter().filter(|&t| t > self.now).min();
             self.now = next.unwrap_or(self.now + Duration::from_millis(1));
         }

@@ -2,16 +2,10 @@
 //! the chained hashes of its full blocks (its prefix-cache identity).
 
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
-use std::time::{Duration, Instant};
 
-/// Where a sequence's prompt KV comes from while it is remote.
+/// Marks a sequence whose prompt KV comes from another node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct RemotePrefill {
-    /// How long an admitted transfer may take before its blocks are released.
-    pub(super) timeout: Duration,
-    /// Set by the first `handle_timeouts` after admission: when the clock of the transfer starts.
-    pub(super) deadline: Option<Instant>,
-}
+pub(super) struct RemotePrefill;
 
 #[derive(Debug)]
 pub(super) struct Sequence {

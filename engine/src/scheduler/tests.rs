@@ -228,14 +228,10 @@ fn full_blocks_are_announced_as_they_are_computed() {
 
 // ---- Remote prefill ----
 
-use std::time::{Duration, Instant};
-
-const TIMEOUT: Duration = Duration::from_secs(5);
-
 #[test]
 fn a_remote_prefill_holds_blocks_but_stays_out_of_the_batch() {
     let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(10)).unwrap();
     s.add_sequence(2, prompt(3)).unwrap();
     let out = s.schedule();
     assert_eq!(out.remote_admitted.len(), 1);
@@ -276,7 +272,7 @@ fn only_the_uncached_part_of_a_remote_prompt_is_transferred() {
     assert!(s.finish(1));
     assert_eq!(s.probe_prefix(&prompt(20)), 12);
 
-    s.add_remote_sequence(2, prompt(20), TIMEOUT).unwrap();
+    s.add_remote_sequence(2, prompt(20)).unwrap();
     let out = s.schedule();
     let adm = &out.remote_admitted[0];
     assert_eq!(adm.num_cached_tokens, 12);
@@ -287,7 +283,7 @@ fn only_the_uncached_part_of_a_remote_prompt_is_transferred() {
 #[test]
 fn a_completed_remote_prompt_becomes_a_prefix_hit() {
     let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(9), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(9)).unwrap();
     let out = s.schedule();
     s.abort_step(out);
     assert_eq!(s.probe_prefix(&prompt(9)), 0, "no hits before the KV is in");
@@ -298,7 +294,7 @@ fn a_completed_remote_prompt_becomes_a_prefix_hit() {
 #[test]
 fn a_failed_transfer_releases_its_blocks_and_prefills_locally() {
     let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(10)).unwrap();
     let out = s.schedule();
     s.abort_step(out);
     assert_eq!(s.pool().num_used(), 3);
@@ -322,7 +318,7 @@ fn a_failed_transfer_releases_its_blocks_and_prefills_locally() {
 #[test]
 fn a_queued_remote_prefill_can_fall_back_before_it_has_blocks() {
     let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(6), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(6)).unwrap();
     assert!(s.fail_remote_prefill(1));
     let out = s.schedule();
     assert!(out.remote_admitted.is_empty());
@@ -331,57 +327,12 @@ fn a_queued_remote_prefill_can_fall_back_before_it_has_blocks() {
 }
 
 #[test]
-fn a_transfer_that_misses_its_deadline_is_released() {
-    let t0 = Instant::now(); // only ever offset: virtual time
-    let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
-    assert_eq!(s.next_timeout(), None);
-    let out = s.schedule();
-    s.abort_step(out);
-    // The first clock reading after admission starts the transfer's clock.
-    assert!(s.handle_timeouts(t0).is_empty());
-    assert_eq!(s.next_timeout(), Some(t0 + TIMEOUT));
-    assert!(s
-        .handle_timeouts(t0 + TIMEOUT - Duration::from_millis(1))
-        .is_empty());
-    assert_eq!(s.pool().num_used(), 3);
-    assert_eq!(s.handle_timeouts(t0 + TIMEOUT), vec![1]);
-    assert_eq!((s.pool().num_used(), s.num_awaiting_kv()), (0, 0));
-    assert_eq!(s.next_timeout(), None);
-    // It prefills locally now.
-    let out = s.schedule();
-    assert_eq!(out.step.chunks[0].tokens.len(), 10);
-    s.abort_step(out);
-}
-
-#[test]
-fn a_transfer_that_keeps_making_progress_does_not_expire() {
-    let t0 = Instant::now(); // only ever offset: virtual time
-    let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
-    let out = s.schedule();
-    s.abort_step(out);
-    assert!(s.handle_timeouts(t0).is_empty());
-    // KV keeps arriving just before each deadline: three timeouts pass in all.
-    for i in 1..=3u32 {
-        let now = t0 + TIMEOUT * i - Duration::from_millis(1);
-        assert!(s.note_transfer_progress(1, now));
-        assert!(s.handle_timeouts(now).is_empty());
-    }
-    assert_eq!(s.num_awaiting_kv(), 1);
-    // Silence for a whole timeout ends it.
-    let last = t0 + TIMEOUT * 3 - Duration::from_millis(1);
-    assert_eq!(s.handle_timeouts(last + TIMEOUT), vec![1]);
-    assert!(!s.note_transfer_progress(1, last + TIMEOUT));
-}
-
-#[test]
 fn remote_prefills_wait_for_blocks_and_slots_in_arrival_order() {
     let mut c = config(4, 64);
     c.max_num_seqs = 2;
     let mut s = Scheduler::new(c);
-    s.add_remote_sequence(1, prompt(12), TIMEOUT).unwrap(); // 3 blocks
-    s.add_remote_sequence(2, prompt(8), TIMEOUT).unwrap(); // 2 blocks: not enough left
+    s.add_remote_sequence(1, prompt(12)).unwrap(); // 3 blocks
+    s.add_remote_sequence(2, prompt(8)).unwrap(); // 2 blocks: not enough left
     s.add_sequence(3, prompt(2)).unwrap(); // behind 2
     let out = s.schedule();
     assert_eq!(out.remote_admitted.len(), 1);
@@ -396,7 +347,7 @@ fn remote_prefills_wait_for_blocks_and_slots_in_arrival_order() {
     assert_eq!(out.remote_admitted[0].seq_id, 2);
     assert_eq!(out.admitted[0].seq_id, 3);
     s.abort_step(out);
-    s.add_remote_sequence(4, prompt(2), TIMEOUT).unwrap();
+    s.add_remote_sequence(4, prompt(2)).unwrap();
     let out = s.schedule();
     assert!(
         out.remote_admitted.is_empty(),
@@ -408,7 +359,7 @@ fn remote_prefills_wait_for_blocks_and_slots_in_arrival_order() {
 #[test]
 fn finishing_a_sequence_that_awaits_kv_frees_its_blocks() {
     let mut s = Scheduler::new(config(16, 32));
-    s.add_remote_sequence(1, prompt(10), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(10)).unwrap();
     let out = s.schedule();
     s.abort_step(out);
     assert!(s.finish(1));
@@ -421,7 +372,7 @@ fn a_first_token_that_fills_the_context_finishes_the_sequence() {
     let mut c = config(16, 64);
     c.max_model_len = 6;
     let mut s = Scheduler::new(c);
-    s.add_remote_sequence(1, prompt(5), TIMEOUT).unwrap();
+    s.add_remote_sequence(1, prompt(5)).unwrap();
     let out = s.schedule();
     s.abort_step(out);
     let outcome = s.complete_remote_prefill(1, 9).unwrap();
