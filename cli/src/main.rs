@@ -6,20 +6,21 @@ mod bench_trace;
 mod bench_transfer;
 mod bench_ttft;
 mod certs;
+mod config;
 mod generate;
 mod model_args;
 mod node;
 mod serve;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Subcommand};
 
 /// mimalloc keeps freed megabyte buffers (KV chunks, activations) for reuse instead of
 /// returning them to the kernel and faulting them in again, as glibc's thread arenas do.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[derive(Parser)]
+#[derive(clap::Parser)]
 #[command(
     name = "kvmesh",
     version,
@@ -67,17 +68,18 @@ enum BenchCommand {
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+            tracing_subscriber::EnvFilter::try_from_env(config::env_vars::LOG)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    let env = config::process_env();
+    match parse_cli().command {
         Command::FetchModel(args) => model_args::fetch(&args),
-        Command::Serve(args) => serve::run(&args),
-        Command::Router(args) => node::router::run(&args),
-        Command::Prefill(args) => node::prefill::run(&args),
-        Command::Decode(args) => node::decode::run(&args),
+        Command::Serve(args) => config::run(&args, &env, serve::run),
+        Command::Router(args) => config::run(&args, &env, node::router::run),
+        Command::Prefill(args) => config::run(&args, &env, node::prefill::run),
+        Command::Decode(args) => config::run(&args, &env, node::decode::run),
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
@@ -85,4 +87,15 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Trace(args)) => bench_trace::run(&args),
         Command::Bench(BenchCommand::PrefillNode(args)) => bench_ttft::prefill_node(&args),
     }
+}
+
+/// The command line; the layered roles' flags without their environment variables, which
+/// `config::run` layers itself (between the TOML file and the flags).
+fn parse_cli() -> Cli {
+    let command = Cli::command();
+    let command = config::layered::<serve::ServeConfig>(command);
+    let command = config::layered::<node::config::RouterNodeConfig>(command);
+    let command = config::layered::<node::config::PrefillNodeConfig>(command);
+    let command = config::layered::<node::config::DecodeNodeConfig>(command);
+    Cli::from_arg_matches(&command.get_matches()).unwrap_or_else(|e| e.exit())
 }

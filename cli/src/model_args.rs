@@ -1,27 +1,34 @@
 //! Arguments every model-using command shares, and `fetch-model`.
 
+use crate::config::env_vars;
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_engine::model_fetch;
-use std::path::PathBuf;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
 
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct ModelArgs {
     /// Model file (.gguf) or HF checkpoint directory; defaults to the cached SmolLM2, fetched
     /// when missing.
-    #[arg(long, env = "KVMESH_MODEL")]
+    #[arg(long, env = env_vars::MODEL)]
     pub model: Option<PathBuf>,
     /// Compute threads (default: all cores).
-    #[arg(long, env = "KVMESH_THREADS")]
+    #[arg(long, env = env_vars::THREADS)]
     pub threads: Option<usize>,
 }
 
 impl ModelArgs {
     /// Sets up the compute thread pool and returns the model path, fetching it if needed.
     pub fn prepare(&self) -> Result<PathBuf> {
-        init_threads(self.threads)?;
-        model_fetch::ensure_model(self.model.as_deref()).context("locating the model")
+        prepare(self.model.as_deref(), self.threads)
     }
+}
+
+/// Sets up `threads` compute threads and returns the model path, fetching it if needed.
+pub fn prepare(model: Option<&Path>, threads: Option<usize>) -> Result<PathBuf> {
+    init_threads(threads)?;
+    model_fetch::ensure_model(model).context("locating the model")
 }
 
 pub fn init_threads(threads: Option<usize>) -> Result<()> {

@@ -5,14 +5,17 @@
 //! revokes the lease first (routers stop sending within a watch round trip), finishes what it
 //! accepted, then exits.
 
+pub mod config;
 pub mod decode;
 pub mod engine_args;
 pub mod metrics;
 pub mod prefill;
 pub mod router;
 
+use crate::config::{env_vars, node_id_hex};
 use anyhow::{Context, Result};
 use clap::Args;
+use config::MeshNodeConfig;
 use humantime_serde::re::humantime;
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::{NodeId, NodeInfo, NodeRole};
@@ -20,65 +23,85 @@ use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
 use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
+use serde::Serialize;
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-/// Flags every mesh node takes.
-#[derive(Args, Clone, Debug)]
+/// Flags every mesh node takes; each sets the key of the same name under `[mesh]`.
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct MeshArgs {
-    /// etcd client URLs, comma-separated (e.g. http://127.0.0.1:2379).
-    #[arg(long, env = "KVMESH_ETCD", value_delimiter = ',', required = true)]
-    pub etcd: Vec<String>,
+    /// etcd client URLs, comma-separated (e.g. http://127.0.0.1:2379); required.
+    #[arg(long, env = env_vars::ETCD, value_delimiter = ',')]
+    pub etcd: Option<Vec<String>>,
     /// Where this node listens: gRPC (TCP) for prefill/decode, HTTP for the router; a decode
-    /// node also receives KV over QUIC on the same port (UDP).
-    #[arg(long, env = "KVMESH_LISTEN")]
-    pub listen: SocketAddr,
+    /// node also receives KV over QUIC on the same port (UDP); required.
+    #[arg(long, env = env_vars::LISTEN)]
+    pub listen: Option<SocketAddr>,
     /// The address other nodes use to reach this one (default: --listen, or with a wildcard
     /// --listen, the address this host reaches etcd from).
-    #[arg(long, env = "KVMESH_ADVERTISE")]
+    #[arg(long, env = env_vars::ADVERTISE)]
     pub advertise: Option<SocketAddr>,
     /// Name of the mesh: the root of its etcd keys, so meshes can share one etcd.
-    #[arg(long, env = "KVMESH_CLUSTER", default_value = "kvmesh")]
-    pub cluster: String,
+    #[arg(long, env = env_vars::CLUSTER)]
+    pub cluster: Option<String>,
     /// This node's id (hex; default: random). Must be unique in the cluster.
-    #[arg(long, env = "KVMESH_NODE_ID", value_parser = parse_node_id)]
+    #[arg(long, env = env_vars::NODE_ID, value_parser = node_id_hex::parse)]
+    #[serde(with = "node_id_hex", skip_serializing_if = "Option::is_none")]
     pub node_id: Option<NodeId>,
     /// How long the node outlives its last etcd keep-alive (a crashed node leaves routing
     /// after this).
-    #[arg(long, env = "KVMESH_LEASE_TTL", default_value = "3s", value_parser = humantime::parse_duration)]
-    pub lease_ttl: Duration,
+    #[arg(long, env = env_vars::LEASE_TTL, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Option<Duration>,
     /// After SIGTERM or a `Drain` RPC, how long the node lets accepted requests finish; past
     /// it, it stops, and the router moves the requests still open to other nodes.
-    #[arg(long, env = "KVMESH_DRAIN_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
-    pub drain_timeout: Duration,
+    #[arg(long, env = env_vars::DRAIN_TIMEOUT, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Option<Duration>,
     /// The cluster CA certificate (PEM) for mutual TLS between nodes, on gRPC and the KV
     /// transport; with --tls-cert and --tls-key (`kvmesh certs` makes all three). Without
     /// them gRPC is plaintext and KV uses a self-signed certificate (encrypted, not
     /// authenticated): anyone who reaches the ports can act as a node.
-    #[arg(long, env = "KVMESH_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    #[arg(long, env = env_vars::TLS_CA)]
     pub tls_ca: Option<PathBuf>,
     /// This node's certificate (PEM), signed by the cluster CA, naming `kvmesh.cluster`.
-    #[arg(long, env = "KVMESH_TLS_CERT", requires_all = ["tls_ca", "tls_key"])]
+    #[arg(long, env = env_vars::TLS_CERT)]
     pub tls_cert: Option<PathBuf>,
     /// This node's private key (PEM).
-    #[arg(long, env = "KVMESH_TLS_KEY", requires_all = ["tls_ca", "tls_cert"])]
+    #[arg(long, env = env_vars::TLS_KEY)]
     pub tls_key: Option<PathBuf>,
     /// Serve Prometheus metrics (`GET /metrics`) here (prefill and decode nodes; a router
     /// serves them on its API port).
-    #[arg(long, env = "KVMESH_METRICS_LISTEN")]
+    #[arg(long, env = env_vars::METRICS_LISTEN)]
     pub metrics_listen: Option<SocketAddr>,
 }
 
+/// Where the `MeshArgs` flags go in the TOML.
+pub const MESH_KEYS: &[(&str, &str)] = &[
+    ("etcd", "mesh.etcd"),
+    ("listen", "mesh.listen"),
+    ("advertise", "mesh.advertise"),
+    ("cluster", "mesh.cluster"),
+    ("node_id", "mesh.node_id"),
+    ("lease_ttl", "mesh.lease_ttl"),
+    ("drain_timeout", "mesh.drain_timeout"),
+    ("tls_ca", "mesh.tls_ca"),
+    ("tls_cert", "mesh.tls_cert"),
+    ("tls_key", "mesh.tls_key"),
+    ("metrics_listen", "mesh.metrics_listen"),
+];
+
 /// Pulling cached prefixes from other nodes (prefill and decode nodes).
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct PullArgs {
     /// How long to wait for a holder's blocks before recomputing them instead (a silent or
     /// slow holder costs a request at most this).
-    #[arg(long, env = "KVMESH_PULL_TIMEOUT", default_value = "2s", value_parser = humantime::parse_duration)]
-    pub pull_timeout: Duration,
+    #[arg(long, env = env_vars::PULL_TIMEOUT, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde")]
+    pub pull_timeout: Option<Duration>,
 }
 
 /// The local address the kernel would send from to reach `url`'s host (a connected UDP
@@ -92,29 +115,29 @@ fn route_source(url: &str) -> Option<std::net::IpAddr> {
     Some(socket.local_addr().ok()?.ip())
 }
 
-fn parse_node_id(s: &str) -> Result<NodeId, String> {
-    u64::from_str_radix(s.trim_start_matches("0x"), 16)
-        .map(NodeId)
-        .map_err(|e| format!("node id must be hex: {e}"))
-}
-
-impl MeshArgs {
+impl MeshNodeConfig {
     /// `--advertise`, else `--listen`; a wildcard listen address (0.0.0.0, as in a
     /// container) is replaced by the address this host uses to reach etcd, which is the one
     /// other nodes can dial.
-    pub fn advertise(&self) -> SocketAddr {
+    pub fn advertise(&self) -> Result<SocketAddr> {
+        let listen = self.listen()?;
         if let Some(a) = self.advertise {
-            return a;
+            return Ok(a);
         }
-        if !self.listen.ip().is_unspecified() {
-            return self.listen;
+        if !listen.ip().is_unspecified() {
+            return Ok(listen);
         }
         let ip = self
             .etcd
             .iter()
             .find_map(|url| route_source(url))
-            .unwrap_or(self.listen.ip());
-        SocketAddr::new(ip, self.listen.port())
+            .unwrap_or(listen.ip());
+        Ok(SocketAddr::new(ip, listen.port()))
+    }
+
+    /// `--listen` (checked to be set before a node starts).
+    pub fn listen(&self) -> Result<SocketAddr> {
+        self.listen.context("mesh.listen (--listen) is not set")
     }
 
     pub fn node_id(&self) -> NodeId {
@@ -287,7 +310,7 @@ node_worker!(kvmesh_decode::DecodeWorker, kvmesh_prefill::PrefillWorker);
 /// registers `info`, reports load until a signal or a `Drain` RPC, leaves the mesh, drains
 /// the worker, stops the server.
 pub async fn run_node(
-    args: &MeshArgs,
+    args: &MeshNodeConfig,
     tls: Option<&ClusterTls>,
     discovery: &EtcdDiscovery,
     routes: tonic::service::Routes,
@@ -298,6 +321,7 @@ pub async fn run_node(
     if let Some(addr) = args.metrics_listen {
         metrics::serve(addr);
     }
+    let listen = args.listen()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let mut server = tonic::transport::Server::builder();
     if let Some(tls) = tls {
@@ -307,11 +331,11 @@ pub async fn run_node(
     }
     let server = server
         .add_routes(routes)
-        .serve_with_shutdown(args.listen, async {
+        .serve_with_shutdown(listen, async {
             let _ = stopped.await;
         });
     let server = tokio::spawn(server);
-    tracing::info!(node = %info.node_id, role = info.role.as_str(), listen = %args.listen, "serving");
+    tracing::info!(node = %info.node_id, role = info.role.as_str(), listen = %listen, "serving");
     serve_lease(
         discovery,
         info,
@@ -338,32 +362,4 @@ pub fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("starting the async runtime")
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        pulls: PullArgs,
-    }
-
-    #[test]
-    fn the_pull_timeout_flag_defaults_to_what_the_workers_default_to() {
-        let default = Cli::try_parse_from(["kvmesh"]).unwrap().pulls.pull_timeout;
-        assert_eq!(
-            default,
-            kvmesh_decode::DecodeConfig::new(NodeId(1)).pull_timeout
-        );
-        assert_eq!(
-            default,
-            kvmesh_prefill::PrefillConfig::new(NodeId(1)).pull_timeout
-        );
-        let set = Cli::try_parse_from(["kvmesh", "--pull-timeout", "500ms"]).unwrap();
-        assert_eq!(set.pulls.pull_timeout, Duration::from_millis(500));
-        assert!(Cli::try_parse_from(["kvmesh", "--pull-timeout", "soon"]).is_err());
-    }
 }

@@ -5,60 +5,58 @@ mod backend;
 mod config;
 
 use crate::admission_args::AdmissionArgs;
+use crate::config::{env_vars, ConfigArgs};
 use crate::model_args;
 use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
-use config::ServeConfig;
+pub use config::ServeConfig;
 use kvmesh_common::BlockHasher;
 use kvmesh_decode::LocalMesh;
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
 use kvmesh_router::routing::Routing;
 use kvmesh_router::Router;
+use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-#[derive(Args, Debug)]
+/// The flags of `kvmesh serve`, layered over its TOML (`ServeConfig`).
+#[derive(Args, Debug, Serialize)]
 pub struct ServeArgs {
     /// Model file (.gguf) or HF checkpoint directory; defaults to the cached SmolLM2, fetched
     /// when missing.
-    #[arg(long, env = "KVMESH_MODEL")]
+    #[arg(long, env = env_vars::MODEL)]
     pub model: Option<PathBuf>,
     /// Address of the OpenAI-compatible HTTP API.
-    #[arg(long, env = "KVMESH_LISTEN")]
+    #[arg(long, env = env_vars::LISTEN)]
     pub listen: Option<std::net::SocketAddr>,
-    #[arg(long, env = "KVMESH_PREFILL_WORKERS")]
+    /// Prefill workers (0: the decode workers prefill everything).
+    #[arg(long, env = env_vars::PREFILL_WORKERS)]
     pub prefill_workers: Option<usize>,
-    #[arg(long, env = "KVMESH_DECODE_WORKERS")]
+    /// Decode workers (at least 1).
+    #[arg(long, env = env_vars::DECODE_WORKERS)]
     pub decode_workers: Option<usize>,
     /// Compute threads shared by all workers (default: all cores).
-    #[arg(long, env = "KVMESH_THREADS")]
+    #[arg(long, env = env_vars::THREADS)]
     pub threads: Option<usize>,
     /// Comma-separated API keys; requests must send one as a bearer token.
     #[arg(
         long,
-        env = "KVMESH_API_KEYS",
+        env = env_vars::API_KEYS,
         value_delimiter = ',',
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<String>>,
     #[command(flatten)]
+    #[serde(flatten)]
     pub admission: AdmissionArgs,
-    /// TOML file with any of the settings (flags and KVMESH_* variables override it).
-    #[arg(long, env = "KVMESH_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Print the effective configuration as TOML and exit.
-    #[arg(long)]
-    pub print_config: bool,
+    #[command(flatten)]
+    #[serde(skip)]
+    pub config: ConfigArgs,
 }
 
-pub fn run(args: &ServeArgs) -> Result<()> {
-    let config = ServeConfig::layered(args)?;
-    if args.print_config {
-        print!("{}", config.to_toml_redacted()?);
-        return Ok(());
-    }
+pub fn run(config: &ServeConfig) -> Result<()> {
     model_args::init_threads(config.threads)?;
     let path = kvmesh_engine::model_fetch::ensure_model(config.model.as_deref())
         .context("locating the model")?;

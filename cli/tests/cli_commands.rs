@@ -123,6 +123,49 @@ fn serve_config_layers_file_env_and_flags() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `ROLE --print-config` with `args`, as the binary prints it.
+fn role_print_config(role: &str, args: &[&str]) -> String {
+    let out = kvmesh()
+        .args([role, "--print-config"])
+        .args(args)
+        .output()
+        .expect("kvmesh runs");
+    assert!(
+        out.status.success(),
+        "{role}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+#[test]
+fn every_role_prints_a_config_that_reads_back_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    for (role, args) in [
+        ("serve", &["--decode-workers", "2"][..]),
+        (
+            "router",
+            &["--etcd", "http://127.0.0.1:2379", "--max-migrations", "1"][..],
+        ),
+        ("prefill", &["--kv-blocks", "64", "--node-id", "ab"][..]),
+        (
+            "decode",
+            &["--prefill-pulls", "false", "--listen", "127.0.0.1:7000"][..],
+        ),
+    ] {
+        let printed = role_print_config(role, args);
+        let file = dir.path().join(format!("{role}.toml"));
+        std::fs::write(&file, &printed).unwrap();
+        let again = role_print_config(role, &["--config", file.to_str().unwrap()]);
+        assert_eq!(again, printed, "{role}");
+        assert_ne!(
+            printed,
+            role_print_config(role, &[]),
+            "{role}: {args:?} had no effect"
+        );
+    }
+}
+
 fn certs(args: &[&str]) -> std::process::Output {
     kvmesh()
         .arg("certs")

@@ -3,10 +3,12 @@
 //! prefixes from the node they name, decodes with continuous batching and streams tokens
 //! back. Serves its own cache to other nodes' pulls (`KvCache`).
 
+use super::config::DecodeNodeConfig;
 use super::engine_args::EngineArgs;
 use super::{
     forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, PullArgs,
 };
+use crate::config::{env_vars, ConfigArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -14,52 +16,58 @@ use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_prefill::{DestinationAddresses, KvCacheService, LearnPeer};
 use kvmesh_transfer::Transport;
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Args, Debug)]
+/// The flags of `kvmesh decode`, layered over its TOML (`DecodeNodeConfig`).
+#[derive(Args, Debug, Serialize)]
 pub struct DecodeArgs {
     #[command(flatten)]
+    #[serde(flatten)]
     pub mesh: MeshArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub pulls: PullArgs,
     /// Prompts whose uncached part is shorter than this are prefilled here.
-    #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS")]
+    #[arg(long, env = env_vars::LOCAL_PREFILL_MAX_TOKENS)]
     pub local_prefill_max_tokens: Option<usize>,
     /// Let prefill nodes pull the prefix of a prompt this node holds instead of recomputing
     /// it (`false`: they recompute).
-    #[arg(long, env = "KVMESH_PREFILL_PULLS", default_value_t = true, action = clap::ArgAction::Set)]
-    pub prefill_pulls: bool,
+    #[arg(long, env = env_vars::PREFILL_PULLS, action = clap::ArgAction::Set)]
+    pub prefill_pulls: Option<bool>,
+    #[command(flatten)]
+    #[serde(skip)]
+    pub config: ConfigArgs,
 }
 
-pub fn run(args: &DecodeArgs) -> Result<()> {
-    let path = args.model.prepare()?;
+pub fn run(args: &DecodeNodeConfig) -> Result<()> {
+    let path = model_args::prepare(args.model.as_deref(), args.threads)?;
     let loaded = model_args::load(&path)?;
     let node_id = args.mesh.node_id();
     let engine = args
         .engine
-        .config()
         .llama_engine(&loaded)
         .context("building the engine")?;
     let tls = args.mesh.cluster_tls()?;
-    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?);
+    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
     let transport: Arc<dyn Transport> = network.clone();
     let kv_events = KvPublisherSlot::default();
     let mut config = DecodeConfig::new(node_id);
     config.kv_events = Some(kv_event_sink(&kv_events));
     config.prefill_pulls = args.prefill_pulls;
-    config.pull_timeout = args.pulls.pull_timeout;
-    if let Some(n) = args.local_prefill_max_tokens {
-        config.local_prefill_max_tokens = n;
-    }
+    config.pull_timeout = args.pull_timeout;
+    config.local_prefill_max_tokens = args.local_prefill_max_tokens;
     let worker =
         DecodeWorker::spawn(config, engine, transport).context("starting the decode worker")?;
     let handle = worker.handle();
-    let advertise = args.mesh.advertise().to_string();
+    let advertise = args.mesh.advertise()?.to_string();
     let info = NodeInfo {
         node_id,
         role: NodeRole::Decode,

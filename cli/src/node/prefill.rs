@@ -3,10 +3,12 @@
 //! the decode node holds and this node lacks is pulled from it (into this node's QUIC port)
 //! when that beats recomputing it. Other nodes may pull prefixes it has cached (`KvCache`).
 
+use super::config::PrefillNodeConfig;
 use super::engine_args::EngineArgs;
 use super::{
     forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, PullArgs,
 };
+use crate::config::ConfigArgs;
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -15,38 +17,46 @@ use kvmesh_prefill::{
     HolderDirectory, KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker,
 };
 use kvmesh_transfer::Transport;
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Args, Debug)]
+/// The flags of `kvmesh prefill`, layered over its TOML (`PrefillNodeConfig`).
+#[derive(Args, Debug, Serialize)]
 pub struct PrefillArgs {
     #[command(flatten)]
+    #[serde(flatten)]
     pub mesh: MeshArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
+    #[serde(flatten)]
     pub pulls: PullArgs,
+    #[command(flatten)]
+    #[serde(skip)]
+    pub config: ConfigArgs,
 }
 
-pub fn run(args: &PrefillArgs) -> Result<()> {
-    let path = args.model.prepare()?;
+pub fn run(args: &PrefillNodeConfig) -> Result<()> {
+    let path = model_args::prepare(args.model.as_deref(), args.threads)?;
     let loaded = model_args::load(&path)?;
     let node_id = args.mesh.node_id();
     let engine = args
         .engine
-        .config()
         .llama_engine(&loaded)
         .context("building the engine")?;
     // Pulled KV arrives on the gRPC port's number, over UDP.
     let tls = args.mesh.cluster_tls()?;
-    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen, tls.as_ref())?);
+    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
     let transport: Arc<dyn Transport> = network.clone();
     let kv_events = KvPublisherSlot::default();
     let config = PrefillConfig {
         kv_events: Some(kv_event_sink(&kv_events)),
-        pull_timeout: args.pulls.pull_timeout,
+        pull_timeout: args.pull_timeout,
         ..PrefillConfig::new(node_id)
     };
     let worker =
@@ -57,7 +67,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         Arc::new(move |node, addr| network.add_peer(node, addr))
     };
     let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn.clone());
-    let advertise = args.mesh.advertise().to_string();
+    let advertise = args.mesh.advertise()?.to_string();
     let info = NodeInfo {
         node_id,
         role: NodeRole::Prefill,

@@ -1,67 +1,71 @@
 //! `kvmesh router`: the OpenAI-compatible HTTP API in front of the mesh that etcd describes.
 
+use super::config::RouterNodeConfig;
 use super::{runtime, MeshArgs};
 use crate::admission_args::AdmissionArgs;
+use crate::config::{env_vars, ConfigArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::BlockHasher;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
-use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_router::policy::RoutingConfig;
 use kvmesh_router::routing::Routing;
-use kvmesh_router::{RemoteBackend, RemoteConfig, Router, RouterConfig};
+use kvmesh_router::{RemoteBackend, RemoteConfig, Router};
+use serde::Serialize;
 use std::sync::Arc;
 
-#[derive(Args, Debug)]
+/// The flags of `kvmesh router`, layered over its TOML (`RouterNodeConfig`).
+#[derive(Args, Debug, Serialize)]
 pub struct RouterArgs {
     #[command(flatten)]
+    #[serde(flatten)]
     pub mesh: MeshArgs,
     /// The model's tokenizer and chat template are read from here.
     #[command(flatten)]
+    #[serde(flatten)]
     pub model: ModelArgs,
     /// Comma-separated API keys; requests must send one as a bearer token.
     #[arg(
         long,
-        env = "KVMESH_API_KEYS",
+        env = env_vars::API_KEYS,
         value_delimiter = ',',
         hide_env_values = true
     )]
     pub api_keys: Option<Vec<String>>,
     #[command(flatten)]
+    #[serde(flatten)]
     pub admission: AdmissionArgs,
     /// How to pick nodes: kv_aware (default), least_loaded, round_robin, random, power_of_two.
-    #[arg(long, env = "KVMESH_ROUTING_POLICY", default_value = "kv_aware")]
-    pub routing_policy: RoutingConfig,
+    #[arg(long, env = env_vars::ROUTING_POLICY)]
+    pub routing_policy: Option<RoutingConfig>,
     /// Prompts whose uncached part (on the chosen decode node) is shorter than this are
     /// prefilled there, without a prefill node.
-    #[arg(long, env = "KVMESH_LOCAL_PREFILL_MAX_TOKENS", default_value_t = DisaggConfig::default().local_prefill_max_tokens)]
-    pub local_prefill_max_tokens: usize,
+    #[arg(long, env = env_vars::LOCAL_PREFILL_MAX_TOKENS)]
+    pub local_prefill_max_tokens: Option<usize>,
     /// Name a node to pull cached prefix blocks from when it holds at least this many more
     /// of the prompt than the chosen decode node (0: never pull).
-    #[arg(long, env = "KVMESH_PULL_MIN_BLOCKS", default_value_t = DisaggConfig::default().pull_min_blocks)]
-    pub pull_min_blocks: usize,
+    #[arg(long, env = env_vars::PULL_MIN_BLOCKS)]
+    pub pull_min_blocks: Option<usize>,
     /// How many times a request whose decode node fails mid-stream may move to another one
     /// (0: never; the client gets an error instead).
-    #[arg(long, env = "KVMESH_MAX_MIGRATIONS", default_value_t = RemoteConfig::default().max_migrations)]
-    pub max_migrations: usize,
+    #[arg(long, env = env_vars::MAX_MIGRATIONS)]
+    pub max_migrations: Option<usize>,
+    #[command(flatten)]
+    #[serde(skip)]
+    pub config: ConfigArgs,
 }
 
-pub fn run(args: &RouterArgs) -> Result<()> {
-    let path = args.model.prepare()?;
+pub fn run(args: &RouterNodeConfig) -> Result<()> {
+    let path = model_args::prepare(args.model.as_deref(), args.threads)?;
     let loaded = model_args::load(&path)?;
-    let mut config = RouterConfig {
-        listen: args.mesh.listen,
-        ..RouterConfig::default()
-    };
+    let mut config = args.router.clone();
     config.max_context = config.max_context.min(loaded.model.config.max_context);
-    if let Some(keys) = &args.api_keys {
-        config.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
-    }
-    args.admission.apply(&mut config);
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
+    let listen = args.mesh.listen()?;
     let tls = args.mesh.cluster_tls()?;
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
@@ -71,12 +75,8 @@ pub fn run(args: &RouterArgs) -> Result<()> {
             .context("watching the prefix index in etcd")?;
         let hasher = BlockHasher::new(loaded.fingerprint, EngineConfig::default().block_size);
         let routing = Routing::new(
-            args.routing_policy.build(),
-            DisaggConfig {
-                local_prefill_max_tokens: args.local_prefill_max_tokens,
-                pull_min_blocks: args.pull_min_blocks,
-                ..DisaggConfig::default()
-            },
+            args.routing.build(),
+            args.disaggregation.clone(),
             Arc::new(index.clone()),
             hasher,
         );
@@ -93,9 +93,9 @@ pub fn run(args: &RouterArgs) -> Result<()> {
         ));
         let router = Router::new(config, backend.clone(), loaded.tokenizer.clone())
             .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
-        let listener = tokio::net::TcpListener::bind(args.mesh.listen)
+        let listener = tokio::net::TcpListener::bind(listen)
             .await
-            .with_context(|| format!("binding {}", args.mesh.listen))?;
+            .with_context(|| format!("binding {listen}"))?;
         tracing::info!(address = %listener.local_addr()?, "router serving the OpenAI API");
         router
             .serve(listener, crate::serve::shutdown_signal())

@@ -1,7 +1,9 @@
-//! The typed configuration of `kvmesh serve`: defaults < TOML file < `KVMESH_*` env < flags.
+//! The typed configuration of `kvmesh serve`: defaults < TOML file < `KVMESH_*` env < flags
+//! (layered by [`crate::config`]).
 
 use super::ServeArgs;
-use anyhow::{bail, Context, Result};
+use crate::admission_args;
+use crate::config::{ConfigArgs, Invalid, Layered};
 use kvmesh_decode::LocalMeshConfig as MeshConfig;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
@@ -58,59 +60,47 @@ fn default_prefill_workers() -> usize {
     usize::from(cores >= 8)
 }
 
-impl ServeConfig {
-    /// Defaults, then the TOML file, then env and flags (clap already ranks flags over env).
-    pub fn layered(args: &ServeArgs) -> Result<Self> {
-        let mut c = match &args.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
-            }
-            None => ServeConfig::default(),
-        };
-        if let Some(m) = &args.model {
-            c.model = Some(m.clone());
-        }
-        if let Some(l) = args.listen {
-            c.router.listen = l;
-        }
-        if let Some(n) = args.prefill_workers {
-            c.prefill_workers = n;
-        }
-        if let Some(n) = args.decode_workers {
-            c.decode_workers = n;
-        }
-        if let Some(n) = args.threads {
-            c.threads = Some(n);
-        }
-        if let Some(keys) = &args.api_keys {
-            c.router.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
-        }
-        args.admission.apply(&mut c.router);
-        c.validate()?;
-        Ok(c)
+impl Layered for ServeConfig {
+    const ROLE: &'static str = "serve";
+    const KEYS: &'static [&'static [(&'static str, &'static str)]] =
+        &[admission_args::ROUTER_KEYS, &[("listen", "router.listen")]];
+    const MACHINE_DEFAULTS: &'static [(&'static str, &'static str)] =
+        &[("prefill_workers", "1 with 8 or more cores, else 0")];
+    const UNSET_KEYS: &'static [&'static str] = &["engine.max_model_len"];
+    type Args = ServeArgs;
+
+    fn config_args(args: &ServeArgs) -> &ConfigArgs {
+        &args.config
     }
 
-    fn validate(&self) -> Result<()> {
+    fn finish(&mut self) -> Result<(), Invalid> {
         if self.decode_workers == 0 {
-            bail!("decode_workers must be at least 1");
+            return Err(Invalid::new("decode_workers", "must be at least 1"));
         }
         if self.threads == Some(0) {
-            bail!("threads must be at least 1");
+            return Err(Invalid::new("threads", "must be at least 1"));
         }
         if self.max_queued_requests == 0 {
-            bail!("max_queued_requests must be at least 1");
+            return Err(Invalid::new("max_queued_requests", "must be at least 1"));
         }
+        self.router.api_keys.retain(|k| !k.is_empty());
         self.router
             .validate()
-            .map_err(|e| anyhow::anyhow!("router: {e}"))?;
+            .map_err(|e| Invalid::new(format!("router.{}", e.field), e.reason))?;
         self.routing
             .validate()
-            .map_err(|e| anyhow::anyhow!("routing: {e}"))?;
-        Ok(())
+            .map_err(|e| Invalid::new(e.field, e.reason))
     }
 
+    /// API keys masked.
+    fn redacted(&self) -> Self {
+        let mut shown = self.clone();
+        admission_args::redact_api_keys(&mut shown.router);
+        shown
+    }
+}
+
+impl ServeConfig {
     pub fn mesh_config(&self) -> MeshConfig {
         let mut m = MeshConfig {
             prefill_workers: self.prefill_workers,
@@ -133,18 +123,6 @@ impl ServeConfig {
             ..DisaggConfig::default()
         }
     }
-
-    /// TOML of this config with API keys masked.
-    pub fn to_toml_redacted(&self) -> Result<String> {
-        let mut shown = self.clone();
-        shown.router.api_keys = shown
-            .router
-            .api_keys
-            .iter()
-            .map(|_| "<redacted>".into())
-            .collect();
-        Ok(toml::to_string_pretty(&shown)?)
-    }
 }
 
 #[cfg(test)]
@@ -158,5 +136,32 @@ mod tests {
         assert_eq!(toml::from_str::<ServeConfig>(&text).unwrap(), c);
         let err = toml::from_str::<ServeConfig>("decode_wokers = 2").unwrap_err();
         assert!(err.to_string().contains("decode_wokers"), "{err}");
+    }
+
+    #[test]
+    fn serve_layers_defaults_file_env_and_flags_in_order() {
+        use crate::config::testing::{env, toml_file};
+        let file = toml_file(
+            "decode_workers = 3\nmax_queued_requests = 5\n[router]\nmax_in_flight = 7\n\
+             [engine]\nnum_blocks = 99\n",
+        );
+        let path = file.path().to_str().unwrap();
+        let vars = env(&[
+            ("KVMESH_CONFIG", path),
+            ("KVMESH_DECODE_WORKERS", "4"),
+            ("KVMESH_MAX_IN_FLIGHT", "8"),
+        ]);
+        let c: ServeConfig = crate::config::parse(&["--decode-workers", "5"], &vars).unwrap();
+        assert_eq!(c.decode_workers, 5, "a flag beats env and file");
+        assert_eq!(c.router.max_in_flight, 8, "env beats the file");
+        assert_eq!(c.max_queued_requests, 5, "the file beats the default");
+        assert_eq!(c.engine.num_blocks, 99);
+        assert_eq!(c.router.max_n, RouterConfig::default().max_n, "default");
+        let printed = toml_file(&toml::to_string_pretty(&c).unwrap());
+        let args = ["--config", printed.path().to_str().unwrap()];
+        assert_eq!(
+            crate::config::parse::<ServeConfig>(&args, &env(&[])).unwrap(),
+            c
+        );
     }
 }
