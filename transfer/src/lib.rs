@@ -16,7 +16,7 @@
 //!   receiver's registered memory. [`NetworkTransport`] is what a node runs: QUIC to every
 //!   peer, RDMA to those it exchanged RDMA details with over the control plane.
 //!
-//! [`bench`] measures the QUIC transport against raw TCP and memcpy between two processes
+//! [`bench`](mod@bench) measures the QUIC transport against raw TCP and memcpy between two processes
 //! (`kvmesh bench transfer`).
 //!
 //! A receiver verifies every chunk (`KvChunk::verify`; the network transports do it in the
