@@ -4,7 +4,7 @@
 #
 # Usage: bench/serve/compare_llamaserver.sh [options]
 #   --trace CSV          (ContextTokens, GeneratedTokens) trace
-#                        (default: ../shared/traces/azure_llm_conv_2023.csv, relative to the repo)
+#                        (default: data/traces/azure_llm_conv_2023.csv in the repo)
 #   --model GGUF         (default: ~/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   --concurrency LIST   closed-loop client counts (default: 1,8,32)
 #   --requests LIST      requests per level, one or one per level (default: 8,24,96)
@@ -37,7 +37,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
 
-TRACE="$ROOT/../shared/traces/azure_llm_conv_2023.csv"
+TRACE="$ROOT/data/traces/azure_llm_conv_2023.csv"
 MODEL="$HOME/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONC="1,8,32"
 REQS="8,24,96"

@@ -14,5 +14,5 @@ pub mod trace;
 pub use replay::{replay, ReplayError, ReplayOptions, ReplayReport, RequestRecord};
 pub use trace::{
     ideal_hit_rate, load_trace, read_trace, sample_conversations, scale_trace, Pacing, ScaleConfig,
-    ScaledRequest, TraceError, TraceRecord,
+    ScaledRequest, TraceError, TraceRecord, TraceSource,
 };

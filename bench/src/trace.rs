@@ -18,8 +18,12 @@ use serde::Deserialize;
 /// Tokens behind one hash id in the trace.
 pub const TRACE_BLOCK_TOKENS: u32 = 512;
 
-/// Where the conversation trace lives, relative to the repository root.
-pub const DEFAULT_TRACE_PATH: &str = "../shared/traces/mooncake_conversation_trace.jsonl";
+/// The Mooncake conversation trace bundled with the repository, built into the binary so that
+/// a replay finds it from any working directory and with no checkout beside the binary.
+pub const BUNDLED_TRACE: &str = include_str!("../../data/traces/mooncake_conversation_trace.jsonl");
+
+/// Where the bundled trace lives in the repository (its source and licence: `data/README.md`).
+pub const BUNDLED_TRACE_PATH: &str = "data/traces/mooncake_conversation_trace.jsonl";
 
 /// A longer line is an error, not a reason to buffer without bound.
 const MAX_LINE_BYTES: usize = 1 << 20;
@@ -61,6 +65,39 @@ pub enum TraceError {
     BadScale(u32),
     #[error("{0}")]
     BadConfig(String),
+}
+
+/// Where a trace is read from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TraceSource {
+    /// [`BUNDLED_TRACE`], the conversation trace built into the binary.
+    Bundled,
+    /// A JSON Lines file.
+    File(PathBuf),
+}
+
+impl TraceSource {
+    /// The file at `path`, or the bundled trace without one.
+    pub fn from_path(path: Option<PathBuf>) -> Self {
+        path.map_or(TraceSource::Bundled, TraceSource::File)
+    }
+
+    /// Reads at most `limit` requests (all with `None`).
+    pub fn read(&self, limit: Option<usize>) -> Result<Vec<TraceRecord>, TraceError> {
+        match self {
+            TraceSource::Bundled => parse_trace(BUNDLED_TRACE.as_bytes(), limit),
+            TraceSource::File(path) => read_trace(path, limit),
+        }
+    }
+}
+
+impl std::fmt::Display for TraceSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TraceSource::Bundled => write!(f, "the bundled trace ({BUNDLED_TRACE_PATH})"),
+            TraceSource::File(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 /// Reads at most `limit` requests (all with `None`) from the trace at `path`.
@@ -256,12 +293,13 @@ pub fn sample_conversations(records: &[TraceRecord], conversations: usize) -> Ve
     sample
 }
 
+/// Reads at most `limit` requests from `source` and scales them by `config`.
 pub fn load_trace(
-    path: &Path,
+    source: &TraceSource,
     limit: Option<usize>,
     config: &ScaleConfig,
 ) -> Result<Vec<ScaledRequest>, TraceError> {
-    scale_trace(&read_trace(path, limit)?, config)
+    scale_trace(&source.read(limit)?, config)
 }
 
 /// Scales `records` by `config`, in order of arrival.

@@ -3,10 +3,7 @@
 //! replay_live_router -- --ignored --nocapture` (optional: `KVMESH_BENCH_MODEL`,
 //! `KVMESH_BENCH_LIMIT`, `KVMESH_BENCH_RATE`).
 
-use std::path::PathBuf;
-
-use kvmesh_bench::trace::DEFAULT_TRACE_PATH;
-use kvmesh_bench::{load_trace, replay, Pacing, ReplayOptions, ScaleConfig};
+use kvmesh_bench::{load_trace, replay, Pacing, ReplayOptions, ScaleConfig, TraceSource};
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -20,14 +17,16 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 async fn replays_the_trace_against_a_live_router() {
     let url = std::env::var("KVMESH_BENCH_URL").expect("KVMESH_BENCH_URL");
     let model = std::env::var("KVMESH_BENCH_MODEL").unwrap_or_default();
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(DEFAULT_TRACE_PATH);
     let config = ScaleConfig {
         pacing: Pacing::RequestsPerSecond(env_or("KVMESH_BENCH_RATE", 2.0)),
         ..ScaleConfig::default()
     };
-    let requests = load_trace(&path, Some(env_or("KVMESH_BENCH_LIMIT", 20)), &config).unwrap();
+    let requests = load_trace(
+        &TraceSource::Bundled,
+        Some(env_or("KVMESH_BENCH_LIMIT", 20)),
+        &config,
+    )
+    .unwrap();
     let report = replay(&url, &model, &requests, &ReplayOptions::default())
         .await
         .unwrap();

@@ -7,8 +7,8 @@ use crate::model_args::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_bench::{
-    load_trace, read_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions,
-    ReplayReport, RequestRecord, ScaleConfig,
+    load_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions, ReplayReport,
+    RequestRecord, ScaleConfig, TraceSource,
 };
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct BenchTraceArgs {
-    /// The trace (JSON Lines).
-    #[arg(long, default_value = kvmesh_bench::trace::DEFAULT_TRACE_PATH)]
-    pub trace: PathBuf,
+    /// The trace (JSON Lines) [default: the Mooncake conversation trace built into the
+    /// binary, data/traces/mooncake_conversation_trace.jsonl in the repository].
+    #[arg(long, value_name = "PATH")]
+    pub trace: Option<PathBuf>,
     /// Each 512-token trace block becomes 512/scale tokens.
     #[arg(long, default_value_t = 32)]
     pub scale: u32,
@@ -69,15 +70,16 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
         pacing: Pacing::RequestsPerSecond(args.rate),
         ..ScaleConfig::default()
     };
+    let source = TraceSource::from_path(args.trace.clone());
     let requests = match args.conversations {
-        None => load_trace(&args.trace, Some(args.limit), &config),
-        Some(n) => read_trace(&args.trace, None).and_then(|all| {
+        None => load_trace(&source, Some(args.limit), &config),
+        Some(n) => source.read(None).and_then(|all| {
             let mut sample = sample_conversations(&all, n);
             sample.truncate(args.limit);
             scale_trace(&sample, &config)
         }),
     }
-    .with_context(|| format!("reading {}", args.trace.display()))?;
+    .with_context(|| format!("reading {source}"))?;
     let options = ReplayOptions {
         follow_turns: !args.open_loop,
         ..ReplayOptions::default()

@@ -11,12 +11,13 @@ fn kvmesh() -> Command {
     c
 }
 
+/// The golden outputs recorded from llama.cpp (`data/golden/`, bundled in the repository).
 fn golden() -> serde_json::Value {
-    let path = concat!(
+    let text = include_str!(concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../../shared/golden/smollm2_golden.json"
-    );
-    serde_json::from_str(&std::fs::read_to_string(path).expect("golden file")).unwrap()
+        "/../data/golden/smollm2_golden.json"
+    ));
+    serde_json::from_str(text).expect("golden file is JSON")
 }
 
 #[test]

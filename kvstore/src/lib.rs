@@ -13,7 +13,8 @@
 //!   in-memory index. Nodes publish through [`KvEventSink`] in either mesh.
 //! - [`EtcdServer`] runs a throwaway local etcd for tests and local clusters.
 //!
-//! The host-memory/disk KV tier itself is still to come; the index already tracks its blocks.
+//! The host-memory and disk tiers themselves belong to each node's engine, below its KV pool;
+//! nodes announce the tier a block moved to, and the index answers with it.
 
 pub mod discovery;
 mod error;

@@ -14,8 +14,10 @@
 //! Dropping the HTTP response body (client gone) drops the backend receivers, which is the
 //! cancellation signal.
 //!
-//! Routing policies, disaggregation and migration arrive with the mesh; this crate's seam
-//! to the workers is [`Backend`].
+//! Where a request goes is [`routing`] (the [`policy`] over the prompt's cached prefix and the
+//! nodes' load, and the disaggregation rule), shared by every backend; [`RemoteBackend`] serves
+//! the multi-process mesh and migrates a request whose decode node fails mid-stream. This
+//! crate's seam to the workers is [`Backend`].
 
 mod admission;
 mod auth;

@@ -19,7 +19,7 @@ import pytest
 import gguf_vocab
 
 ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = Path(os.environ.get("KVMESH_GOLDEN", ROOT.parent / "shared" / "golden" / "smollm2_golden.json"))
+GOLDEN = Path(os.environ.get("KVMESH_GOLDEN", ROOT / "data" / "golden" / "smollm2_golden.json"))
 CONTEXT_LEN = 8192
 GREEDY = {"temperature": 0.0}
 # Number of golden greedy tokens the answer to the golden chat prompt must

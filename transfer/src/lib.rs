@@ -16,10 +16,14 @@
 //!   receiver's registered memory. [`NetworkTransport`] is what a node runs: QUIC to every
 //!   peer, RDMA to those it exchanged RDMA details with over the control plane.
 //!
+//! [`bench`](mod@bench) measures the QUIC transport against raw TCP and memcpy between two
+//! processes (`kvmesh bench transfer`).
+//!
 //! A receiver verifies every chunk (`KvChunk::verify`; the network transports do it in the
 //! codec) before using it, and never decodes on partial or corrupt KV: a failed transfer is
 //! recomputed.
 
+pub mod bench;
 mod chunk;
 pub mod codec;
 mod in_process;

@@ -6,17 +6,15 @@ use kvmesh_engine::model::LlamaModel;
 use kvmesh_engine::tokenizer::Tokenizer;
 use std::sync::{Arc, OnceLock};
 
-/// The golden outputs recorded from llama.cpp.
+/// The golden outputs recorded from llama.cpp (`data/golden/`, bundled in the repository).
 pub fn golden() -> &'static serde_json::Value {
     static GOLDEN: OnceLock<serde_json::Value> = OnceLock::new();
     GOLDEN.get_or_init(|| {
-        let path = concat!(
+        let text = include_str!(concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/golden/smollm2_golden.json"
-        );
-        let text = std::fs::read_to_string(path)
-            .unwrap_or_else(|e| panic!("reading {path}: {e} (is ../shared beside the repo?)"));
-        serde_json::from_str(&text).expect("golden file is JSON")
+            "/../data/golden/smollm2_golden.json"
+        ));
+        serde_json::from_str(text).expect("golden file is JSON")
     })
 }
 

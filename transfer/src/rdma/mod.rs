@@ -12,7 +12,7 @@
 //! run past the end.
 //!
 //! Without the feature, or on a machine without an RDMA device, [`RdmaTransport::open`]
-//! says so and the node uses QUIC (see [`select`](crate::select)).
+//! says so and the node uses QUIC (see [`NetworkTransport`](crate::NetworkTransport)).
 
 mod loopback;
 #[cfg(feature = "rdma")]
