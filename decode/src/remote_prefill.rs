@@ -63,6 +63,8 @@ pub(crate) enum FallBackReason {
     Failed(PrefillError),
     #[error("remote prefill timed out")]
     TimedOut,
+    #[error("writing KV chunk: {0}")]
+    NotWritten(String),
 }
 
 /// A transfer whose reply and KV are all in: hand `done.first` to the engine.
@@ -135,6 +137,12 @@ impl RemotePrefills {
         self.try_complete(now, seq_id)
     }
 
+    /// The chunk `on_chunk` passed could not be written into the blocks (`error`).
+    pub(crate) fn not_written(&mut self, seq_id: SeqId, error: String) -> Option<FallBack> {
+        let t = self.transfers.remove(&seq_id)?;
+        Some(t.fall_back(seq_id, FallBackReason::NotWritten(error)))
+    }
+
     /// The prefill worker answered for `seq_id`. Its chunks were sent before the reply, but
     /// they may still be on their way: a success completes only once they are all in.
     pub(crate) fn on_reply(
@@ -181,8 +189,8 @@ impl RemotePrefills {
         self.transfers.values().map(|t| t.deadline).min()
     }
 
-    /// Ends `seq_id`'s transfer without a verdict (the request is gone, or its KV could not be
-    /// written): returns the token that stops the prefill worker.
+    /// Ends `seq_id`'s transfer without a verdict (the request is gone): returns the token
+    /// that stops the prefill worker.
     pub(crate) fn remove(&mut self, seq_id: SeqId) -> Option<CancelToken> {
         self.transfers.remove(&seq_id).map(|t| t.cancel)
     }

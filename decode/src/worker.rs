@@ -631,12 +631,9 @@ impl<R: ModelRunner> Loop<R> {
             .engine
             .write_kv_blocks(h.layers(), &h.blocks, &chunk.payload)
         {
-            tracing::warn!(%request_id, "writing KV chunk: {e}; prefilling locally");
-            if let Some(cancel) = self.remote.remove(seq_id) {
-                cancel.cancel();
+            if let Some(f) = self.remote.not_written(seq_id, e.to_string()) {
+                self.fall_back(f);
             }
-            self.engine.fail_remote_prefill(seq_id);
-            self.kicked = true;
             return;
         }
         self.metrics
@@ -689,7 +686,9 @@ impl<R: ModelRunner> Loop<R> {
                 FallBackReason::Failed(_) => {
                     tracing::info!(%request_id, "{reason}; prefilling locally")
                 }
-                FallBackReason::Refused(_) | FallBackReason::TimedOut => {
+                FallBackReason::Refused(_)
+                | FallBackReason::TimedOut
+                | FallBackReason::NotWritten(_) => {
                     tracing::warn!(%request_id, "{reason}; prefilling locally")
                 }
             }

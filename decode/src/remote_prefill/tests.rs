@@ -243,6 +243,23 @@ fn a_corrupt_or_foreign_chunk_falls_back_before_anything_is_written() {
 }
 
 #[test]
+fn a_chunk_that_cannot_be_written_falls_back_once() {
+    let t0 = Instant::now();
+    let (mut r, cancel) = started(t0);
+    let c = &all_chunks()[0];
+    assert!(matches!(r.on_chunk(SEQ, c), ChunkVerdict::Write));
+    let f = r
+        .not_written(SEQ, "no such block".into())
+        .expect("in flight");
+    assert!(matches!(f.reason, FallBackReason::NotWritten(ref e) if e == "no such block"));
+    f.cancel.cancel();
+    assert!(cancel.is_cancelled());
+    assert!(r.not_written(SEQ, "again".into()).is_none());
+    assert!(r.written(t0 + MS, SEQ, c).is_none());
+    assert_eq!(r.next_deadline(), None);
+}
+
+#[test]
 fn a_removed_transfer_hands_back_its_cancel_token_and_ignores_the_rest() {
     let t0 = Instant::now();
     let (mut r, cancel) = started(t0);
