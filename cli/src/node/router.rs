@@ -5,8 +5,6 @@ use crate::admission_args::AdmissionArgs;
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvmesh_common::BlockHasher;
-use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::routing::Routing;
@@ -49,12 +47,13 @@ pub struct RouterArgs {
 
 pub fn run(args: &RouterArgs) -> Result<()> {
     let path = args.model.prepare()?;
-    let loaded = model_args::load(&path)?;
+    // Text metadata only: the router tokenizes, it never runs the model.
+    let model = model_args::read_text(&path)?;
     let mut config = RouterConfig {
         listen: args.mesh.listen,
         ..RouterConfig::default()
     };
-    config.max_context = config.max_context.min(loaded.model.config.max_context);
+    config.max_context = config.max_context.min(model.max_context);
     if let Some(keys) = &args.api_keys {
         config.api_keys = keys.iter().filter(|k| !k.is_empty()).cloned().collect();
     }
@@ -69,7 +68,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
         let index = EtcdPrefixIndex::connect(args.mesh.etcd_config())
             .await
             .context("watching the prefix index in etcd")?;
-        let hasher = BlockHasher::new(loaded.fingerprint, EngineConfig::default().block_size);
+        // Prompts are hashed with the block size the nodes announce.
         let routing = Routing::new(
             args.routing_policy.build(),
             DisaggConfig {
@@ -78,7 +77,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
                 ..DisaggConfig::default()
             },
             Arc::new(index.clone()),
-            hasher,
+            model.fingerprint,
         );
         tracing::info!(policy = routing.policy_name(), "routing");
         super::metrics::export_index_stats(index, args.mesh.node_id());
@@ -91,7 +90,7 @@ pub fn run(args: &RouterArgs) -> Result<()> {
             },
             routing,
         ));
-        let router = Router::new(config, backend.clone(), loaded.tokenizer.clone())
+        let router = Router::new(config, backend.clone(), Arc::new(model.tokenizer))
             .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
         let listener = tokio::net::TcpListener::bind(args.mesh.listen)
             .await
