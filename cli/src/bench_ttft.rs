@@ -230,7 +230,7 @@ pub fn prefill_node(args: &PrefillNodeArgs) -> Result<()> {
     let transport: Arc<dyn Transport> = quic.clone();
     let worker = PrefillWorker::spawn(PrefillConfig::new(NodeId(0x100)), engine, transport)?;
     let learn = Arc::new(move |node, addr| quic.add_peer(node, addr));
-    let service = PrefillService::new(worker.handle(), loaded.fingerprint.0, learn);
+    let service = PrefillService::new(worker.handle(), loaded.fingerprint, learn);
     crate::node::runtime()?.block_on(async {
         let listener = tokio::net::TcpListener::bind(LOOPBACK).await?;
         println!("listening {}", listener.local_addr()?);

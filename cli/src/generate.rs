@@ -4,8 +4,8 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_common::SamplingParams;
-use kvmesh_engine::chat_template::{ChatMessage, ChatTemplate};
 use kvmesh_engine::engine_config::EngineConfig;
+use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
 use std::io::Write;
 
 #[derive(Args, Debug)]

@@ -3,7 +3,7 @@
 use crate::config::env_vars;
 use anyhow::{Context, Result};
 use clap::Args;
-use kvmesh_engine::model_fetch;
+use kvmesh_prompt::{model_fetch, ModelText};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 
@@ -70,4 +70,13 @@ pub fn load(path: &std::path::Path) -> Result<kvmesh_engine::Loaded> {
         kvmesh_engine::load(path).with_context(|| format!("loading {}", path.display()))?;
     tracing::info!(path = %path.display(), elapsed = ?start.elapsed(), "model loaded");
     Ok(loaded)
+}
+
+/// Reads the model's text metadata (tokenizer, chat template, context length, fingerprint)
+/// without its weights, logging how long it took.
+pub fn read_text(path: &std::path::Path) -> Result<ModelText> {
+    let start = std::time::Instant::now();
+    let text = ModelText::read(path).with_context(|| format!("reading {}", path.display()))?;
+    tracing::info!(path = %path.display(), elapsed = ?start.elapsed(), "model metadata read");
+    Ok(text)
 }

@@ -11,7 +11,6 @@ use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
 pub use config::ServeConfig;
-use kvmesh_common::BlockHasher;
 use kvmesh_decode::LocalMesh;
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
@@ -58,7 +57,7 @@ pub struct ServeArgs {
 
 pub fn run(config: &ServeConfig) -> Result<()> {
     model_args::init_threads(config.threads)?;
-    let path = kvmesh_engine::model_fetch::ensure_model(config.model.as_deref())
+    let path = kvmesh_prompt::model_fetch::ensure_model(config.model.as_deref())
         .context("locating the model")?;
     let loaded = model_args::load(&path)?;
 
@@ -78,14 +77,18 @@ pub fn run(config: &ServeConfig) -> Result<()> {
         kv_blocks_per_worker = mesh_config.decode_engine.num_blocks,
         "workers started"
     );
-    let hasher = BlockHasher::new(loaded.fingerprint, mesh_config.decode_engine.block_size);
     let routing = Routing::new(
         config.routing.build(),
         config.disaggregation(),
         index,
-        hasher,
+        loaded.fingerprint,
     );
-    let backend = Arc::new(MeshBackend::new(&mesh, loaded.fingerprint.0, routing));
+    let backend = Arc::new(MeshBackend::new(
+        &mesh,
+        &mesh_config,
+        loaded.fingerprint,
+        routing,
+    ));
     let mut router_config = config.router.clone();
     router_config.max_context = router_config
         .max_context

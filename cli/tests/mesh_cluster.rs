@@ -107,7 +107,7 @@ async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) -> 
         .expect("one decode node served it");
     // Wait until the cluster's index shows the prefix (what the router reads too).
     let hasher = kvmesh_common::BlockHasher::new(
-        kvmesh_engine::load(&kvmesh_engine::model_fetch::default_model_path().unwrap())
+        kvmesh_prompt::ModelText::read(&kvmesh_prompt::model_fetch::default_model_path().unwrap())
             .unwrap()
             .fingerprint,
         16,

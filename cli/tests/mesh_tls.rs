@@ -33,7 +33,7 @@ const LOOPBACK: SocketAddr =
 fn loaded() -> &'static Loaded {
     static MODEL: OnceLock<Loaded> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
         kvmesh_engine::load(&path).expect("the model (run `kvmesh fetch-model`)")
     })
 }
@@ -157,7 +157,7 @@ async fn mesh(certs: Option<&Certs>, decode_id: NodeId) -> Mesh {
     let prefill =
         PrefillWorker::spawn(PrefillConfig::new(prefill_id), engine(), transport).unwrap();
     let learn = Arc::new(move |node, addr| prefill_quic.add_peer(node, addr));
-    let service = PrefillService::new(prefill.handle(), loaded().fingerprint.0, learn);
+    let service = PrefillService::new(prefill.handle(), loaded().fingerprint, learn);
     let routes = tonic::service::Routes::new(service.into_server());
     let prefill_addr = serve(routes, prefill_tls.as_ref()).await;
 

@@ -1,6 +1,7 @@
 //! Messages between the router and the workers. The in-process mesh passes them over
 //! channels; the multi-process mesh carries the same messages over gRPC.
 
+use crate::block_hash::ModelFingerprint;
 use crate::ids::{NodeId, RequestId, SequenceHash, TokenId};
 use crate::sampling::{FinishReason, SamplingParams};
 use serde::{Deserialize, Serialize};
@@ -109,8 +110,11 @@ pub struct NodeInfo {
     /// Where it receives KV (QUIC, UDP); empty for nodes that receive none.
     #[serde(default)]
     pub transfer_address: String,
-    /// The model it serves; nodes only share KV with the same fingerprint.
-    pub model_fingerprint: u64,
+    /// The model it serves; nodes only share KV with the same fingerprint, and a router
+    /// routes only to nodes serving its model.
+    pub model_fingerprint: ModelFingerprint,
+    /// Tokens per KV block: prefix hashes (and KV transfers) are in blocks of this size.
+    pub block_size: usize,
     pub kv_blocks_total: usize,
 }
 
@@ -120,4 +124,27 @@ pub struct LoadReport {
     pub running: usize,
     pub waiting: usize,
     pub kv_blocks_used: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_info_keeps_the_fingerprint_a_plain_number_in_json() {
+        let info = NodeInfo {
+            node_id: NodeId(3),
+            role: NodeRole::Decode,
+            address: "10.0.0.1:7000".into(),
+            transfer_address: String::new(),
+            model_fingerprint: ModelFingerprint(u64::MAX),
+            block_size: 16,
+            kv_blocks_total: 100,
+        };
+        let json = serde_json::to_value(&info).unwrap();
+        assert_eq!(json["model_fingerprint"], serde_json::json!(u64::MAX));
+        assert_eq!(json["block_size"], 16);
+        let back: NodeInfo = serde_json::from_value(json).unwrap();
+        assert_eq!(back, info);
+    }
 }

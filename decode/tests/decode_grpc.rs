@@ -86,7 +86,7 @@ async fn mesh_with(rdma: bool) -> Mesh {
         let network = prefill_network.clone();
         Arc::new(move |node, addr| network.add_peer(node, addr))
     };
-    let service = PrefillService::new(prefill.handle(), loaded().fingerprint.0, learn)
+    let service = PrefillService::new(prefill.handle(), loaded().fingerprint, learn)
         .with_rdma(prefill_network);
     let prefill_addr = serve(service.into_server()).await;
 
@@ -163,7 +163,7 @@ async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
         let n = n.clone();
         Arc::new(move |node, addr| n.add_peer(node, addr))
     };
-    let fingerprint = loaded().fingerprint.0;
+    let fingerprint = loaded().fingerprint;
     let (p1_net, p2_net, d_net) = (quic(), quic(), quic());
     let p1 = PrefillWorker::spawn(PrefillConfig::new(p1_id), engine(), p1_net.clone()).unwrap();
     let p2 = PrefillWorker::spawn(PrefillConfig::new(p2_id), engine(), p2_net.clone()).unwrap();

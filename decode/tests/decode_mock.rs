@@ -7,18 +7,18 @@ use kvmesh_common::{
     WorkerError,
 };
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
-use kvmesh_engine::gguf::GgufFile;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::mock_runner::{CostModel, MockRunner};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput};
 use kvmesh_engine::scheduler::SchedulerConfig;
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::gguf::GgufFile;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use kvmesh_transfer::{InProcessTransport, Transport};
 use std::ops::Range;
 use std::sync::Arc;
 
 fn tokenizer() -> Arc<Tokenizer> {
-    let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+    let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
     assert!(path.exists(), "model missing at {}", path.display());
     let gguf = GgufFile::open(&path).expect("the model file opens");
     Arc::new(Tokenizer::from_gguf(&gguf).expect("the tokenizer loads"))

@@ -1,10 +1,9 @@
-//! The inference engine: model loading (GGUF, safetensors), tokenizer and chat template, the
-//! Llama-family forward pass on a kernels backend, the paged KV BlockPool, the sans-IO
-//! Scheduler, the Sampler, and the ModelRunner trait with the real runner and the MockRunner.
+//! The inference engine: model loading (GGUF, safetensors weights; the tokenizer and
+//! fingerprint come from `kvmesh_prompt`), the Llama-family forward pass on a kernels
+//! backend, the paged KV BlockPool, the sans-IO Scheduler, the Sampler, and the ModelRunner
+//! trait with the real runner and the MockRunner.
 
 pub mod block_pool;
-pub mod chat_template;
-pub mod detokenizer;
 pub mod engine_config;
 pub mod gguf;
 pub mod kv_blocks;
@@ -14,14 +13,11 @@ pub mod llm_engine;
 pub mod mock_runner;
 pub mod model;
 pub mod model_config;
-pub mod model_fetch;
 pub mod runner;
 pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;
-pub mod stop;
 pub mod tier_store;
-pub mod tokenizer;
 pub mod worker_load;
 pub mod worker_metrics;
 
@@ -31,7 +27,7 @@ use std::sync::Arc;
 /// A model ready to serve: weights, tokenizer and the identity that roots its prefix hashes.
 pub struct Loaded {
     pub model: Arc<model::LlamaModel>,
-    pub tokenizer: Arc<tokenizer::Tokenizer>,
+    pub tokenizer: Arc<kvmesh_prompt::tokenizer::Tokenizer>,
     pub fingerprint: kvmesh_common::ModelFingerprint,
 }
 

@@ -11,18 +11,18 @@
 //!   worker keeps the transfer's clock). See the scheduler's module docs.
 
 use crate::block_pool::Held;
-use crate::detokenizer::IncrementalDetokenizer;
 use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
 use crate::sampler::{Sampled, Sampler};
 use crate::scheduler::{
     Admission, Import, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError,
 };
-use crate::stop::StopChecker;
 use crate::tier_store::{TierError, TierStore};
-use crate::tokenizer::Tokenizer;
 use kvmesh_common::{
     BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, TokenId,
 };
+use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
+use kvmesh_prompt::stop::StopChecker;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;

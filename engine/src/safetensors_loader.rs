@@ -1,20 +1,20 @@
 //! HF safetensors checkpoints (Llama, Qwen2): config.json gives the `ModelConfig`, tensors
-//! are renamed to their GGUF names and stay memory-mapped, tokenizer.json gives the
-//! tokenizer and tokenizer_config.json (or chat_template.jinja) the chat template.
+//! are renamed to their GGUF names and stay memory-mapped; the tokenizer, chat template and
+//! fingerprint are the text path's (`kvmesh_prompt::ModelText::from_hf`).
 
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use kvmesh_common::TokenId;
 use kvmesh_kernels::WeightFormat;
+use kvmesh_prompt::model_text::HfTextConfig;
+use kvmesh_prompt::{ModelFileError, ModelText};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 use serde::Deserialize;
 
-use crate::gguf::{fingerprint, LoadError, LoadedModel, Weights};
+use crate::gguf::{LoadError, LoadedModel, Weights};
 use crate::model_config::{ModelConfig, RopeStyle};
-use crate::tokenizer::Tokenizer;
 
 /// The fields of an HF config.json that a Llama-family forward pass needs.
 #[derive(Debug, Deserialize)]
@@ -27,7 +27,6 @@ struct HfConfig {
     num_key_value_heads: Option<usize>,
     head_dim: Option<usize>,
     vocab_size: usize,
-    max_position_embeddings: usize,
     rope_theta: Option<f64>,
     rms_norm_eps: f64,
     #[serde(default)]
@@ -35,124 +34,49 @@ struct HfConfig {
     #[serde(default)]
     attention_bias: bool,
     rope_scaling: Option<serde_json::Value>,
-    bos_token_id: Option<OneOrMany>,
-    eos_token_id: Option<OneOrMany>,
+    /// Context length and special ids.
+    #[serde(flatten)]
+    text: HfTextConfig,
 }
 
-/// `eos_token_id` may be a list (Llama 3.1); the first is the primary one.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-enum OneOrMany {
-    One(TokenId),
-    Many(Vec<TokenId>),
-}
-
-impl OneOrMany {
-    fn first(&self) -> Option<TokenId> {
-        match self {
-            OneOrMany::One(id) => Some(*id),
-            OneOrMany::Many(ids) => ids.first().copied(),
-        }
-    }
-}
-
-/// Loads a checkpoint directory, or the directory of the given `.safetensors` file.
-pub fn load_safetensors(path: &Path) -> Result<LoadedModel, LoadError> {
-    let (dir, files) = if path.is_dir() {
-        (path.to_path_buf(), shard_files(path)?)
-    } else {
-        let dir = path.parent().unwrap_or(Path::new(".")).to_path_buf();
-        (dir, vec![path.to_path_buf()])
-    };
+/// Loads the checkpoint at `path` whose files [`kvmesh_prompt::ModelFiles::locate`] found:
+/// the JSON files in `dir`, the weights in `shards`.
+pub fn load_safetensors(
+    path: &Path,
+    dir: &Path,
+    shards: &[PathBuf],
+) -> Result<LoadedModel, LoadError> {
     let config_path = dir.join("config.json");
-    let config_bytes = read(&config_path)?;
-    let hf: HfConfig = serde_json::from_slice(&config_bytes).map_err(|source| LoadError::Json {
+    let config_bytes = fs::read(&config_path).map_err(|source| ModelFileError::Io {
         path: config_path.clone(),
         source,
     })?;
+    let hf: HfConfig =
+        serde_json::from_slice(&config_bytes).map_err(|source| ModelFileError::Json {
+            path: config_path.clone(),
+            source,
+        })?;
     let config = model_config(&config_path, &hf)?;
 
     let mut weights = Weights::new(path);
-    let mut maps = Vec::with_capacity(files.len());
-    for file in &files {
+    for file in shards {
         let map = map_file(file)?;
         add_tensors(&mut weights, file, &map)?;
-        maps.push(map);
     }
     weights.check_llama_shapes(&config)?;
 
-    let tokenizer_path = dir.join("tokenizer.json");
-    let tokenizer_bytes = read(&tokenizer_path)?;
-    let chat_template = chat_template(&dir)?;
-    let tokenizer = Tokenizer::from_hf_json(
-        &tokenizer_bytes,
-        config.bos_token_id,
-        config.eos_token_id,
-        chat_template.clone(),
-    )
-    .map_err(|source| LoadError::Tokenizer {
-        path: tokenizer_path,
-        source,
-    })?;
-
-    let template_bytes = chat_template.unwrap_or_default();
-    let mut parts: Vec<&[u8]> = vec![&config_bytes, &tokenizer_bytes, template_bytes.as_bytes()];
-    parts.extend(maps.iter().map(|m| &m[..]));
-    let fingerprint = fingerprint(&parts);
+    let text = ModelText::from_hf(dir, shards)?;
     Ok(LoadedModel {
         path: path.to_path_buf(),
         config,
         weights,
-        tokenizer,
-        fingerprint,
+        tokenizer: text.tokenizer,
+        fingerprint: text.fingerprint,
     })
-}
-
-fn read(path: &Path) -> Result<Vec<u8>, LoadError> {
-    fs::read(path).map_err(|source| LoadError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
-/// The shards named by model.safetensors.index.json, else every `*.safetensors` file.
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
-    let index = dir.join("model.safetensors.index.json");
-    let mut files: Vec<PathBuf> = if index.exists() {
-        #[derive(Deserialize)]
-        struct Index {
-            weight_map: std::collections::BTreeMap<String, String>,
-        }
-        let parsed: Index =
-            serde_json::from_slice(&read(&index)?).map_err(|source| LoadError::Json {
-                path: index.clone(),
-                source,
-            })?;
-        let mut names: Vec<String> = parsed.weight_map.into_values().collect();
-        names.sort();
-        names.dedup();
-        names.into_iter().map(|n| dir.join(n)).collect()
-    } else {
-        let entries = fs::read_dir(dir).map_err(|source| LoadError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect()
-    };
-    files.sort();
-    if files.is_empty() {
-        return Err(LoadError::UnknownFormat {
-            path: dir.to_path_buf(),
-        });
-    }
-    Ok(files)
 }
 
 fn map_file(path: &Path) -> Result<Arc<Mmap>, LoadError> {
-    let io = |source| LoadError::Io {
+    let io = |source| ModelFileError::Io {
         path: path.to_path_buf(),
         source,
     };
@@ -248,10 +172,13 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 }
 
 fn model_config(path: &Path, c: &HfConfig) -> Result<ModelConfig, LoadError> {
-    let bad = |key: &str, reason: String| LoadError::BadConfigValue {
-        path: path.to_path_buf(),
-        key: key.into(),
-        reason,
+    let bad = |key: &str, reason: String| -> LoadError {
+        ModelFileError::BadConfigValue {
+            path: path.to_path_buf(),
+            key: key.into(),
+            reason,
+        }
+        .into()
     };
     let qkv_bias = match c.model_type.as_str() {
         "qwen2" => true,
@@ -283,7 +210,7 @@ fn model_config(path: &Path, c: &HfConfig) -> Result<ModelConfig, LoadError> {
         ("num_attention_heads", c.num_attention_heads),
         ("num_key_value_heads", num_kv_heads),
         ("vocab_size", c.vocab_size),
-        ("max_position_embeddings", c.max_position_embeddings),
+        ("max_position_embeddings", c.text.max_position_embeddings),
     ] {
         if v == 0 {
             return Err(bad(key, "must be positive".into()));
@@ -320,48 +247,16 @@ fn model_config(path: &Path, c: &HfConfig) -> Result<ModelConfig, LoadError> {
         num_kv_heads,
         head_dim,
         vocab_size: c.vocab_size,
-        max_context: c.max_position_embeddings,
+        max_context: c.text.max_position_embeddings,
         rope_theta: c.rope_theta.unwrap_or(10_000.0) as f32,
         // HF keeps Q/K unpermuted: RoPE pairs dimension i with i + head_dim / 2.
         rope_style: RopeStyle::Neox,
         rms_norm_eps: c.rms_norm_eps as f32,
         tied_embeddings: c.tie_word_embeddings,
         qkv_bias,
-        bos_token_id: c.bos_token_id.as_ref().and_then(OneOrMany::first),
-        eos_token_id: c.eos_token_id.as_ref().and_then(OneOrMany::first),
+        bos_token_id: c.text.bos_token_id(),
+        eos_token_id: c.text.eos_token_id(),
     })
-}
-
-/// tokenizer_config.json's `chat_template` (a string, or a list of named templates of
-/// which "default" is used), else a chat_template.jinja file.
-fn chat_template(dir: &Path) -> Result<Option<String>, LoadError> {
-    let config_path = dir.join("tokenizer_config.json");
-    if config_path.exists() {
-        let value: serde_json::Value =
-            serde_json::from_slice(&read(&config_path)?).map_err(|source| LoadError::Json {
-                path: config_path.clone(),
-                source,
-            })?;
-        match value.get("chat_template") {
-            Some(serde_json::Value::String(t)) => return Ok(Some(t.clone())),
-            Some(serde_json::Value::Array(named)) => {
-                let default = named.iter().find(|t| t["name"] == "default");
-                if let Some(t) = default.and_then(|t| t["template"].as_str()) {
-                    return Ok(Some(t.into()));
-                }
-            }
-            _ => {}
-        }
-    }
-    let jinja = dir.join("chat_template.jinja");
-    if jinja.exists() {
-        let text = fs::read_to_string(&jinja).map_err(|source| LoadError::Io {
-            path: jinja.clone(),
-            source,
-        })?;
-        return Ok(Some(text));
-    }
-    Ok(None)
 }
 
 #[cfg(test)]

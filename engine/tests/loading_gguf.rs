@@ -4,10 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use kvmesh_engine::gguf::{load_model, GgmlType, GgufFile, GgufValue, LoadError};
+use kvmesh_engine::gguf::{load_model, LoadError};
 use kvmesh_engine::model_config::RopeStyle;
-use kvmesh_engine::model_fetch::default_model_path;
 use kvmesh_kernels::WeightFormat;
+use kvmesh_prompt::gguf::{GgmlType, GgufFile, GgufValue};
+use kvmesh_prompt::model_fetch::default_model_path;
+use kvmesh_prompt::{ModelFileError, ModelText};
 use proptest::prelude::*;
 
 fn model_path() -> PathBuf {
@@ -74,6 +76,19 @@ fn smollm2_loads_with_expected_config_and_weights() {
     assert_eq!(model.tokenizer.vocab_size(), 49152);
     // The fingerprint is a pure function of the file.
     assert_eq!(load_model(&path).unwrap().fingerprint, model.fingerprint);
+    // The text path, which never maps the weights, agrees on everything it reads.
+    let text = ModelText::read(&path).unwrap();
+    assert_eq!(text.fingerprint, model.fingerprint);
+    assert_eq!(text.max_context, c.max_context);
+    assert_eq!(text.tokenizer.vocab_size(), model.tokenizer.vocab_size());
+    assert_eq!(
+        (text.tokenizer.bos_token_id(), text.tokenizer.eos_token_id()),
+        (c.bos_token_id, c.eos_token_id)
+    );
+    assert_eq!(
+        text.tokenizer.chat_template(),
+        model.tokenizer.chat_template()
+    );
 
     let gguf = GgufFile::open(&path).unwrap();
     assert_eq!(gguf.version, 3);
@@ -315,6 +330,11 @@ fn tiny_gguf_loads_end_to_end() {
     let path2 = write(dir.path(), "tiny2.gguf", &build_gguf(3, &kvs, &other));
     assert_ne!(load_model(&path2).unwrap().fingerprint, model.fingerprint);
     assert_eq!(load_model(&path).unwrap().fingerprint, model.fingerprint);
+    assert_eq!(
+        ModelText::read(&path).unwrap().fingerprint,
+        model.fingerprint
+    );
+    assert_eq!(ModelText::read(&path).unwrap().max_context, 256);
 }
 
 #[test]
@@ -328,7 +348,7 @@ fn version_2_is_accepted() {
 }
 
 /// Opens `bytes` as a GGUF file and returns the error, which must name the file.
-fn open_err(bytes: &[u8]) -> LoadError {
+fn open_err(bytes: &[u8]) -> ModelFileError {
     let dir = tempfile::tempdir().unwrap();
     let path = write(dir.path(), "bad.gguf", bytes);
     let err = GgufFile::open(&path).expect_err("corrupt file must not open");
@@ -344,29 +364,32 @@ fn corrupt_headers_give_specific_errors() {
     let (kvs, tensors) = tiny_model();
     let good = build_gguf(3, &kvs, &tensors);
 
-    assert!(matches!(open_err(b""), LoadError::Truncated { .. }));
+    assert!(matches!(open_err(b""), ModelFileError::Truncated { .. }));
     assert!(matches!(
         open_err(b"GGML\x03\0\0\0"),
-        LoadError::BadMagic { .. }
+        ModelFileError::BadMagic { .. }
     ));
     assert!(matches!(
         open_err(&build_gguf(1, &kvs, &tensors)),
-        LoadError::UnsupportedVersion { version: 1, .. }
+        ModelFileError::UnsupportedVersion { version: 1, .. }
     ));
-    assert!(matches!(open_err(&good[..20]), LoadError::Truncated { .. }));
+    assert!(matches!(
+        open_err(&good[..20]),
+        ModelFileError::Truncated { .. }
+    ));
 
     // Counts far beyond the file size are refused before anything is allocated.
     let mut huge_kv = good.clone();
     huge_kv[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
     assert!(matches!(
         open_err(&huge_kv),
-        LoadError::CountTooLarge { .. }
+        ModelFileError::CountTooLarge { .. }
     ));
     let mut huge_tensors = good.clone();
     huge_tensors[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
     assert!(matches!(
         open_err(&huge_tensors),
-        LoadError::CountTooLarge { .. }
+        ModelFileError::CountTooLarge { .. }
     ));
 
     let huge_string = build_gguf(
@@ -375,20 +398,20 @@ fn corrupt_headers_give_specific_errors() {
         &[],
     );
     assert!(
-        matches!(open_err(&huge_string), LoadError::Truncated { what, .. } if what.contains("`k`"))
+        matches!(open_err(&huge_string), ModelFileError::Truncated { what, .. } if what.contains("`k`"))
     );
 
     let mut arr = 4u32.to_le_bytes().to_vec();
     arr.extend((1u64 << 60).to_le_bytes());
     let huge_array = build_gguf(3, &[Kv("arr".into(), 9, arr)], &[]);
     assert!(
-        matches!(open_err(&huge_array), LoadError::CountTooLarge { what, .. } if what.contains("`arr`"))
+        matches!(open_err(&huge_array), ModelFileError::CountTooLarge { what, .. } if what.contains("`arr`"))
     );
 
     let unknown_type = build_gguf(3, &[Kv("k".into(), 13, vec![0; 8])], &[]);
     assert!(matches!(
         open_err(&unknown_type),
-        LoadError::UnknownValueType { type_id: 13, .. }
+        ModelFileError::UnknownValueType { type_id: 13, .. }
     ));
 
     let bad_utf8 = build_gguf(
@@ -400,10 +423,13 @@ fn corrupt_headers_give_specific_errors() {
         )],
         &[],
     );
-    assert!(matches!(open_err(&bad_utf8), LoadError::InvalidUtf8 { .. }));
+    assert!(matches!(
+        open_err(&bad_utf8),
+        ModelFileError::InvalidUtf8 { .. }
+    ));
 
     let dup = build_gguf(3, &[kv_u32("k", 1), kv_u32("k", 2)], &[]);
-    assert!(matches!(open_err(&dup), LoadError::DuplicateKey { key, .. } if key == "k"));
+    assert!(matches!(open_err(&dup), ModelFileError::DuplicateKey { key, .. } if key == "k"));
 
     // Arrays of arrays of arrays.
     let mut nested = 9u32.to_le_bytes().to_vec();
@@ -416,13 +442,13 @@ fn corrupt_headers_give_specific_errors() {
     let nested = build_gguf(3, &[Kv("deep".into(), 9, nested)], &[]);
     assert!(matches!(
         open_err(&nested),
-        LoadError::NestingTooDeep { .. }
+        ModelFileError::NestingTooDeep { .. }
     ));
 
     let align = build_gguf(3, &[kv_u32("general.alignment", 24)], &[]);
     assert!(matches!(
         open_err(&align),
-        LoadError::BadAlignment { alignment: 24, .. }
+        ModelFileError::BadAlignment { alignment: 24, .. }
     ));
 }
 
@@ -438,36 +464,39 @@ fn corrupt_tensor_tables_give_specific_errors() {
     };
     assert!(matches!(
         open_err(&one(t(&[4], 99, 16))),
-        LoadError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "w"
+        ModelFileError::UnknownTensorType { type_id: 99, tensor, .. } if tensor == "w"
     ));
     assert!(matches!(
         open_err(&one(t(&[1, 1, 1, 1, 1], 0, 4))),
-        LoadError::BadTensorInfo { .. }
+        ModelFileError::BadTensorInfo { .. }
     ));
     // Q8_0 rows must be whole 32-element blocks.
     assert!(matches!(
         open_err(&one(t(&[33], 8, 64))),
-        LoadError::BadTensorInfo { .. }
+        ModelFileError::BadTensorInfo { .. }
     ));
     // Declares more data than the file holds.
     assert!(matches!(
         open_err(&one(t(&[64, 2], 0, 16))),
-        LoadError::TensorOutOfBounds { tensor, .. } if tensor == "w"
+        ModelFileError::TensorOutOfBounds { tensor, .. } if tensor == "w"
     ));
     // Element counts whose byte size overflows.
     assert!(matches!(
         open_err(&one(t(&[u64::MAX / 2, 4], 0, 4))),
-        LoadError::BadTensorInfo { .. }
+        ModelFileError::BadTensorInfo { .. }
     ));
     let two = build_gguf(3, &[], &[t(&[4], 0, 16), t(&[4], 0, 16)]);
-    assert!(matches!(open_err(&two), LoadError::DuplicateTensor { .. }));
+    assert!(matches!(
+        open_err(&two),
+        ModelFileError::DuplicateTensor { .. }
+    ));
 
     // A data offset that breaks the alignment.
     let mut misaligned = t(&[8], 0, 32);
     misaligned.offset = Some(4);
     assert!(matches!(
         open_err(&one(misaligned)),
-        LoadError::BadTensorInfo { reason, .. } if reason.contains("alignment")
+        ModelFileError::BadTensorInfo { reason, .. } if reason.contains("alignment")
     ));
 }
 
@@ -479,7 +508,7 @@ fn metadata_type_errors_name_the_key() {
     let path = write(dir.path(), "typed.gguf", &build_gguf(3, &kvs, &tensors));
     let err = load_model(&path).unwrap_err();
     assert!(
-        matches!(&err, LoadError::WrongMetadataType { key, .. } if key == "llama.block_count"),
+        matches!(&err, LoadError::File(ModelFileError::WrongMetadataType { key, .. }) if key == "llama.block_count"),
         "{err}"
     );
 
@@ -488,7 +517,7 @@ fn metadata_type_errors_name_the_key() {
     let path = write(dir.path(), "missing.gguf", &build_gguf(3, &kvs, &tensors));
     let err = load_model(&path).unwrap_err();
     assert!(
-        matches!(&err, LoadError::MissingMetadata { key, .. } if key == "llama.embedding_length"),
+        matches!(&err, LoadError::File(ModelFileError::MissingMetadata { key, .. }) if key == "llama.embedding_length"),
         "{err}"
     );
 
@@ -512,7 +541,7 @@ fn metadata_type_errors_name_the_key() {
     let path = write(dir.path(), "notes.txt", b"hello, world");
     assert!(matches!(
         load_model(&path).unwrap_err(),
-        LoadError::UnknownFormat { .. }
+        LoadError::File(ModelFileError::UnknownFormat { .. })
     ));
 }
 

@@ -6,10 +6,11 @@ use std::fs;
 use std::path::Path;
 
 use half::{bf16, f16};
-use kvmesh_engine::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
 use kvmesh_engine::gguf::{load_model, LoadError};
 use kvmesh_engine::model_config::RopeStyle;
 use kvmesh_kernels::WeightFormat;
+use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
+use kvmesh_prompt::{ModelFileError, ModelText};
 use rand::{Rng, SeedableRng};
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
@@ -335,6 +336,12 @@ fn llama_checkpoint_loads_with_gguf_names() {
     let via_file = load_model(&dir.path().join("model.safetensors")).unwrap();
     assert_eq!(via_file.config, model.config);
     assert_eq!(via_file.fingerprint, model.fingerprint);
+
+    // The text path, which never maps the weights, agrees on the identity.
+    let text = ModelText::read(dir.path()).unwrap();
+    assert_eq!(text.fingerprint, model.fingerprint);
+    assert_eq!(text.max_context, model.config.max_context);
+    assert_eq!(text.tokenizer.encode("hello<|im_end|>", true).unwrap(), ids);
 }
 
 #[test]
@@ -371,6 +378,16 @@ fn sharded_qwen2_checkpoint_with_biases_and_chat_template() {
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     );
 
+    let text = ModelText::read(dir.path()).unwrap();
+    assert_eq!(
+        text.fingerprint, model.fingerprint,
+        "sharded: every shard is hashed"
+    );
+    assert_eq!(
+        text.tokenizer.chat_template(),
+        model.tokenizer.chat_template()
+    );
+
     let llama_dir = tempfile::tempdir().unwrap();
     write_llama(llama_dir.path());
     assert_ne!(
@@ -402,13 +419,14 @@ fn broken_checkpoints_name_the_problem() {
     scaled["rope_scaling"] = json!({"rope_type": "llama3", "factor": 8.0});
     fs::write(path.join("config.json"), scaled.to_string()).unwrap();
     assert!(
-        matches!(load_err(path), LoadError::BadConfigValue { key, .. } if key == "rope_scaling")
+        matches!(load_err(path), LoadError::File(ModelFileError::BadConfigValue { key, .. }) if key == "rope_scaling")
     );
 
     fs::write(path.join("config.json"), "{\"model_type\": \"llama\"}").unwrap();
     let err = load_err(path);
     assert!(
-        matches!(&err, LoadError::Json { .. }) && err.to_string().contains("config.json"),
+        matches!(&err, LoadError::File(ModelFileError::Json { .. }))
+            && err.to_string().contains("config.json"),
         "{err}"
     );
 
@@ -470,13 +488,13 @@ fn broken_checkpoints_name_the_problem() {
     fs::write(&file, &bytes).unwrap();
     let err = load_err(path);
     assert!(
-        matches!(&err, LoadError::Io { path, .. } if path.ends_with("tokenizer.json")),
+        matches!(&err, LoadError::File(ModelFileError::Io { path, .. }) if path.ends_with("tokenizer.json")),
         "{err}"
     );
 
     let empty = tempfile::tempdir().unwrap();
     assert!(matches!(
         load_err(empty.path()),
-        LoadError::UnknownFormat { .. }
+        LoadError::File(ModelFileError::UnknownFormat { .. })
     ));
 }

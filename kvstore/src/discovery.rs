@@ -112,7 +112,8 @@ mod tests {
             role,
             address: "in-process".into(),
             transfer_address: String::new(),
-            model_fingerprint: 1,
+            model_fingerprint: kvmesh_common::ModelFingerprint(1),
+            block_size: 16,
             kv_blocks_total: 100,
         }
     }

@@ -18,7 +18,8 @@ fn info(id: u64, role: NodeRole) -> NodeInfo {
         role,
         address: format!("127.0.0.1:{}", 7000 + id),
         transfer_address: format!("127.0.0.1:{}", 8000 + id),
-        model_fingerprint: 42,
+        model_fingerprint: kvmesh_common::ModelFingerprint(42),
+        block_size: 16,
         kv_blocks_total: 1000,
     }
 }

@@ -4,7 +4,7 @@ use crate::export_rpc::HolderDirectory;
 use crate::wire;
 use crate::worker::PrefillHandle;
 use kvmesh_common::grpc::{self, pb};
-use kvmesh_common::NodeId;
+use kvmesh_common::{ModelFingerprint, NodeId};
 use kvmesh_transfer::{NetworkTransport, RdmaError, RdmaPeerInfo};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,7 +16,7 @@ pub type LearnPeer = Arc<dyn Fn(NodeId, SocketAddr) + Send + Sync>;
 
 pub struct PrefillService {
     handle: PrefillHandle,
-    model_fingerprint: u64,
+    model_fingerprint: ModelFingerprint,
     learn_peer: LearnPeer,
     /// The node's transport when it has RDMA: callers may swap RDMA details with it.
     rdma: Option<Arc<NetworkTransport>>,
@@ -26,7 +26,11 @@ pub struct PrefillService {
 }
 
 impl PrefillService {
-    pub fn new(handle: PrefillHandle, model_fingerprint: u64, learn_peer: LearnPeer) -> Self {
+    pub fn new(
+        handle: PrefillHandle,
+        model_fingerprint: ModelFingerprint,
+        learn_peer: LearnPeer,
+    ) -> Self {
         PrefillService {
             handle,
             model_fingerprint,
@@ -94,7 +98,7 @@ impl pb::prefill_server::Prefill for PrefillService {
     ) -> Result<Response<pb::InfoReply>, Status> {
         Ok(Response::new(pb::InfoReply {
             node_id: self.handle.node_id().0,
-            model_fingerprint: self.model_fingerprint,
+            model_fingerprint: self.model_fingerprint.0,
             kv_shape: Some(wire::kv_shape_to_pb(&self.handle.kv_shape())),
             rdma: self.rdma.is_some(),
         }))

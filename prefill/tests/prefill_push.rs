@@ -23,7 +23,7 @@ const BS: usize = 16;
 fn loaded() -> &'static Loaded {
     static MODEL: OnceLock<Loaded> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
         assert!(
             path.exists(),
             "model missing at {}: run `kvmesh fetch-model`",

@@ -56,7 +56,8 @@ fn mesh() -> Mesh {
                 role: NodeRole::Decode,
                 address: format!("10.0.{}.{}:7000", id.0 / 256, id.0 % 256),
                 transfer_address: String::new(),
-                model_fingerprint: 0,
+                model_fingerprint: kvmesh_common::ModelFingerprint(0),
+                block_size: 16,
                 kv_blocks_total: 4096,
             },
             load: LoadReport {

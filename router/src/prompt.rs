@@ -18,8 +18,8 @@
 use std::sync::Arc;
 
 use kvmesh_common::TokenId;
-use kvmesh_engine::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
+use kvmesh_prompt::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
 

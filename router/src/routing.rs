@@ -2,14 +2,19 @@
 //! prefix and the nodes' load) and, when the disaggregation rule says so, a prefill node.
 //! Shared by every backend (in-process workers, the multi-process mesh); no I/O: the prefix
 //! index and discovery are read from memory.
+//!
+//! Only nodes serving the router's model (same fingerprint) are candidates, and the prompt
+//! is hashed with the KV block size they announce, as their engines hash it. Nodes of one
+//! model agree on the block size; should they not, those in the minority are left out too
+//! (their KV and prefix hashes cannot be shared with the others).
 
 use crate::policy::{
-    overlap_by_tier, pull_holder, should_prefill_remotely, DisaggConfig, RouteRequest,
-    RoutingPolicy,
+    pull_holder, should_prefill_remotely, DisaggConfig, RouteRequest, RoutingPolicy,
 };
-use kvmesh_common::{BlockHasher, NodeId, TokenId};
+use kvmesh_common::{BlockHasher, ModelFingerprint, NodeId, TokenId};
 use kvmesh_kvstore::{NodeEntry, PrefixIndex};
-use std::collections::HashMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// The decision for one request.
@@ -29,26 +34,30 @@ pub struct Routing {
     policy: Box<dyn RoutingPolicy>,
     disaggregation: DisaggConfig,
     index: Arc<dyn PrefixIndex>,
-    hasher: BlockHasher,
+    /// The model requests are for: nodes with another fingerprint are not candidates.
+    model: ModelFingerprint,
     /// Requests this router has on each node: on a decode node until their stream ends, on
     /// a prefill node until their first token (when the prefill is done).
     in_flight: Arc<Mutex<HashMap<NodeId, usize>>>,
+    /// Nodes already logged as left out (each is logged once).
+    left_out: Mutex<HashSet<NodeId>>,
 }
 
 impl Routing {
-    /// `hasher` must hash as the nodes' engines do (same model fingerprint and block size).
+    /// Routes requests for `model` (the fingerprint its nodes announce).
     pub fn new(
         policy: Box<dyn RoutingPolicy>,
         disaggregation: DisaggConfig,
         index: Arc<dyn PrefixIndex>,
-        hasher: BlockHasher,
+        model: ModelFingerprint,
     ) -> Self {
         Routing {
             policy,
             disaggregation,
             index,
-            hasher,
+            model,
             in_flight: Arc::default(),
+            left_out: Mutex::default(),
         }
     }
 
@@ -56,15 +65,20 @@ impl Routing {
         self.policy.name()
     }
 
-    /// Picks among `decode` and `prefill` (live candidates); `None` when no decode node.
+    /// Picks among `decode` and `prefill` (live candidates) those serving the model; `None`
+    /// when no decode node does.
     pub fn route(
         &self,
         prompt: &[TokenId],
         decode: &[NodeEntry],
         prefill: &[NodeEntry],
     ) -> Option<Route> {
-        let hashes = self.hasher.sequence_hashes(prompt);
-        let overlap = overlap_by_tier(self.index.overlap_tiered(&hashes));
+        let block_size = self.block_size(decode)?;
+        let decode = &*self.serving(decode, block_size);
+        let prefill = &*self.serving(prefill, block_size);
+        let hasher = BlockHasher::new(self.model, block_size);
+        let hashes = hasher.sequence_hashes(prompt);
+        let overlap = self.index.overlap_tiered(&hashes);
         let in_flight = lock(&self.in_flight);
         let request = |nodes| RouteRequest {
             nodes,
@@ -73,8 +87,7 @@ impl Routing {
             overlap: &overlap,
         };
         let d = self.policy.select(&request(decode))?;
-        let bs = self.hasher.block_size;
-        let cached_tokens = request(decode).overlap_of(d).total() * bs;
+        let cached_tokens = request(decode).overlap_of(d).total() * block_size;
         let min_pull = self.disaggregation.pull_min_blocks;
         let pull = (min_pull > 0)
             .then(|| pull_holder(decode.iter().chain(prefill), &overlap, d, min_pull))
@@ -94,6 +107,48 @@ impl Routing {
             cached_tokens,
             pull,
         })
+    }
+
+    /// The block size most decode nodes of the model announce (the smallest on a tie);
+    /// `None` when none serves the model.
+    fn block_size(&self, decode: &[NodeEntry]) -> Option<usize> {
+        let mut count = BTreeMap::<usize, usize>::new();
+        for n in decode {
+            if n.info.model_fingerprint == self.model && n.info.block_size > 0 {
+                *count.entry(n.info.block_size).or_default() += 1;
+            }
+        }
+        let most = *count.values().max()?;
+        count
+            .into_iter()
+            .find(|&(_, c)| c == most)
+            .map(|(bs, _)| bs)
+    }
+
+    /// The nodes of `nodes` that serve the model with `block_size`; the others are logged
+    /// (once per node) and left out.
+    fn serving<'a>(&self, nodes: &'a [NodeEntry], block_size: usize) -> Cow<'a, [NodeEntry]> {
+        let serves = |n: &NodeEntry| {
+            n.info.model_fingerprint == self.model && n.info.block_size == block_size
+        };
+        if nodes.iter().all(serves) {
+            return Cow::Borrowed(nodes);
+        }
+        let mut left_out = lock(&self.left_out);
+        for n in nodes.iter().filter(|n| !serves(n)) {
+            if left_out.insert(n.info.node_id) {
+                tracing::warn!(
+                    node = %n.info.node_id,
+                    role = n.info.role.as_str(),
+                    fingerprint = ?n.info.model_fingerprint,
+                    block_size = n.info.block_size,
+                    expected_fingerprint = ?self.model,
+                    expected_block_size = block_size,
+                    "node serves another model or block size; not routing to it"
+                );
+            }
+        }
+        Cow::Owned(nodes.iter().filter(|n| serves(n)).cloned().collect())
     }
 
     /// Counts a request on `node` until the guard is dropped: on its decode node when its
@@ -159,6 +214,8 @@ mod tests {
     use kvmesh_common::{KvEvent, LoadReport, ModelFingerprint, NodeInfo, NodeRole};
     use kvmesh_kvstore::InMemoryPrefixIndex;
 
+    const MODEL: ModelFingerprint = ModelFingerprint(7);
+
     fn node(id: u64, role: NodeRole) -> NodeEntry {
         NodeEntry {
             info: NodeInfo {
@@ -166,7 +223,8 @@ mod tests {
                 role,
                 address: String::new(),
                 transfer_address: String::new(),
-                model_fingerprint: 0,
+                model_fingerprint: MODEL,
+                block_size: 16,
                 kv_blocks_total: 100,
             },
             load: LoadReport::default(),
@@ -178,12 +236,75 @@ mod tests {
             seed: Some(1),
             ..KvAwareConfig::default()
         });
-        Routing::new(
-            config.build(),
-            DisaggConfig::default(),
-            index,
-            BlockHasher::new(ModelFingerprint(7), 16),
-        )
+        Routing::new(config.build(), DisaggConfig::default(), index, MODEL)
+    }
+
+    fn store_prefix(index: &InMemoryPrefixIndex, node: u64, block_size: usize, prompt: &[TokenId]) {
+        let hashes = BlockHasher::new(MODEL, block_size).sequence_hashes(prompt);
+        let stored: Vec<KvEvent> = hashes.iter().map(|h| KvEvent::Stored(*h)).collect();
+        index.apply(NodeId(node), &stored);
+    }
+
+    #[test]
+    fn a_node_of_another_model_is_never_a_candidate() {
+        let index = Arc::new(InMemoryPrefixIndex::new());
+        let r = routing(index.clone());
+        let prompt: Vec<TokenId> = (0..1000).collect();
+        // Node 1 is idle and (by hash) holds the whole prompt, but serves another model.
+        let mut foreign = node(1, NodeRole::Decode);
+        foreign.info.model_fingerprint = ModelFingerprint(8);
+        store_prefix(&index, 1, 16, &prompt);
+        let mut busy = node(2, NodeRole::Decode);
+        busy.load.running = 50;
+        let mut foreign_prefill = node(3, NodeRole::Prefill);
+        foreign_prefill.info.model_fingerprint = ModelFingerprint(8);
+        let decode = [foreign.clone(), busy];
+        let prefill = [foreign_prefill.clone(), node(4, NodeRole::Prefill)];
+        for _ in 0..50 {
+            let route = r.route(&prompt, &decode, &prefill).unwrap();
+            assert_eq!(route.decode, NodeId(2));
+            assert_eq!(route.prefill, Some(NodeId(4)));
+            assert_eq!(route.cached_tokens, 0);
+            assert_eq!(route.pull, None, "no pulls from another model's KV");
+        }
+        assert_eq!(
+            r.route(&prompt, &[foreign], &[foreign_prefill]),
+            None,
+            "no node serves the model"
+        );
+    }
+
+    #[test]
+    fn prompts_are_hashed_with_the_block_size_the_nodes_announce() {
+        let index = Arc::new(InMemoryPrefixIndex::new());
+        let r = routing(index.clone());
+        let prompt: Vec<TokenId> = (0..1000).collect();
+        let with_block_size = |id, bs| {
+            let mut n = node(id, NodeRole::Decode);
+            n.info.block_size = bs;
+            n
+        };
+        // Node 2 cached the prompt in blocks of 32; node 1 holds 16-token hashes that only a
+        // router hashing with the wrong block size would credit.
+        store_prefix(&index, 2, 32, &prompt);
+        store_prefix(&index, 1, 16, &prompt);
+        let decode = [with_block_size(1, 32), with_block_size(2, 32)];
+        let route = r.route(&prompt, &decode, &[]).unwrap();
+        assert_eq!(route.decode, NodeId(2));
+        assert_eq!(route.cached_tokens, 31 * 32);
+        // A node announcing another block size than the rest is left out; one announcing 0
+        // (nonsense) too, without a panic.
+        let decode = [
+            with_block_size(1, 16),
+            with_block_size(2, 32),
+            with_block_size(3, 32),
+            with_block_size(4, 0),
+        ];
+        for _ in 0..20 {
+            let d = r.route(&prompt, &decode, &[]).unwrap().decode;
+            assert!(d == NodeId(2) || d == NodeId(3), "{d}");
+        }
+        assert_eq!(r.route(&prompt, &[with_block_size(4, 0)], &[]), None);
     }
 
     #[test]
@@ -198,9 +319,7 @@ mod tests {
         assert_eq!(first.prefill, Some(NodeId(3)));
         assert_eq!(first.cached_tokens, 0);
         // Node 2 holds the whole prefix: it wins, and only a short tail is left to prefill.
-        let hashes = BlockHasher::new(ModelFingerprint(7), 16).sequence_hashes(&prompt);
-        let stored: Vec<KvEvent> = hashes.iter().map(|h| KvEvent::Stored(*h)).collect();
-        index.apply(NodeId(2), &stored);
+        store_prefix(&index, 2, 16, &prompt);
         let second = r.route(&prompt, &decode, &prefill).unwrap();
         assert_eq!(second.decode, NodeId(2));
         assert_eq!(second.cached_tokens, 992);
@@ -213,9 +332,7 @@ mod tests {
         let index = Arc::new(InMemoryPrefixIndex::new());
         let r = routing(index.clone());
         let prompt: Vec<TokenId> = (0..1000).collect();
-        let hashes = BlockHasher::new(ModelFingerprint(7), 16).sequence_hashes(&prompt);
-        let stored: Vec<KvEvent> = hashes.iter().map(|h| KvEvent::Stored(*h)).collect();
-        index.apply(NodeId(1), &stored);
+        store_prefix(&index, 1, 16, &prompt);
         let mut busy = node(1, NodeRole::Decode);
         busy.load.running = 20;
         let decode = [busy, node(2, NodeRole::Decode)];

@@ -12,7 +12,7 @@ use axum::middleware::{from_fn, from_fn_with_state};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::sync::watch;

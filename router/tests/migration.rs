@@ -8,8 +8,8 @@
 use async_trait::async_trait;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::{
-    BlockHasher, FinishReason, GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, NodeInfo,
-    NodeRole, RequestId, SamplingParams, TokenEvent, Usage,
+    FinishReason, GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, NodeInfo, NodeRole,
+    RequestId, SamplingParams, TokenEvent, Usage,
 };
 use kvmesh_kvstore::{InMemoryDiscovery, InMemoryPrefixIndex};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
@@ -173,7 +173,8 @@ fn backend(nodes: &[&Node], config: RemoteConfig) -> RemoteBackend {
                 role: NodeRole::Decode,
                 address: n.addr.to_string(),
                 transfer_address: String::new(),
-                model_fingerprint: 1,
+                model_fingerprint: ModelFingerprint(1),
+                block_size: 16,
                 kv_blocks_total: 100,
             })
             .unwrap();
@@ -183,7 +184,7 @@ fn backend(nodes: &[&Node], config: RemoteConfig) -> RemoteBackend {
         "round_robin".parse::<RoutingConfig>().unwrap().build(),
         DisaggConfig::default(),
         Arc::new(InMemoryPrefixIndex::new()),
-        BlockHasher::new(ModelFingerprint(1), 16),
+        ModelFingerprint(1),
     );
     RemoteBackend::new(discovery, config, routing)
 }

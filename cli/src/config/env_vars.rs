@@ -30,7 +30,7 @@ env_vars! {
     /// Model file (.gguf) or HF checkpoint directory (`--model`).
     MODEL = "KVMESH_MODEL";
     /// Where the default model is cached (default `$XDG_CACHE_HOME/kvmesh/models`, else `~/.cache/kvmesh/models`).
-    MODEL_DIR = kvmesh_engine::model_fetch::ENV_MODEL_DIR;
+    MODEL_DIR = kvmesh_prompt::model_fetch::ENV_MODEL_DIR;
     /// Caps the CPU kernels' instruction set (e.g. `avx2`) below what the CPU supports.
     CPU_ISA = kvmesh_kernels::cpu::ISA_ENV;
     /// The etcd binary that `kvmesh bench trace` and the cluster tests start (default: `etcd` on the PATH).

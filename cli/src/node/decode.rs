@@ -55,6 +55,7 @@ pub fn run(args: &DecodeNodeConfig) -> Result<()> {
         .engine
         .llama_engine(&loaded)
         .context("building the engine")?;
+    let block_size = engine.scheduler().config().block_size;
     let tls = args.mesh.cluster_tls()?;
     let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
     let transport: Arc<dyn Transport> = network.clone();
@@ -73,7 +74,8 @@ pub fn run(args: &DecodeNodeConfig) -> Result<()> {
         role: NodeRole::Decode,
         address: advertise.clone(),
         transfer_address: advertise.clone(),
-        model_fingerprint: loaded.fingerprint.0,
+        model_fingerprint: loaded.fingerprint,
+        block_size,
         kv_blocks_total: handle.load().kv_blocks_total,
     };
     // gRPC (with KvCache) and QUIC share the advertised host:port.

@@ -49,6 +49,7 @@ pub fn run(args: &PrefillNodeConfig) -> Result<()> {
         .engine
         .llama_engine(&loaded)
         .context("building the engine")?;
+    let block_size = engine.scheduler().config().block_size;
     // Pulled KV arrives on the gRPC port's number, over UDP.
     let tls = args.mesh.cluster_tls()?;
     let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
@@ -73,7 +74,8 @@ pub fn run(args: &PrefillNodeConfig) -> Result<()> {
         role: NodeRole::Prefill,
         address: advertise.clone(),
         transfer_address: advertise.clone(),
-        model_fingerprint: loaded.fingerprint.0,
+        model_fingerprint: loaded.fingerprint,
+        block_size,
         kv_blocks_total: handle.load().kv_blocks_total,
     };
     runtime()?.block_on(async {
@@ -85,7 +87,7 @@ pub fn run(args: &PrefillNodeConfig) -> Result<()> {
         ));
         let directory = holders.clone();
         forget_departed_nodes(&discovery, move |alive| directory.retain(alive));
-        let service = PrefillService::new(handle.clone(), loaded.fingerprint.0, learn)
+        let service = PrefillService::new(handle.clone(), loaded.fingerprint, learn)
             .with_rdma(network)
             .with_pulls(holders);
         let routes =

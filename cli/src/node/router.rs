@@ -7,8 +7,6 @@ use crate::config::{env_vars, ConfigArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use kvmesh_common::BlockHasher;
-use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
 use kvmesh_router::policy::RoutingConfig;
 use kvmesh_router::routing::Routing;
@@ -59,9 +57,10 @@ pub struct RouterArgs {
 
 pub fn run(args: &RouterNodeConfig) -> Result<()> {
     let path = model_args::prepare(args.model.as_deref(), args.threads)?;
-    let loaded = model_args::load(&path)?;
+    // Text metadata only: the router tokenizes, it never runs the model.
+    let model = model_args::read_text(&path)?;
     let mut config = args.router.clone();
-    config.max_context = config.max_context.min(loaded.model.config.max_context);
+    config.max_context = config.max_context.min(model.max_context);
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
@@ -73,12 +72,12 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
         let index = EtcdPrefixIndex::connect(args.mesh.etcd_config())
             .await
             .context("watching the prefix index in etcd")?;
-        let hasher = BlockHasher::new(loaded.fingerprint, EngineConfig::default().block_size);
+        // Prompts are hashed with the block size the nodes announce.
         let routing = Routing::new(
             args.routing.build(),
             args.disaggregation.clone(),
             Arc::new(index.clone()),
-            hasher,
+            model.fingerprint,
         );
         tracing::info!(policy = routing.policy_name(), "routing");
         super::metrics::export_index_stats(index, args.mesh.node_id());
@@ -91,7 +90,7 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
             },
             routing,
         ));
-        let router = Router::new(config, backend.clone(), loaded.tokenizer.clone())
+        let router = Router::new(config, backend.clone(), Arc::new(model.tokenizer))
             .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
         let listener = tokio::net::TcpListener::bind(listen)
             .await

@@ -4,8 +4,8 @@
 //! its stream ends.
 
 use kvmesh_common::WorkerError;
-use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
-use kvmesh_decode::{DecodeHandle, KvPull, LocalMesh};
+use kvmesh_common::{GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, NodeInfo, NodeRole};
+use kvmesh_decode::{DecodeHandle, KvPull, LocalMesh, LocalMeshConfig};
 use kvmesh_engine::worker_load::WorkerLoad;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
 use kvmesh_prefill::{ExportSource, PrefillHandle};
@@ -24,9 +24,19 @@ pub struct MeshBackend {
 }
 
 impl MeshBackend {
-    pub fn new(mesh: &LocalMesh, model_fingerprint: u64, routing: Routing) -> Self {
+    /// The workers of `mesh`, started with `config`, serving the model `model_fingerprint`.
+    pub fn new(
+        mesh: &LocalMesh,
+        config: &LocalMeshConfig,
+        model_fingerprint: ModelFingerprint,
+        routing: Routing,
+    ) -> Self {
         let discovery = InMemoryDiscovery::new();
         let register = |node_id, role, load: WorkerLoad| {
+            let engine = match role {
+                NodeRole::Prefill => &config.prefill_engine,
+                _ => &config.decode_engine,
+            };
             discovery
                 .register(NodeInfo {
                     node_id,
@@ -34,6 +44,7 @@ impl MeshBackend {
                     address: "in-process".into(),
                     transfer_address: String::new(),
                     model_fingerprint,
+                    block_size: engine.block_size,
                     kv_blocks_total: load.kv_blocks_total,
                 })
                 .expect("worker node ids are unique");

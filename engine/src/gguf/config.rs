@@ -1,7 +1,10 @@
 //! `ModelConfig` from GGUF metadata (`{arch}.block_count`, `{arch}.embedding_length`, ...).
 
+use kvmesh_prompt::gguf::GgufFile;
+use kvmesh_prompt::model_text::gguf_context_length;
+use kvmesh_prompt::ModelFileError;
+
 use super::error::LoadError;
-use super::reader::GgufFile;
 use super::weights::Weights;
 use crate::model_config::{ModelConfig, RopeStyle};
 
@@ -20,51 +23,51 @@ pub(crate) fn model_config(g: &GgufFile, weights: &Weights) -> Result<ModelConfi
         }
     };
     let key = |k: &str| format!("{arch}.{k}");
-    let req = |k: &str| -> Result<usize, LoadError> {
-        let k = key(k);
-        let v = g.u64_req(&k)?;
-        positive(g, &k, v)
-    };
+    let req = |k: &str| g.positive_req(&key(k));
     let num_layers = req("block_count")?;
     let hidden_size = req("embedding_length")?;
     let intermediate_size = req("feed_forward_length")?;
     let num_heads = req("attention.head_count")?;
-    let num_kv_heads = match g.u64_opt(&key("attention.head_count_kv"))? {
-        Some(v) => positive(g, &key("attention.head_count_kv"), v)?,
-        None => num_heads,
-    };
+    let num_kv_heads = g
+        .positive_opt(&key("attention.head_count_kv"))?
+        .unwrap_or(num_heads);
     if !num_heads.is_multiple_of(num_kv_heads) {
-        return Err(bad(
-            g,
-            &key("attention.head_count_kv"),
-            format!("{num_kv_heads} does not divide the {num_heads} query heads"),
-        ));
+        return Err(g
+            .bad_value(
+                &key("attention.head_count_kv"),
+                format!("{num_kv_heads} does not divide the {num_heads} query heads"),
+            )
+            .into());
     }
-    let head_dim = match g.u64_opt(&key("attention.key_length"))? {
-        Some(v) => positive(g, &key("attention.key_length"), v)?,
+    let head_dim = match g.positive_opt(&key("attention.key_length"))? {
+        Some(v) => v,
         None if hidden_size.is_multiple_of(num_heads) => hidden_size / num_heads,
         None => {
-            return Err(bad(
-                g,
-                &key("attention.head_count"),
-                format!("{num_heads} heads do not divide the embedding length {hidden_size}"),
-            ))
+            return Err(g
+                .bad_value(
+                    &key("attention.head_count"),
+                    format!("{num_heads} heads do not divide the embedding length {hidden_size}"),
+                )
+                .into())
         }
     };
     let vocab_size = match g.array_opt("tokenizer.ggml.tokens")? {
         Some(tokens) => tokens.len(),
-        None => positive(g, &key("vocab_size"), g.u64_req(&key("vocab_size"))?)?,
+        None => req("vocab_size")?,
     };
     let rms_key = key("attention.layer_norm_rms_epsilon");
     let rms_norm_eps = g
         .f64_opt(&rms_key)?
-        .ok_or_else(|| LoadError::MissingMetadata {
+        .ok_or_else(|| ModelFileError::MissingMetadata {
             path: g.path.clone(),
             key: rms_key,
         })? as f32;
     let token_id = |k: &str| -> Result<Option<u32>, LoadError> {
         g.u64_opt(k)?
-            .map(|v| u32::try_from(v).map_err(|_| bad(g, k, format!("{v} is not a token id"))))
+            .map(|v| {
+                u32::try_from(v)
+                    .map_err(|_| g.bad_value(k, format!("{v} is not a token id")).into())
+            })
             .transpose()
     };
     Ok(ModelConfig {
@@ -76,7 +79,7 @@ pub(crate) fn model_config(g: &GgufFile, weights: &Weights) -> Result<ModelConfi
         num_kv_heads,
         head_dim,
         vocab_size,
-        max_context: req("context_length")?,
+        max_context: gguf_context_length(g)?,
         rope_theta: g.f64_opt(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32,
         rope_style,
         rms_norm_eps,
@@ -85,19 +88,4 @@ pub(crate) fn model_config(g: &GgufFile, weights: &Weights) -> Result<ModelConfi
         bos_token_id: token_id("tokenizer.ggml.bos_token_id")?,
         eos_token_id: token_id("tokenizer.ggml.eos_token_id")?,
     })
-}
-
-fn positive(g: &GgufFile, key: &str, v: u64) -> Result<usize, LoadError> {
-    match usize::try_from(v) {
-        Ok(v) if v > 0 && v <= u32::MAX as usize => Ok(v),
-        _ => Err(bad(g, key, format!("{v} is out of range"))),
-    }
-}
-
-fn bad(g: &GgufFile, key: &str, reason: String) -> LoadError {
-    LoadError::BadConfigValue {
-        path: g.path.clone(),
-        key: key.into(),
-        reason,
-    }
 }

@@ -10,9 +10,25 @@ use half::{bf16, f16};
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use memmap2::Mmap;
 
+use kvmesh_prompt::gguf::{GgmlType, GgufFile};
+
 use super::error::LoadError;
-use super::reader::GgufFile;
 use crate::model_config::ModelConfig;
+
+/// The kernels' format for a ggml type, if the kernels implement it.
+pub fn weight_format(ty: GgmlType) -> Option<WeightFormat> {
+    Some(match ty {
+        GgmlType::F32 => WeightFormat::F32,
+        GgmlType::F16 => WeightFormat::F16,
+        GgmlType::BF16 => WeightFormat::BF16,
+        GgmlType::Q8_0 => WeightFormat::Q8_0,
+        GgmlType::Q4_0 => WeightFormat::Q4_0,
+        GgmlType::Q4_1 => WeightFormat::Q4_1,
+        GgmlType::Q4_K => WeightFormat::Q4_K,
+        GgmlType::Q6_K => WeightFormat::Q6_K,
+        _ => return None,
+    })
+}
 
 /// Where one tensor lives and how it is stored.
 #[derive(Clone, Debug, PartialEq)]
@@ -59,7 +75,7 @@ impl Weights {
             let start = t.offset as usize;
             w.insert(
                 t.name.clone(),
-                t.ggml_type.weight_format(),
+                weight_format(t.ggml_type),
                 t.ggml_type.name(),
                 t.dims.iter().map(|&d| d as usize).collect(),
                 src,

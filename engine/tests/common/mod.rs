@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use kvmesh_engine::model::LlamaModel;
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use std::sync::{Arc, OnceLock};
 
 /// The golden outputs recorded from llama.cpp (`data/golden/`, bundled in the repository).
@@ -22,7 +22,7 @@ pub fn golden() -> &'static serde_json::Value {
 pub fn model() -> &'static (Arc<LlamaModel>, Arc<Tokenizer>) {
     static MODEL: OnceLock<(Arc<LlamaModel>, Arc<Tokenizer>)> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_engine::model_fetch::default_model_path().expect("a cache directory");
+        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
         assert!(
             path.exists(),
             "model missing at {}: run `kvmesh fetch-model` (scripts/test.sh does)",

@@ -73,6 +73,26 @@ pub struct TieredOverlap {
 }
 
 impl TieredOverlap {
+    /// `blocks` leading blocks, all in the device pool.
+    pub fn on_device(blocks: usize) -> Self {
+        TieredOverlap::default().with(Tier::Device, blocks)
+    }
+
+    /// This overlap with `blocks` more whose fastest copy is in `tier`.
+    #[must_use]
+    pub fn with(mut self, tier: Tier, blocks: usize) -> Self {
+        self.add(tier, blocks);
+        self
+    }
+
+    pub fn add(&mut self, tier: Tier, blocks: usize) {
+        match tier {
+            Tier::Device => self.device += blocks,
+            Tier::Host => self.host += blocks,
+            Tier::Disk => self.disk += blocks,
+        }
+    }
+
     /// Leading blocks held in any tier.
     pub fn total(&self) -> usize {
         self.device + self.host + self.disk
@@ -128,5 +148,14 @@ mod tests {
         o.push(TierSet::only(Tier::Disk));
         assert_eq!((o.device, o.host, o.disk, o.total()), (1, 1, 1, 3));
         assert_eq!(o.get(Tier::Host), 1);
+    }
+
+    #[test]
+    fn tiers_add_up() {
+        let o = TieredOverlap::on_device(3)
+            .with(Tier::Host, 2)
+            .with(Tier::Disk, 1);
+        assert_eq!(Tier::ALL.map(|t| o.get(t)), [3, 2, 1], "per-tier counts");
+        assert_eq!(o.total(), 6);
     }
 }

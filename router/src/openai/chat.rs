@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::response::Response;
 use axum::Extension;
 use kvmesh_common::{FinishReason, TokenEvent, Usage};
-use kvmesh_engine::chat_template::ChatMessage;
+use kvmesh_prompt::chat_template::ChatMessage;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 

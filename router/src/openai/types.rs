@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use kvmesh_common::{FinishReason, TokenEvent, TokenId, Usage};
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use serde::{Deserialize, Serialize};
 
 /// `stop`: one string or a list.

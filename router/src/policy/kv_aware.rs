@@ -49,7 +49,7 @@ impl KvAware {
         let overlap = request.overlap_of(node);
         let credited: f64 = Tier::ALL
             .iter()
-            .map(|&t| self.config.credit(t) * overlap.blocks(t) as f64)
+            .map(|&t| self.config.credit(t) * overlap.get(t) as f64)
             .sum();
         let prompt = request.prompt_blocks as f64;
         (prompt - credited.min(prompt)) / prompt
@@ -108,7 +108,7 @@ impl RoutingPolicy for KvAware {
 mod tests {
     use super::*;
     use crate::policy::testing::{snapshots, Snapshot};
-    use crate::policy::Overlap;
+    use crate::policy::TieredOverlap;
     use proptest::prelude::*;
     use std::collections::HashSet;
 
@@ -119,7 +119,7 @@ mod tests {
         })
     }
 
-    fn with_overlap(mut s: Snapshot, overlaps: &[(u64, Overlap)]) -> Snapshot {
+    fn with_overlap(mut s: Snapshot, overlaps: &[(u64, TieredOverlap)]) -> Snapshot {
         s.overlap = overlaps.iter().map(|&(id, o)| (NodeId(id), o)).collect();
         s
     }
@@ -128,7 +128,10 @@ mod tests {
     fn prefers_the_node_holding_the_prompt() {
         let s = with_overlap(
             Snapshot::with_loads(&[2, 2, 2], 64),
-            &[(2, Overlap::on_device(48)), (3, Overlap::on_device(16))],
+            &[
+                (2, TieredOverlap::on_device(48)),
+                (3, TieredOverlap::on_device(16)),
+            ],
         );
         assert_eq!(seeded().select(&s.request()), Some(NodeId(2)));
         assert_eq!(seeded().select(&Snapshot::default().request()), None);
@@ -140,7 +143,7 @@ mod tests {
         let hit = |loads: &[usize]| {
             let s = with_overlap(
                 Snapshot::with_loads(loads, 64),
-                &[(1, Overlap::on_device(64))],
+                &[(1, TieredOverlap::on_device(64))],
             );
             seeded().select(&s.request()).unwrap().0
         };
@@ -154,9 +157,9 @@ mod tests {
         let s = with_overlap(
             Snapshot::with_loads(&[0, 0, 0], 10),
             &[
-                (1, Overlap::default().with(Tier::Disk, 10)),
-                (2, Overlap::default().with(Tier::Host, 10)),
-                (3, Overlap::on_device(7)),
+                (1, TieredOverlap::default().with(Tier::Disk, 10)),
+                (2, TieredOverlap::default().with(Tier::Host, 10)),
+                (3, TieredOverlap::on_device(7)),
             ],
         );
         // Device 7 * 1.0 < host 10 * 0.8 = 8; disk 10 * 0.5 = 5.
@@ -173,7 +176,10 @@ mod tests {
         // Without the guard the cached node wins: 1.0 * 0 + 0.1 * 9 < 1.0 + 0.1 * 1.
         let s = with_overlap(
             Snapshot::with_loads(&[9, 1, 2], 64),
-            &[(1, Overlap::on_device(64)), (3, Overlap::on_device(16))],
+            &[
+                (1, TieredOverlap::on_device(64)),
+                (3, TieredOverlap::on_device(16)),
+            ],
         );
         let unguarded = KvAware::new(KvAwareConfig {
             imbalance_slack: 100,
@@ -193,7 +199,7 @@ mod tests {
     fn ties_are_shared_at_random_and_reproducibly() {
         let s = with_overlap(
             Snapshot::with_loads(&[1, 1, 1, 5], 8),
-            &[(4, Overlap::on_device(2))],
+            &[(4, TieredOverlap::on_device(2))],
         );
         let picks = |seed| {
             let policy = KvAware::new(KvAwareConfig {
@@ -234,7 +240,7 @@ mod tests {
         #[test]
         fn a_full_hit_loses_only_to_less_load_or_another_full_hit(s in snapshots(), seed: u64) {
             let mut s = s;
-            s.overlap.insert(NodeId(1), Overlap::on_device(s.prompt_blocks));
+            s.overlap.insert(NodeId(1), TieredOverlap::on_device(s.prompt_blocks));
             let policy = KvAware::new(KvAwareConfig { seed: Some(seed), ..KvAwareConfig::default() });
             let r = s.request();
             let chosen = policy.select(&r).unwrap();

@@ -25,7 +25,7 @@ pub use config::{KvAwareConfig, RoutingConfig, UnknownPolicy};
 pub use disaggregation::{should_prefill_remotely, DisaggConfig};
 pub use kv_aware::KvAware;
 pub use least_loaded::{least_loaded, least_loaded_with, LeastLoaded};
-pub use overlap::{overlap_by_tier, overlap_on_device, Overlap, Tier};
+pub use overlap::{overlap_on_device, Tier, TieredOverlap};
 pub use power_of_two::PowerOfTwo;
 pub use pull::pull_holder;
 pub use random::Random;
@@ -60,7 +60,7 @@ pub struct RouteRequest<'a> {
     /// The prompt's length in full KV blocks (what the prefix index can know of).
     pub prompt_blocks: usize,
     /// Leading prompt blocks each node holds, by tier. Missing = none.
-    pub overlap: &'a HashMap<NodeId, Overlap>,
+    pub overlap: &'a HashMap<NodeId, TieredOverlap>,
 }
 
 impl RouteRequest<'_> {
@@ -72,7 +72,7 @@ impl RouteRequest<'_> {
     }
 
     /// The prompt blocks `node` holds, by tier.
-    pub fn overlap_of(&self, node: NodeId) -> Overlap {
+    pub fn overlap_of(&self, node: NodeId) -> TieredOverlap {
         self.overlap.get(&node).copied().unwrap_or_default()
     }
 }

@@ -3,7 +3,7 @@
 //! them. The decode node makes the final call from the transfer and prefill rates it has
 //! measured; this only says where the blocks are.
 
-use super::Overlap;
+use super::TieredOverlap;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
 use std::collections::HashMap;
@@ -14,11 +14,11 @@ use std::collections::HashMap;
 /// is stable.
 pub fn pull_holder<'a>(
     holders: impl IntoIterator<Item = &'a NodeEntry>,
-    overlap: &HashMap<NodeId, Overlap>,
+    overlap: &HashMap<NodeId, TieredOverlap>,
     decode: NodeId,
     min_blocks: usize,
 ) -> Option<(NodeId, usize)> {
-    let held = |id: NodeId| overlap.get(&id).map_or(0, Overlap::total);
+    let held = |id: NodeId| overlap.get(&id).map_or(0, TieredOverlap::total);
     let own = held(decode);
     holders
         .into_iter()
@@ -34,10 +34,10 @@ mod tests {
     use super::*;
     use crate::policy::testing::node;
 
-    fn overlap(pairs: &[(u64, usize)]) -> HashMap<NodeId, Overlap> {
+    fn overlap(pairs: &[(u64, usize)]) -> HashMap<NodeId, TieredOverlap> {
         pairs
             .iter()
-            .map(|&(id, n)| (NodeId(id), Overlap::on_device(n)))
+            .map(|&(id, n)| (NodeId(id), TieredOverlap::on_device(n)))
             .collect()
     }
 

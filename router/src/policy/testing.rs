@@ -1,6 +1,6 @@
 //! Snapshots for the policy tests.
 
-use super::{Overlap, RouteRequest};
+use super::{RouteRequest, TieredOverlap};
 use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_kvstore::NodeEntry;
 use proptest::prelude::*;
@@ -13,7 +13,8 @@ pub fn node(id: u64, running: usize, waiting: usize, used: usize) -> NodeEntry {
             role: NodeRole::Decode,
             address: "in-process".into(),
             transfer_address: String::new(),
-            model_fingerprint: 0,
+            model_fingerprint: kvmesh_common::ModelFingerprint(0),
+            block_size: 16,
             kv_blocks_total: 100,
         },
         load: LoadReport {
@@ -30,7 +31,7 @@ pub struct Snapshot {
     pub nodes: Vec<NodeEntry>,
     pub in_flight: HashMap<NodeId, usize>,
     pub prompt_blocks: usize,
-    pub overlap: HashMap<NodeId, Overlap>,
+    pub overlap: HashMap<NodeId, TieredOverlap>,
 }
 
 impl Snapshot {
@@ -81,7 +82,7 @@ pub fn snapshots() -> impl Strategy<Value = Snapshot> {
             if cached > 0 {
                 let tier = super::Tier::ALL[tier];
                 s.overlap
-                    .insert(NodeId(id), Overlap::default().with(tier, cached));
+                    .insert(NodeId(id), TieredOverlap::default().with(tier, cached));
             }
         }
         s

@@ -12,7 +12,7 @@ use axum::body::Body;
 use axum::http::{header, HeaderMap, Request, StatusCode};
 use http_body_util::BodyExt;
 use kvmesh_common::{FinishReason, GenerateEvent, GenerateRequest, TokenEvent, Usage, WorkerError};
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use kvmesh_router::{Backend, Router, RouterConfig};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, Notify};

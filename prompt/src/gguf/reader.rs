@@ -12,8 +12,8 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use super::error::LoadError;
 use super::types::{GgmlType, GgufValue};
+use crate::error::ModelFileError;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
@@ -60,15 +60,15 @@ impl std::fmt::Debug for GgufFile {
 }
 
 impl GgufFile {
-    pub fn open(path: &Path) -> Result<Self, LoadError> {
-        let io = |source| LoadError::Io {
+    pub fn open(path: &Path) -> Result<Self, ModelFileError> {
+        let io = |source| ModelFileError::Io {
             path: path.to_path_buf(),
             source,
         };
         let file = File::open(path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len < 4 {
-            return Err(LoadError::Truncated {
+            return Err(ModelFileError::Truncated {
                 path: path.to_path_buf(),
                 what: "the GGUF header".into(),
                 offset: 0,
@@ -82,7 +82,7 @@ impl GgufFile {
         Self::parse(path, Arc::new(mmap))
     }
 
-    fn parse(path: &Path, mmap: Arc<Mmap>) -> Result<Self, LoadError> {
+    fn parse(path: &Path, mmap: Arc<Mmap>) -> Result<Self, ModelFileError> {
         let mut r = Cursor {
             buf: &mmap[..],
             pos: 0,
@@ -90,14 +90,14 @@ impl GgufFile {
         };
         let magic = r.bytes(4, "the magic bytes")?;
         if magic != MAGIC {
-            return Err(LoadError::BadMagic {
+            return Err(ModelFileError::BadMagic {
                 path: path.to_path_buf(),
                 magic: magic.to_vec(),
             });
         }
         let version = r.u32("the version")?;
         if !(2..=3).contains(&version) {
-            return Err(LoadError::UnsupportedVersion {
+            return Err(ModelFileError::UnsupportedVersion {
                 path: path.to_path_buf(),
                 version,
             });
@@ -113,7 +113,7 @@ impl GgufFile {
             let type_id = r.u32(&format!("the type of metadata `{key}`"))?;
             let value = r.value(&key, type_id, 0)?;
             if metadata.insert(key.clone(), value).is_some() {
-                return Err(LoadError::DuplicateKey {
+                return Err(ModelFileError::DuplicateKey {
                     path: path.to_path_buf(),
                     key,
                 });
@@ -124,7 +124,7 @@ impl GgufFile {
             None => DEFAULT_ALIGNMENT,
             Some(GgufValue::U32(a)) => u64::from(*a),
             Some(_) => {
-                return Err(LoadError::WrongMetadataType {
+                return Err(ModelFileError::WrongMetadataType {
                     path: path.to_path_buf(),
                     key: "general.alignment".into(),
                     expected: "a u32",
@@ -132,7 +132,7 @@ impl GgufFile {
             }
         };
         if !alignment.is_power_of_two() {
-            return Err(LoadError::BadAlignment {
+            return Err(ModelFileError::BadAlignment {
                 path: path.to_path_buf(),
                 alignment,
             });
@@ -167,7 +167,7 @@ impl GgufFile {
         let mut by_name = HashMap::with_capacity(raw.len());
         for (name, dims, type_id, rel_offset) in raw {
             let ggml_type =
-                GgmlType::from_id(type_id).ok_or_else(|| LoadError::UnknownTensorType {
+                GgmlType::from_id(type_id).ok_or_else(|| ModelFileError::UnknownTensorType {
                     path: path.to_path_buf(),
                     tensor: name.clone(),
                     type_id,
@@ -188,7 +188,7 @@ impl GgufFile {
             match (start, end) {
                 (Some(start), Some(end)) if end <= file_size => {
                     if by_name.insert(name.clone(), tensors.len()).is_some() {
-                        return Err(LoadError::DuplicateTensor {
+                        return Err(ModelFileError::DuplicateTensor {
                             path: path.to_path_buf(),
                             name,
                         });
@@ -202,7 +202,7 @@ impl GgufFile {
                     });
                 }
                 _ => {
-                    return Err(LoadError::TensorOutOfBounds {
+                    return Err(ModelFileError::TensorOutOfBounds {
                         path: path.to_path_buf(),
                         tensor: name,
                         start: data_offset.saturating_add(rel_offset),
@@ -230,21 +230,14 @@ impl GgufFile {
     }
 
     /// The raw (possibly quantized) bytes of one tensor, borrowed from the map.
-    pub fn tensor_bytes(&self, name: &str) -> Result<&[u8], LoadError> {
-        let t = self.tensor(name).ok_or_else(|| LoadError::MissingTensor {
-            path: self.path.clone(),
-            name: name.into(),
-        })?;
+    pub fn tensor_bytes(&self, name: &str) -> Option<&[u8]> {
         // In bounds: checked against the file size in `parse`.
-        Ok(&self.mmap[t.offset as usize..(t.offset + t.size) as usize])
+        self.tensor(name)
+            .map(|t| &self.mmap[t.offset as usize..(t.offset + t.size) as usize])
     }
 
-    /// The whole file, e.g. for fingerprinting.
-    pub fn bytes(&self) -> &[u8] {
-        &self.mmap[..]
-    }
-
-    pub(crate) fn mmap(&self) -> &Arc<Mmap> {
+    /// The map of the whole file, which weights borrow their data from.
+    pub fn mmap(&self) -> &Arc<Mmap> {
         &self.mmap
     }
 
@@ -252,15 +245,24 @@ impl GgufFile {
         self.metadata.get(key)
     }
 
-    fn missing(&self, key: &str) -> LoadError {
-        LoadError::MissingMetadata {
+    /// A value that has the right type but cannot be used.
+    pub fn bad_value(&self, key: &str, reason: String) -> ModelFileError {
+        ModelFileError::BadConfigValue {
+            path: self.path.clone(),
+            key: key.into(),
+            reason,
+        }
+    }
+
+    fn missing(&self, key: &str) -> ModelFileError {
+        ModelFileError::MissingMetadata {
             path: self.path.clone(),
             key: key.into(),
         }
     }
 
-    fn wrong(&self, key: &str, expected: &'static str) -> LoadError {
-        LoadError::WrongMetadataType {
+    fn wrong(&self, key: &str, expected: &'static str) -> ModelFileError {
+        ModelFileError::WrongMetadataType {
             path: self.path.clone(),
             key: key.into(),
             expected,
@@ -268,18 +270,18 @@ impl GgufFile {
     }
 
     /// A present key must hold a string; `Ok(None)` when absent.
-    pub fn str_opt(&self, key: &str) -> Result<Option<&str>, LoadError> {
+    pub fn str_opt(&self, key: &str) -> Result<Option<&str>, ModelFileError> {
         self.get(key)
             .map(|v| v.as_str().ok_or_else(|| self.wrong(key, "a string")))
             .transpose()
     }
 
-    pub fn str_req(&self, key: &str) -> Result<&str, LoadError> {
+    pub fn str_req(&self, key: &str) -> Result<&str, ModelFileError> {
         self.str_opt(key)?.ok_or_else(|| self.missing(key))
     }
 
     /// Any non-negative integer type.
-    pub fn u64_opt(&self, key: &str) -> Result<Option<u64>, LoadError> {
+    pub fn u64_opt(&self, key: &str) -> Result<Option<u64>, ModelFileError> {
         self.get(key)
             .map(|v| {
                 v.as_u64()
@@ -288,33 +290,47 @@ impl GgufFile {
             .transpose()
     }
 
-    pub fn u64_req(&self, key: &str) -> Result<u64, LoadError> {
+    pub fn u64_req(&self, key: &str) -> Result<u64, ModelFileError> {
         self.u64_opt(key)?.ok_or_else(|| self.missing(key))
     }
 
+    /// A count or size: a present key must hold an integer in 1..=u32::MAX.
+    pub fn positive_opt(&self, key: &str) -> Result<Option<usize>, ModelFileError> {
+        self.u64_opt(key)?
+            .map(|v| match usize::try_from(v) {
+                Ok(v) if v > 0 && v <= u32::MAX as usize => Ok(v),
+                _ => Err(self.bad_value(key, format!("{v} is out of range"))),
+            })
+            .transpose()
+    }
+
+    pub fn positive_req(&self, key: &str) -> Result<usize, ModelFileError> {
+        self.positive_opt(key)?.ok_or_else(|| self.missing(key))
+    }
+
     /// Any numeric type.
-    pub fn f64_opt(&self, key: &str) -> Result<Option<f64>, LoadError> {
+    pub fn f64_opt(&self, key: &str) -> Result<Option<f64>, ModelFileError> {
         self.get(key)
             .map(|v| v.as_f64().ok_or_else(|| self.wrong(key, "a number")))
             .transpose()
     }
 
-    pub fn bool_opt(&self, key: &str) -> Result<Option<bool>, LoadError> {
+    pub fn bool_opt(&self, key: &str) -> Result<Option<bool>, ModelFileError> {
         self.get(key)
             .map(|v| v.as_bool().ok_or_else(|| self.wrong(key, "a bool")))
             .transpose()
     }
 
     /// An array (absent: `Ok(None)`).
-    pub fn array_opt(&self, key: &str) -> Result<Option<&[GgufValue]>, LoadError> {
+    pub fn array_opt(&self, key: &str) -> Result<Option<&[GgufValue]>, ModelFileError> {
         self.get(key)
             .map(|v| v.as_array().ok_or_else(|| self.wrong(key, "an array")))
             .transpose()
     }
 }
 
-fn bad_tensor(path: &Path, name: &str, reason: String) -> LoadError {
-    LoadError::BadTensorInfo {
+fn bad_tensor(path: &Path, name: &str, reason: String) -> ModelFileError {
+    ModelFileError::BadTensorInfo {
         path: path.to_path_buf(),
         tensor: name.into(),
         reason,
@@ -353,9 +369,9 @@ impl<'a> Cursor<'a> {
         (self.buf.len() - self.pos) as u64
     }
 
-    fn bytes(&mut self, n: u64, what: &str) -> Result<&'a [u8], LoadError> {
+    fn bytes(&mut self, n: u64, what: &str) -> Result<&'a [u8], ModelFileError> {
         if n > self.remaining() {
-            return Err(LoadError::Truncated {
+            return Err(ModelFileError::Truncated {
                 path: self.path.to_path_buf(),
                 what: what.into(),
                 offset: self.pos as u64,
@@ -368,25 +384,25 @@ impl<'a> Cursor<'a> {
         Ok(s)
     }
 
-    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], LoadError> {
+    fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N], ModelFileError> {
         Ok(self
             .bytes(N as u64, what)?
             .try_into()
             .expect("length checked"))
     }
 
-    fn u32(&mut self, what: &str) -> Result<u32, LoadError> {
+    fn u32(&mut self, what: &str) -> Result<u32, ModelFileError> {
         Ok(u32::from_le_bytes(self.array(what)?))
     }
 
-    fn u64(&mut self, what: &str) -> Result<u64, LoadError> {
+    fn u64(&mut self, what: &str) -> Result<u64, ModelFileError> {
         Ok(u64::from_le_bytes(self.array(what)?))
     }
 
     /// Rejects `count` items of at least `min_size` bytes each that cannot fit.
-    fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<(), LoadError> {
+    fn check_count(&self, count: u64, min_size: u64, what: &str) -> Result<(), ModelFileError> {
         if count.saturating_mul(min_size) > self.remaining() {
-            return Err(LoadError::CountTooLarge {
+            return Err(ModelFileError::CountTooLarge {
                 path: self.path.to_path_buf(),
                 what: what.into(),
                 count,
@@ -396,16 +412,21 @@ impl<'a> Cursor<'a> {
         Ok(())
     }
 
-    fn string(&mut self, what: &str) -> Result<String, LoadError> {
+    fn string(&mut self, what: &str) -> Result<String, ModelFileError> {
         let len = self.u64(what)?;
         let bytes = self.bytes(len, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| LoadError::InvalidUtf8 {
+        String::from_utf8(bytes.to_vec()).map_err(|_| ModelFileError::InvalidUtf8 {
             path: self.path.to_path_buf(),
             what: what.into(),
         })
     }
 
-    fn value(&mut self, key: &str, type_id: u32, depth: usize) -> Result<GgufValue, LoadError> {
+    fn value(
+        &mut self,
+        key: &str,
+        type_id: u32,
+        depth: usize,
+    ) -> Result<GgufValue, ModelFileError> {
         let what = format!("metadata `{key}`");
         Ok(match type_id {
             0 => GgufValue::U8(self.array::<1>(&what)?[0]),
@@ -419,7 +440,7 @@ impl<'a> Cursor<'a> {
             8 => GgufValue::String(self.string(&what)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(LoadError::NestingTooDeep {
+                    return Err(ModelFileError::NestingTooDeep {
                         path: self.path.to_path_buf(),
                         key: key.into(),
                         max: MAX_ARRAY_DEPTH,
@@ -434,7 +455,7 @@ impl<'a> Cursor<'a> {
                     8 | 10..=12 => 8,
                     9 => 12,
                     _ => {
-                        return Err(LoadError::UnknownValueType {
+                        return Err(ModelFileError::UnknownValueType {
                             path: self.path.to_path_buf(),
                             key: key.into(),
                             type_id: elem_type,
@@ -452,7 +473,7 @@ impl<'a> Cursor<'a> {
             11 => GgufValue::I64(i64::from_le_bytes(self.array(&what)?)),
             12 => GgufValue::F64(f64::from_le_bytes(self.array(&what)?)),
             _ => {
-                return Err(LoadError::UnknownValueType {
+                return Err(ModelFileError::UnknownValueType {
                     path: self.path.to_path_buf(),
                     key: key.into(),
                     type_id,

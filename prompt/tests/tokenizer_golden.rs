@@ -1,14 +1,14 @@
 //! The tokenizer, chat template and incremental detokenizer on the real SmolLM2 GGUF,
-//! against ids produced by llama.cpp (shared/golden/smollm2_golden.json).
+//! against ids produced by llama.cpp (data/golden/smollm2_golden.json).
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use kvmesh_engine::chat_template::{ChatMessage, ChatTemplate};
-use kvmesh_engine::detokenizer::IncrementalDetokenizer;
-use kvmesh_engine::gguf::GgufFile;
-use kvmesh_engine::model_fetch::default_model_path;
-use kvmesh_engine::tokenizer::Tokenizer;
+use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
+use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
+use kvmesh_prompt::gguf::GgufFile;
+use kvmesh_prompt::model_fetch::default_model_path;
+use kvmesh_prompt::tokenizer::Tokenizer;
 use proptest::prelude::*;
 use serde_json::Value;
 
@@ -36,8 +36,10 @@ fn tokenizer() -> &'static Tokenizer {
 fn golden() -> &'static Value {
     static GOLDEN: OnceLock<Value> = OnceLock::new();
     GOLDEN.get_or_init(|| {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../../shared/golden/smollm2_golden.json");
+        let path = PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../data/golden/smollm2_golden.json"
+        ));
         let text = std::fs::read_to_string(&path)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
         serde_json::from_str(&text).expect("golden json")

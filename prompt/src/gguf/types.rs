@@ -1,7 +1,5 @@
 //! GGUF metadata values and ggml tensor types.
 
-use kvmesh_kernels::WeightFormat;
-
 /// One metadata value. Arrays hold values of one type (possibly arrays).
 #[derive(Clone, Debug, PartialEq)]
 pub enum GgufValue {
@@ -152,21 +150,6 @@ impl GgmlType {
     pub fn block(self) -> (u64, u64) {
         let e = self.entry();
         (e.2, e.3)
-    }
-
-    /// The kernels' format for this type, if the kernels implement it.
-    pub fn weight_format(self) -> Option<WeightFormat> {
-        Some(match self {
-            GgmlType::F32 => WeightFormat::F32,
-            GgmlType::F16 => WeightFormat::F16,
-            GgmlType::BF16 => WeightFormat::BF16,
-            GgmlType::Q8_0 => WeightFormat::Q8_0,
-            GgmlType::Q4_0 => WeightFormat::Q4_0,
-            GgmlType::Q4_1 => WeightFormat::Q4_1,
-            GgmlType::Q4_K => WeightFormat::Q4_K,
-            GgmlType::Q6_K => WeightFormat::Q6_K,
-            _ => return None,
-        })
     }
 }
 

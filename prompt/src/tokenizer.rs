@@ -17,7 +17,8 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
 
-use crate::gguf::{GgufFile, LoadError};
+use crate::error::ModelFileError;
+use crate::gguf::GgufFile;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
@@ -118,8 +119,8 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     /// From the `tokenizer.ggml.*` and `tokenizer.chat_template` metadata of a GGUF file.
-    pub fn from_gguf(g: &GgufFile) -> Result<Self, LoadError> {
-        let err = |source| LoadError::Tokenizer {
+    pub fn from_gguf(g: &GgufFile) -> Result<Self, ModelFileError> {
+        let err = |source| ModelFileError::Tokenizer {
             path: g.path.clone(),
             source,
         };
@@ -133,7 +134,7 @@ impl Tokenizer {
             Some(a) => a
                 .iter()
                 .map(|v| {
-                    v.as_i64().ok_or_else(|| LoadError::WrongMetadataType {
+                    v.as_i64().ok_or_else(|| ModelFileError::WrongMetadataType {
                         path: g.path.clone(),
                         key: "tokenizer.ggml.token_type".into(),
                         expected: "an array of integers",
@@ -150,7 +151,7 @@ impl Tokenizer {
             }));
         }
         let pre = g.str_opt("tokenizer.ggml.pre")?.unwrap_or("default");
-        let id = |key: &'static str| -> Result<Option<TokenId>, LoadError> {
+        let id = |key: &'static str| -> Result<Option<TokenId>, ModelFileError> {
             match g.u64_opt(key)? {
                 Some(id) if (id as usize) < tokens.len() => Ok(Some(id as TokenId)),
                 Some(id) => Err(err(TokenizerError::IdOutOfRange {
@@ -426,15 +427,15 @@ fn bos_eos_processor(
         .map_err(err)
 }
 
-fn string_array<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, LoadError> {
-    let wrong = || LoadError::WrongMetadataType {
+fn string_array<'a>(g: &'a GgufFile, key: &str) -> Result<Vec<&'a str>, ModelFileError> {
+    let wrong = || ModelFileError::WrongMetadataType {
         path: g.path.clone(),
         key: key.into(),
         expected: "an array of strings",
     };
     let arr = g
         .array_opt(key)?
-        .ok_or_else(|| LoadError::MissingMetadata {
+        .ok_or_else(|| ModelFileError::MissingMetadata {
             path: g.path.clone(),
             key: key.into(),
         })?;
