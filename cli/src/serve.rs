@@ -3,6 +3,7 @@
 
 mod backend;
 mod config;
+mod mesh;
 
 use crate::admission_args::AdmissionArgs;
 use crate::model_args;
@@ -11,11 +12,11 @@ use backend::MeshBackend;
 use clap::Args;
 use config::ServeConfig;
 use kvmesh_common::BlockHasher;
-use kvmesh_decode::LocalMesh;
 use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
 use kvmesh_router::routing::Routing;
 use kvmesh_router::Router;
+use mesh::LocalMesh;
 use std::path::PathBuf;
 use std::sync::Arc;
 

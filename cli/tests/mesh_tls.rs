@@ -10,10 +10,11 @@ use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingP
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::Loaded;
-use kvmesh_prefill::{DestinationAddresses, PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{
     BlockShape, KvChunk, KvDtype, QuicConfig, QuicTransport, TlsConfig, Transport, TransportError,
 };
+use kvmesh_worker::DestinationAddresses;
 use rand::{Rng, SeedableRng};
 use std::net::SocketAddr;
 use std::path::Path;

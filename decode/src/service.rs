@@ -6,10 +6,10 @@ use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{
+use kvmesh_transfer::NetworkTransport;
+use kvmesh_worker::{
     DestinationAddresses, HolderDirectory, KvPull, PrefillClient, PrefillTarget, RemotePrefill,
 };
-use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -22,8 +22,6 @@ pub mod scheduler;
 pub mod stop;
 pub mod tier_store;
 pub mod tokenizer;
-pub mod worker_load;
-pub mod worker_metrics;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -12,8 +12,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_prefill::{DestinationAddresses, KvCacheService, LearnPeer};
 use kvmesh_transfer::Transport;
+use kvmesh_worker::{DestinationAddresses, KvCacheService, LearnPeer};
 use std::sync::Arc;
 use std::time::Duration;
 

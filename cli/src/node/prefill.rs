@@ -11,10 +11,9 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_prefill::{
-    HolderDirectory, KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::Transport;
+use kvmesh_worker::{HolderDirectory, KvCacheService, LearnPeer};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -3,13 +3,14 @@
 //! the in-memory prefix index the workers feed, counting each request on its worker until
 //! its stream ends.
 
+use super::mesh::LocalMesh;
 use kvmesh_common::WorkerError;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeInfo, NodeRole};
-use kvmesh_decode::{DecodeHandle, KvPull, LocalMesh};
-use kvmesh_engine::worker_load::WorkerLoad;
+use kvmesh_decode::DecodeHandle;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
-use kvmesh_prefill::{ExportSource, PrefillHandle};
+use kvmesh_prefill::PrefillHandle;
 use kvmesh_router::routing::Routing;
+use kvmesh_worker::{ExportSource, KvPull, WorkerLoad};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,8 +1,8 @@
 //! The typed configuration of `kvmesh serve`: defaults < TOML file < `KVMESH_*` env < flags.
 
+use super::mesh::LocalMeshConfig as MeshConfig;
 use super::ServeArgs;
 use anyhow::{bail, Context, Result};
-use kvmesh_decode::LocalMeshConfig as MeshConfig;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::RouterConfig;

@@ -2,24 +2,22 @@
 //! disaggregated output equals a lone local run, a call's deadline ends it and frees its
 //! blocks, and dropping the call cancels it.
 
-mod common;
+mod workers;
 
-use common::*;
 use kvmesh_common::grpc::{self, pb, PrefillTarget};
 use kvmesh_common::{metrics, GenerateEvent, GenerateRequest, NodeId};
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_prefill::{
-    DestinationAddresses, HolderDirectory, KvCacheService, LearnPeer, PrefillConfig,
-    PrefillService, PrefillWorker,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{
     LoopbackFabric, LoopbackRdma, NetworkTransport, QuicConfig, QuicTransport, RdmaPeering,
     Transport,
 };
+use kvmesh_worker::{DestinationAddresses, HolderDirectory, KvCacheService, LearnPeer};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_stream::wrappers::TcpListenerStream;
+use workers::*;
 
 const LOOPBACK: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
