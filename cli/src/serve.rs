@@ -11,8 +11,8 @@ use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
 use config::ServeConfig;
+use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_common::BlockHasher;
-use kvmesh_engine::kv_events::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
 use kvmesh_router::routing::Routing;
 use kvmesh_router::Router;
@@ -68,10 +68,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     // The workers announce what they cache straight into the router's prefix index.
     let index = Arc::new(InMemoryPrefixIndex::new());
     let mut mesh_config = config.mesh_config();
-    let sink = {
-        let index = index.clone();
-        KvEventSink::new(move |node, events| index.apply(node, &events))
-    };
+    let sink: Arc<dyn KvEventSink> = index.clone();
     mesh_config.decode.kv_events = Some(sink.clone());
     mesh_config.prefill.kv_events = Some(sink);
     let mesh = LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?;

@@ -309,13 +309,19 @@ fn seeded_sampling_continues_the_same_random_stream_after_a_remote_prefill() {
 
 #[test]
 fn a_worker_announces_the_prefixes_it_caches() {
+    use kvmesh_common::kv_tier::{KvEventSink, TieredKvEvent};
     use kvmesh_common::{BlockHasher, KvEvent};
-    use kvmesh_engine::kv_events::KvEventSink;
+    /// Hands each announcement to the test.
+    #[derive(Debug)]
+    struct Announced(crossbeam_channel::Sender<(NodeId, Vec<TieredKvEvent>)>);
+    impl KvEventSink for Announced {
+        fn publish(&self, node: NodeId, events: Vec<TieredKvEvent>) {
+            let _ = self.0.send((node, events));
+        }
+    }
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut config = DecodeConfig::new(NodeId(0x2ff));
-    config.kv_events = Some(KvEventSink::new(move |node, events| {
-        let _ = tx.send((node, events));
-    }));
+    config.kv_events = Some(Arc::new(Announced(tx)));
     let worker =
         DecodeWorker::spawn(config, engine(), Arc::new(InProcessTransport::new(16))).unwrap();
     let req = request(51, prompt(51, 40), 4);

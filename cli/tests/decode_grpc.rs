@@ -4,7 +4,7 @@
 
 mod workers;
 
-use kvmesh_common::grpc::{self, pb, PrefillTarget};
+use kvmesh_common::grpc::{self, pb, PrefillNode};
 use kvmesh_common::{metrics, GenerateEvent, GenerateRequest, NodeId};
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
@@ -30,7 +30,7 @@ struct Mesh {
     _decode: DecodeWorker,
     decode: DecodeHandle,
     decode_addr: SocketAddr,
-    prefill: PrefillTarget,
+    prefill: PrefillNode,
 }
 
 async fn serve<S>(service: S) -> SocketAddr
@@ -108,7 +108,7 @@ async fn mesh_with(rdma: bool) -> Mesh {
         _prefill: prefill,
         _decode: decode,
         decode_addr,
-        prefill: PrefillTarget {
+        prefill: PrefillNode {
             node_id: NodeId(0x100),
             address: prefill_addr.to_string(),
         },
@@ -196,7 +196,7 @@ async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
     );
 
     let mut c = client(d_addr).await;
-    let target = |node_id, addr: SocketAddr| PrefillTarget {
+    let target = |node_id, addr: SocketAddr| PrefillNode {
         node_id,
         address: addr.to_string(),
     };
@@ -226,7 +226,7 @@ async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
 async fn generate(
     c: &mut pb::decode_client::DecodeClient<tonic::transport::Channel>,
     req: &GenerateRequest,
-    prefill: PrefillTarget,
+    prefill: PrefillNode,
 ) -> Vec<u32> {
     let call = grpc::generate_request_to_pb(req, &prefill.into());
     let mut stream = c.generate(call).await.unwrap().into_inner();

@@ -3,8 +3,8 @@
 use crate::config::DecodeConfig;
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{
-    GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
-    WorkerError,
+    GenerateEvent, GenerateRequest, LoadReport, NodeId, RequestId, SamplingParams, TokenEvent,
+    Usage, WorkerError,
 };
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
@@ -12,7 +12,7 @@ use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, Control, EngineThread, ExportError, ExportJob, ExportReply, ExportRequest,
     ExportSource, IncomingTransfer, KvDestination, KvExporter, KvPull, LoadPublisher, NodeState,
-    PrefillDone, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerLoad, WorkerMetrics,
+    PrefillDone, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -179,8 +179,13 @@ impl DecodeHandle {
         Ok(())
     }
 
-    pub fn load(&self) -> WorkerLoad {
+    pub fn load(&self) -> LoadReport {
         self.shared.load.get()
+    }
+
+    /// Blocks in the worker's KV pool.
+    pub fn kv_blocks_total(&self) -> usize {
+        self.shared.kv_blocks_total
     }
 
     pub fn is_draining(&self) -> bool {
@@ -234,6 +239,7 @@ impl DecodeWorker {
         let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared::new(
             config.node_id,
+            engine.scheduler().pool().num_blocks(),
             config.max_queued_requests,
             limits,
         ));

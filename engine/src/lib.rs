@@ -8,7 +8,6 @@ pub mod detokenizer;
 pub mod engine_config;
 pub mod gguf;
 pub mod kv_blocks;
-pub mod kv_events;
 pub mod llama_runner;
 pub mod llm_engine;
 pub mod mock_runner;

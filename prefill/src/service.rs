@@ -131,7 +131,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         Ok(Response::new(grpc::health_reply(
             h.node_id(),
             !h.is_draining(),
-            h.load().into(),
+            h.load(),
             self.accepted.load(Ordering::Relaxed),
         )))
     }

@@ -3,22 +3,22 @@
 use crate::push::KvPush;
 use crate::reply::ReplyTo;
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
-use kvmesh_common::{NodeId, RequestId};
-use kvmesh_engine::kv_events::KvEventSink;
+use kvmesh_common::kv_tier::KvEventSink;
+use kvmesh_common::{LoadReport, NodeId, RequestId};
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, Control, EngineThread, ExportError, ExportJob, ExportReply, ExportRequest,
     KvExporter, KvPull, LoadPublisher, NodeState, PrefillClient, PrefillDone, PrefillError,
-    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerLoad, WorkerMetrics,
+    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// A prefill worker's own settings (its engine is configured where it is built).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct PrefillConfig {
     pub node_id: NodeId,
     /// Requests accepted and not yet answered; more are refused with `Overloaded`, so the
@@ -31,7 +31,7 @@ pub struct PrefillConfig {
     /// before it recomputes the prefix instead.
     pub pull_timeout: Duration,
     /// Where this node announces its prefix-cache changes (none: not announced).
-    pub kv_events: Option<KvEventSink>,
+    pub kv_events: Option<Arc<dyn KvEventSink>>,
 }
 
 impl PrefillConfig {
@@ -122,8 +122,13 @@ impl PrefillHandle {
         }
     }
 
-    pub fn load(&self) -> WorkerLoad {
+    pub fn load(&self) -> LoadReport {
         self.shared.load.get()
+    }
+
+    /// Blocks in the worker's KV pool.
+    pub fn kv_blocks_total(&self) -> usize {
+        self.shared.kv_blocks_total
     }
 
     pub fn is_draining(&self) -> bool {
@@ -197,6 +202,7 @@ impl PrefillWorker {
         let (tx, rx) = kvmesh_worker::inbox(config.max_queued_requests);
         let shared = Arc::new(Shared::new(
             config.node_id,
+            engine.scheduler().pool().num_blocks(),
             config.max_queued_requests,
             engine.runner().kv_shape(),
         ));

@@ -26,6 +26,8 @@ pub fn inbox<M>(max_queued_requests: usize) -> (Sender<M>, Receiver<M>) {
 #[derive(Debug)]
 pub struct NodeState<R> {
     pub node_id: NodeId,
+    /// Blocks in the KV pool (what the node announces in its `NodeInfo`).
+    pub kv_blocks_total: usize,
     /// Requests accepted and not yet admitted: handles take slots, the thread gives them back.
     pub queue: QueueSlots,
     /// What the thread last published.
@@ -35,9 +37,15 @@ pub struct NodeState<R> {
 }
 
 impl<R> NodeState<R> {
-    pub fn new(node_id: NodeId, max_queued_requests: usize, role: R) -> Self {
+    pub fn new(
+        node_id: NodeId,
+        kv_blocks_total: usize,
+        max_queued_requests: usize,
+        role: R,
+    ) -> Self {
         NodeState {
             node_id,
+            kv_blocks_total,
             queue: QueueSlots::new(max_queued_requests),
             load: LoadCell::default(),
             draining: AtomicBool::new(false),
@@ -147,7 +155,7 @@ mod tests {
     #[test]
     fn a_drain_wakes_the_thread_and_a_missed_deadline_stops_it() {
         let (thread, said) = stubborn();
-        let state = NodeState::new(NodeId(1), 4, ());
+        let state = NodeState::new(NodeId(1), 16, 4, ());
         assert!(!state.is_draining());
         state.drain(&thread.inbox);
         assert!(state.is_draining());

@@ -37,7 +37,7 @@ pub use export::{
 };
 pub use export_rpc::{HolderDirectory, KvCacheService, LearnPeer, RemoteExporter};
 pub use incoming::{IncomingError, IncomingTransfer};
-pub use load::{LoadCell, QueueSlots, WorkerLoad};
+pub use load::{LoadCell, QueueSlots};
 pub use metrics::WorkerMetrics;
 pub use publish::LoadPublisher;
 pub use pull::{KvPull, Puller};

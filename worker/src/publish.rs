@@ -1,17 +1,18 @@
 //! What a worker's thread publishes after each turn of its loop, whatever its role.
 
-use crate::load::{LoadCell, WorkerLoad};
+use crate::load::LoadCell;
 use crate::metrics::WorkerMetrics;
-use kvmesh_common::NodeId;
-use kvmesh_engine::kv_events::KvEventSink;
+use kvmesh_common::kv_tier::KvEventSink;
+use kvmesh_common::{LoadReport, NodeId};
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
+use std::sync::Arc;
 
 /// Publishes a worker's prefix-cache changes to its sink, and its load to its handles (from
 /// which discovery and routers read it) and to its metrics.
 pub struct LoadPublisher {
     node_id: NodeId,
-    kv_events: Option<KvEventSink>,
+    kv_events: Option<Arc<dyn KvEventSink>>,
     metrics: WorkerMetrics,
     /// The engine's preemption count at the last publication (the metric counts the rest).
     last_preemptions: u64,
@@ -19,7 +20,11 @@ pub struct LoadPublisher {
 
 impl LoadPublisher {
     /// `kv_events`: where the node announces its prefix-cache changes (none: not announced).
-    pub fn new(node_id: NodeId, kv_events: Option<KvEventSink>, metrics: WorkerMetrics) -> Self {
+    pub fn new(
+        node_id: NodeId,
+        kv_events: Option<Arc<dyn KvEventSink>>,
+        metrics: WorkerMetrics,
+    ) -> Self {
         LoadPublisher {
             node_id,
             kv_events,
@@ -39,15 +44,14 @@ impl LoadPublisher {
         if let Some(sink) = &self.kv_events {
             let events = engine.drain_kv_events();
             if !events.is_empty() {
-                sink.send(self.node_id, events);
+                sink.publish(self.node_id, events);
             }
         }
         let s = engine.scheduler();
-        let load = WorkerLoad {
+        let load = LoadReport {
             running: s.num_running() + s.num_awaiting_kv(),
             waiting: s.num_waiting() + pulling,
             kv_blocks_used: s.pool().num_used(),
-            kv_blocks_total: s.pool().num_blocks(),
         };
         cell.publish(load);
         self.metrics.running.set(load.running as i64);

@@ -66,7 +66,7 @@ pub fn run(args: &DecodeArgs) -> Result<()> {
         address: advertise.clone(),
         transfer_address: advertise.clone(),
         model_fingerprint: loaded.fingerprint.0,
-        kv_blocks_total: handle.load().kv_blocks_total,
+        kv_blocks_total: handle.kv_blocks_total(),
     };
     // gRPC (with KvCache) and QUIC share the advertised host:port.
     let addresses = DestinationAddresses {

@@ -63,7 +63,7 @@ pub fn run(args: &PrefillArgs) -> Result<()> {
         address: advertise.clone(),
         transfer_address: advertise.clone(),
         model_fingerprint: loaded.fingerprint.0,
-        kv_blocks_total: handle.load().kv_blocks_total,
+        kv_blocks_total: handle.kv_blocks_total(),
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;

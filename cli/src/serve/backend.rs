@@ -10,7 +10,7 @@ use kvmesh_decode::DecodeHandle;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
 use kvmesh_prefill::PrefillHandle;
 use kvmesh_router::routing::Routing;
-use kvmesh_worker::{ExportSource, KvPull, WorkerLoad};
+use kvmesh_worker::{ExportSource, KvPull};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,7 +27,7 @@ pub struct MeshBackend {
 impl MeshBackend {
     pub fn new(mesh: &LocalMesh, model_fingerprint: u64, routing: Routing) -> Self {
         let discovery = InMemoryDiscovery::new();
-        let register = |node_id, role, load: WorkerLoad| {
+        let register = |node_id, role, kv_blocks_total| {
             discovery
                 .register(NodeInfo {
                     node_id,
@@ -35,7 +35,7 @@ impl MeshBackend {
                     address: "in-process".into(),
                     transfer_address: String::new(),
                     model_fingerprint,
-                    kv_blocks_total: load.kv_blocks_total,
+                    kv_blocks_total,
                 })
                 .expect("worker node ids are unique");
         };
@@ -50,10 +50,10 @@ impl MeshBackend {
             .map(|h| (h.node_id(), h))
             .collect();
         for (id, h) in &decode {
-            register(*id, NodeRole::Decode, h.load());
+            register(*id, NodeRole::Decode, h.kv_blocks_total());
         }
         for (id, h) in &prefill {
-            register(*id, NodeRole::Prefill, h.load());
+            register(*id, NodeRole::Prefill, h.kv_blocks_total());
         }
         MeshBackend {
             discovery,
@@ -74,7 +74,7 @@ impl MeshBackend {
         let prefill = self.prefill.iter().map(|(i, h)| (*i, h.load()));
         for (id, load) in decode.chain(prefill) {
             // Registered in `new` and never removed while the backend lives.
-            let _ = self.discovery.report_load(id, load.into());
+            let _ = self.discovery.report_load(id, load);
         }
     }
 }
