@@ -11,13 +11,12 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams};
-use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, KvPull};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::runner::ModelRunner;
-use kvmesh_prefill::{
-    DestinationAddresses, PrefillConfig, PrefillService, PrefillWorker, RemotePrefill,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{QuicConfig, QuicTransport, Transport};
+use kvmesh_worker::{DestinationAddresses, KvPull, PrefillTarget, RemotePrefill};
 use serde::Serialize;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
@@ -85,7 +84,7 @@ pub fn measure(
         DestinationAddresses::receive_only(transfer_address.clone()),
         Duration::from_secs(5),
     ))?;
-    let remote: kvmesh_prefill::PrefillTarget = Arc::new(remote);
+    let remote: PrefillTarget = Arc::new(remote);
     // A second decode node on its own QUIC endpoint: it computes prompts the first pulls.
     let holder_quic = QuicTransport::start(QuicConfig {
         listen: LOOPBACK,
@@ -162,7 +161,7 @@ fn prompt(run: usize, len: usize, vocab: u32) -> Vec<u32> {
 fn ttft(
     handle: &DecodeHandle,
     prompt: Vec<u32>,
-    prefill: Option<kvmesh_prefill::PrefillTarget>,
+    prefill: Option<PrefillTarget>,
     pull: Option<KvPull>,
 ) -> Result<f64> {
     let request = GenerateRequest {

@@ -17,10 +17,9 @@ use anyhow::{Context, Result};
 use clap::Args;
 use config::MeshNodeConfig;
 use humantime_serde::re::humantime;
+use kvmesh_common::kv_tier::{KvEventSink, TieredKvEvent};
 use kvmesh_common::tls::ClusterTls;
-use kvmesh_common::{NodeId, NodeInfo, NodeRole};
-use kvmesh_engine::kv_events::KvEventSink;
-use kvmesh_engine::worker_load::WorkerLoad;
+use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
 use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
 use serde::Serialize;
@@ -222,13 +221,30 @@ pub fn forget_departed_nodes(
 pub type KvPublisherSlot = Arc<OnceLock<KvEventPublisher>>;
 
 /// A worker's event sink that forwards to the node's publisher.
-pub fn kv_event_sink(slot: &KvPublisherSlot) -> KvEventSink {
-    let slot = slot.clone();
-    KvEventSink::new(move |_node, events| {
-        if let Some(publisher) = slot.get() {
+pub fn kv_event_sink(slot: &KvPublisherSlot) -> Arc<dyn KvEventSink> {
+    Arc::new(PublisherSink(slot.clone()))
+}
+
+/// Forwards to the node's publisher; events before it is registered are dropped (the pool is
+/// empty until the first request, which comes only after registration).
+struct PublisherSink(KvPublisherSlot);
+
+impl std::fmt::Debug for PublisherSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let registered = self.0.get().is_some();
+        f.debug_struct("PublisherSink")
+            .field("registered", &registered)
+            .finish()
+    }
+}
+
+impl KvEventSink for PublisherSink {
+    /// The publisher writes under this node's lease: its only worker is `_node`.
+    fn publish(&self, _node: NodeId, events: Vec<TieredKvEvent>) {
+        if let Some(publisher) = self.0.get() {
             publisher.publish(events);
         }
-    })
+    }
 }
 
 /// Registers the node, then reports its load every `interval` until a signal arrives or
@@ -237,7 +253,7 @@ pub async fn serve_lease(
     discovery: &EtcdDiscovery,
     info: NodeInfo,
     kv_events: &KvPublisherSlot,
-    mut load: impl FnMut() -> WorkerLoad,
+    mut load: impl FnMut() -> LoadReport,
     draining: impl Fn() -> bool,
 ) -> Result<()> {
     let node = info.node_id;
@@ -257,7 +273,7 @@ pub async fn serve_lease(
         tokio::select! {
             () = &mut signal => break,
             _ = tick.tick() => {
-                lease.report_load(load().into());
+                lease.report_load(load());
                 if let Some(p) = kv_events.get() {
                     publisher_metrics.update(&p.stats());
                 }
@@ -277,7 +293,7 @@ pub async fn serve_lease(
 
 /// A worker as the node process drives it.
 pub trait NodeWorker: Send + 'static {
-    fn load(&self) -> WorkerLoad;
+    fn load(&self) -> LoadReport;
     fn is_draining(&self) -> bool;
     /// Stops taking requests and waits until those accepted are done, or `timeout` passes
     /// (blocking). Returns whether they all finished.
@@ -288,7 +304,7 @@ pub trait NodeWorker: Send + 'static {
 macro_rules! node_worker {
     ($($worker:ty),*) => {$(
         impl NodeWorker for $worker {
-            fn load(&self) -> WorkerLoad {
+            fn load(&self) -> LoadReport {
                 self.handle().load()
             }
 

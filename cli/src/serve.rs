@@ -3,6 +3,7 @@
 
 mod backend;
 mod config;
+mod mesh;
 
 use crate::admission_args::AdmissionArgs;
 use crate::config::{env_vars, ConfigArgs};
@@ -11,11 +12,11 @@ use anyhow::{Context, Result};
 use backend::MeshBackend;
 use clap::Args;
 pub use config::ServeConfig;
-use kvmesh_decode::LocalMesh;
-use kvmesh_engine::kv_events::KvEventSink;
+use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
 use kvmesh_router::routing::Routing;
 use kvmesh_router::Router;
+use mesh::LocalMesh;
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -64,10 +65,7 @@ pub fn run(config: &ServeConfig) -> Result<()> {
     // The workers announce what they cache straight into the router's prefix index.
     let index = Arc::new(InMemoryPrefixIndex::new());
     let mut mesh_config = config.mesh_config();
-    let sink = {
-        let index = index.clone();
-        KvEventSink::new(move |node, events| index.apply(node, &events))
-    };
+    let sink: Arc<dyn KvEventSink> = index.clone();
     mesh_config.decode.kv_events = Some(sink.clone());
     mesh_config.prefill.kv_events = Some(sink);
     let mesh = LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?;

@@ -4,16 +4,17 @@
 //! on gRPC and on QUIC; and garbage from unauthenticated peers, on the gRPC port, in gRPC
 //! messages and on the KV transfer port, leaves the nodes serving.
 
-use kvmesh_common::grpc::{self, pb, PrefillTarget};
+use kvmesh_common::grpc::{self, pb, PrefillNode};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls, CLUSTER_SERVER_NAME};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenId};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::Loaded;
-use kvmesh_prefill::{DestinationAddresses, PrefillConfig, PrefillService, PrefillWorker};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{
     BlockShape, KvChunk, KvDtype, QuicConfig, QuicTransport, TlsConfig, Transport, TransportError,
 };
+use kvmesh_worker::DestinationAddresses;
 use rand::{Rng, SeedableRng};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -134,7 +135,7 @@ struct Mesh {
     decode_addr: SocketAddr,
     /// Where the decode node receives KV (UDP).
     transfer_addr: SocketAddr,
-    prefill: PrefillTarget,
+    prefill: PrefillNode,
 }
 
 /// A prefill and a decode node; both present their certificate when `certs` is given.
@@ -181,7 +182,7 @@ async fn mesh(certs: Option<&Certs>, decode_id: NodeId) -> Mesh {
         decode_id,
         decode_addr,
         transfer_addr,
-        prefill: PrefillTarget {
+        prefill: PrefillNode {
             node_id: prefill_id,
             address: prefill_addr.to_string(),
         },
@@ -220,7 +221,7 @@ fn request(id: u64, len: usize, max_tokens: u32) -> GenerateRequest {
 async fn generate(
     channel: Channel,
     req: &GenerateRequest,
-    prefill: Option<&PrefillTarget>,
+    prefill: Option<&PrefillNode>,
 ) -> Result<Vec<TokenId>, tonic::Status> {
     let mut client = pb::decode_client::DecodeClient::new(channel);
     let placement = grpc::Placement {

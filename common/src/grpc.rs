@@ -125,9 +125,10 @@ pub fn params_from(
         .ok_or_else(|| WireError::missing(message, "params"))
 }
 
-/// A prefill node the decode node should use.
+/// A prefill node the decode node should use: which, and where it listens (the decode node
+/// connects to it and holds it as a `kvmesh_worker::PrefillTarget`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PrefillTarget {
+pub struct PrefillNode {
     pub node_id: NodeId,
     /// host:port of its control plane.
     pub address: String,
@@ -149,12 +150,12 @@ pub struct KvHolder {
 /// cached blocks from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Placement {
-    pub prefill: Option<PrefillTarget>,
+    pub prefill: Option<PrefillNode>,
     pub pull: Option<KvHolder>,
 }
 
-impl From<PrefillTarget> for Placement {
-    fn from(prefill: PrefillTarget) -> Self {
+impl From<PrefillNode> for Placement {
+    fn from(prefill: PrefillNode) -> Self {
         Placement {
             prefill: Some(prefill),
             pull: None,
@@ -169,7 +170,7 @@ pub fn generate_request_to_pb(req: &GenerateRequest, placement: &Placement) -> p
         prompt: req.prompt.clone(),
         params: Some((&req.params).into()),
         resume: req.resume.clone(),
-        prefill: placement.prefill.as_ref().map(|p| pb::PrefillTarget {
+        prefill: placement.prefill.as_ref().map(|p| pb::PrefillNode {
             node_id: p.node_id.0,
             address: p.address.clone(),
         }),
@@ -186,7 +187,7 @@ pub fn generate_request_from_pb(
 ) -> Result<(GenerateRequest, Placement), WireError> {
     let params = params_from("GenerateRequest", m.params)?;
     let placement = Placement {
-        prefill: m.prefill.map(|p| PrefillTarget {
+        prefill: m.prefill.map(|p| PrefillNode {
             node_id: NodeId(p.node_id),
             address: p.address,
         }),
@@ -398,7 +399,7 @@ mod tests {
             resume: vec![4, 5],
         };
         let placement = Placement {
-            prefill: Some(PrefillTarget {
+            prefill: Some(PrefillNode {
                 node_id: NodeId(3),
                 address: "127.0.0.2:7000".into(),
             }),

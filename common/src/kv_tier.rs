@@ -1,7 +1,7 @@
 //! Where a cached block lives on its node (its tier), and the prefix-cache events that say
 //! so: what nodes publish and the cluster's prefix index consumes.
 
-use crate::{KvEvent, SequenceHash};
+use crate::{KvEvent, NodeId, SequenceHash};
 use serde::{Deserialize, Serialize};
 
 /// A KV storage tier of one node, fastest first: a block in a faster tier is cheaper to reuse.
@@ -62,4 +62,13 @@ impl From<KvEvent> for TieredKvEvent {
             event,
         }
     }
+}
+
+/// Where nodes announce their prefix-cache changes: the cluster's prefix index mirrors every
+/// node's pool from them (the in-memory index itself in `kvmesh serve`; in the multi-process
+/// mesh, the node's etcd publisher).
+pub trait KvEventSink: Send + Sync + std::fmt::Debug {
+    /// `node`'s events of one engine step. Called on the worker's thread: never blocks (hand
+    /// the events to a queue or apply them to an in-memory index).
+    fn publish(&self, node: NodeId, events: Vec<TieredKvEvent>);
 }

@@ -1,10 +1,11 @@
 //! A decode worker's own settings (its engine is configured where it is built).
 
+use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_common::NodeId;
-use kvmesh_engine::kv_events::KvEventSink;
+use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct DecodeConfig {
     pub node_id: NodeId,
     /// A prompt whose uncached part (after this node's prefix-cache hits) is shorter than this
@@ -31,7 +32,7 @@ pub struct DecodeConfig {
     /// lacks it and pulling beats recomputing) instead of recomputing it.
     pub prefill_pulls: bool,
     /// Where this node announces its prefix-cache changes (none: not announced).
-    pub kv_events: Option<KvEventSink>,
+    pub kv_events: Option<Arc<dyn KvEventSink>>,
 }
 
 impl DecodeConfig {

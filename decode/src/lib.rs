@@ -8,19 +8,15 @@
 //! stream back on its own channel. KV arrives through a `kvmesh_transfer::Transport`; every
 //! chunk is verified before it is written, and a transfer that fails, is corrupt, or misses
 //! its deadline is recomputed locally. A request may first pull its cached prefix from
-//! another node ([`KvPull`]) when that beats recomputing it; the worker also serves its own
-//! cache to other nodes' pulls. [`LocalMesh`] wires N prefill and M decode workers of
-//! one process over the in-process transport (`kvmesh serve`).
+//! another node (`kvmesh_worker::KvPull`) when that beats recomputing it; the worker also
+//! serves its own cache to other nodes' pulls. What every node does whatever its role (the
+//! thread's shell, load and metrics, KV movement, the prefill client) is in `kvmesh_worker`.
 
 mod config;
-mod mesh;
 mod remote_prefill;
 mod service;
 mod worker;
 
 pub use config::DecodeConfig;
-pub use kvmesh_engine::worker_load::WorkerLoad;
-pub use kvmesh_prefill::{IncomingError, IncomingTransfer, KvPull};
-pub use mesh::{LocalMesh, LocalMeshConfig, MeshError};
 pub use service::{DecodeService, PrefillDirectory};
 pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};

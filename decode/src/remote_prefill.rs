@@ -9,10 +9,9 @@
 //! long prompt that streams steadily is never thrown away and recomputed. Once a transfer has
 //! ended (completed, fallen back or removed) anything more for it is late and ignored.
 
-use crate::{IncomingError, IncomingTransfer};
 use kvmesh_engine::runner::SeqId;
-use kvmesh_prefill::{CancelToken, PrefillDone, PrefillError};
 use kvmesh_transfer::KvChunk;
+use kvmesh_worker::{CancelToken, IncomingError, IncomingTransfer, PrefillDone, PrefillError};
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -6,10 +6,10 @@ use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeId;
-use kvmesh_prefill::{
+use kvmesh_transfer::NetworkTransport;
+use kvmesh_worker::{
     DestinationAddresses, HolderDirectory, KvPull, PrefillClient, PrefillTarget, RemotePrefill,
 };
-use kvmesh_transfer::NetworkTransport;
 use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -86,7 +86,7 @@ impl PrefillDirectory {
 
     /// The prefill node `target` names, or `None` (prefill locally) when it cannot be
     /// reached.
-    pub async fn get(&self, target: &grpc::PrefillTarget) -> Option<PrefillTarget> {
+    pub async fn get(&self, target: &grpc::PrefillNode) -> Option<PrefillTarget> {
         let known = self.lock().get(&target.node_id).cloned();
         if let Some((address, client)) = known {
             if address == target.address {
@@ -234,7 +234,7 @@ impl pb::decode_server::Decode for DecodeService {
         Ok(Response::new(grpc::health_reply(
             h.node_id(),
             !h.is_draining(),
-            h.load().into(),
+            h.load(),
             self.accepted.load(Ordering::Relaxed),
         )))
     }

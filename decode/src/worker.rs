@@ -6,24 +6,20 @@ use crate::remote_prefill::{
 };
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::{
-    GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenEvent, Usage,
-    WorkerError,
+    GenerateEvent, GenerateRequest, LoadReport, NodeId, RequestId, SamplingParams, TokenEvent,
+    Usage, WorkerError,
 };
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
-use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
-use kvmesh_engine::worker_metrics::WorkerMetrics;
-use kvmesh_prefill::{
-    CancelToken, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource,
-    IncomingTransfer, KvDestination, KvExporter, KvPull, PrefillReply, PrefillRequest,
-    PrefillTarget, Puller,
-};
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
+use kvmesh_worker::{
+    CancelToken, Control, EngineThread, ExportError, ExportJob, ExportReply, ExportRequest,
+    ExportSource, IncomingTransfer, KvDestination, KvExporter, KvPull, LoadPublisher, NodeState,
+    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
 /// The events of one request: tokens, then `Finished` or `Error`. Unbounded so the worker
@@ -49,11 +45,21 @@ pub(crate) struct Submission {
 
 enum Inbox {
     Generate(Box<Submission>),
-    /// Another node pulls cached KV: served before the next step (see `kvmesh_prefill::export`).
+    /// Another node pulls cached KV: served before the next step (see `kvmesh_worker::export`).
     Export(Box<ExportJob>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
+}
+
+impl Control for Inbox {
+    fn wake() -> Self {
+        Inbox::Wake
+    }
+
+    fn stop() -> Self {
+        Inbox::Stop
+    }
 }
 
 /// What `generate` checks before queueing, copied from the engine at spawn.
@@ -63,13 +69,8 @@ struct Limits {
     block_size: usize,
 }
 
-struct Shared {
-    node_id: NodeId,
-    limits: Limits,
-    queue: QueueSlots,
-    draining: AtomicBool,
-    load: LoadCell,
-}
+/// What the handles and the thread share; the role adds the limits `generate` checks.
+type Shared = NodeState<Limits>;
 
 /// Submits requests to one decode worker and reads its load. Cheap to clone; usable from
 /// any thread, async or not.
@@ -123,7 +124,7 @@ impl DecodeHandle {
         prefill: Option<PrefillTarget>,
         pull: Option<KvPull>,
     ) -> Result<EventReceiver, WorkerError> {
-        if self.shared.draining.load(Ordering::Acquire) {
+        if self.shared.is_draining() {
             return Err(WorkerError::Unavailable(
                 "the decode worker is draining".into(),
             ));
@@ -161,7 +162,7 @@ impl DecodeHandle {
             return invalid(e.to_string());
         }
         let len = request.prompt.len();
-        let l = &self.shared.limits;
+        let l = &self.shared.role;
         if len == 0 {
             return invalid("the prompt is empty".into());
         }
@@ -181,18 +182,22 @@ impl DecodeHandle {
         Ok(())
     }
 
-    pub fn load(&self) -> WorkerLoad {
+    pub fn load(&self) -> LoadReport {
         self.shared.load.get()
     }
 
+    /// Blocks in the worker's KV pool.
+    pub fn kv_blocks_total(&self) -> usize {
+        self.shared.kv_blocks_total
+    }
+
     pub fn is_draining(&self) -> bool {
-        self.shared.draining.load(Ordering::Acquire)
+        self.shared.is_draining()
     }
 
     /// Stops accepting requests; those accepted are finished, then the thread exits.
     pub fn drain(&self) {
-        self.shared.draining.store(true, Ordering::Release);
-        let _ = self.inbox.try_send(Inbox::Wake);
+        self.shared.drain(&self.inbox);
     }
 }
 
@@ -214,7 +219,7 @@ impl KvExporter for DecodeHandle {
 /// `Error(Unavailable)`); `drain` + `join` lets open requests finish first.
 pub struct DecodeWorker {
     handle: DecodeHandle,
-    thread: Option<JoinHandle<()>>,
+    thread: EngineThread<Inbox>,
 }
 
 impl DecodeWorker {
@@ -233,16 +238,14 @@ impl DecodeWorker {
             block_size: sc.block_size,
         };
         let kv_rx = transport.bind(config.node_id)?;
-        let (tx, rx) =
-            crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
+        let (tx, rx) = kvmesh_worker::inbox(config.max_queued_requests);
         let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
-        let shared = Arc::new(Shared {
-            node_id: config.node_id,
+        let shared = Arc::new(Shared::new(
+            config.node_id,
+            engine.scheduler().pool().num_blocks(),
+            config.max_queued_requests,
             limits,
-            queue: QueueSlots::new(config.max_queued_requests),
-            draining: AtomicBool::new(false),
-            load: LoadCell::default(),
-        });
+        ));
         let node_id = config.node_id;
         let inbox = Arc::new(tx);
         let metrics = WorkerMetrics::new(config.node_id, "decode");
@@ -250,6 +253,7 @@ impl DecodeWorker {
             pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone(), |s| {
                 &s.request.prompt
             }),
+            publisher: LoadPublisher::new(node_id, config.kv_events.clone(), metrics.clone()),
             metrics,
             kv_shape: engine.runner().kv_shape(),
             remote: RemotePrefills::new(config.remote_prefill_timeout),
@@ -268,12 +272,9 @@ impl DecodeWorker {
             kicked: false,
             inbox_closed: false,
             kv_closed: false,
-            last_preemptions: 0,
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("decode-{node_id}"))
-            .spawn(move || state.run());
-        let thread = match thread {
+        let name = format!("decode-{node_id}");
+        let thread = match EngineThread::spawn(name, (*inbox).clone(), move || state.run()) {
             Ok(t) => t,
             Err(e) => {
                 transport.unbind(node_id);
@@ -282,7 +283,7 @@ impl DecodeWorker {
         };
         Ok(DecodeWorker {
             handle: DecodeHandle { inbox, shared },
-            thread: Some(thread),
+            thread,
         })
     }
 
@@ -291,32 +292,15 @@ impl DecodeWorker {
     }
 
     /// Waits for the thread to exit (after `drain`, once open requests are finished).
-    pub fn join(mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn join(self) {
+        self.thread.join();
     }
 
     /// Waits up to `timeout` for the thread to exit (after `drain`); past it, stops the
     /// thread, ending the requests still open with `Unavailable`. Returns whether they all
     /// finished in time.
-    pub fn join_within(mut self, timeout: std::time::Duration) -> bool {
-        let Some(t) = self.thread.take() else {
-            return true;
-        };
-        let inbox = self.handle.inbox.clone();
-        kvmesh_common::shutdown::join_within(t, timeout, move || {
-            let _ = inbox.send(Inbox::Stop);
-        })
-    }
-}
-
-impl Drop for DecodeWorker {
-    fn drop(&mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = self.handle.inbox.send(Inbox::Stop);
-            let _ = t.join();
-        }
+    pub fn join_within(self, timeout: Duration) -> bool {
+        self.thread.join_within(timeout)
     }
 }
 
@@ -359,7 +343,7 @@ struct Loop<R: ModelRunner> {
     inbox_closed: bool,
     kv_closed: bool,
     metrics: WorkerMetrics,
-    last_preemptions: u64,
+    publisher: LoadPublisher,
 }
 
 impl<R: ModelRunner> Loop<R> {
@@ -371,7 +355,7 @@ impl<R: ModelRunner> Loop<R> {
             let idle =
                 !self.engine.has_work() || (self.engine.last_step_tokens() == 0 && !self.kicked);
             if idle {
-                let draining = self.shared.draining.load(Ordering::Acquire) || self.inbox_closed;
+                let draining = self.shared.is_draining() || self.inbox_closed;
                 if draining
                     && self.active.is_empty()
                     && self.pulls.is_empty()
@@ -900,28 +884,8 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn publish_load(&mut self) {
-        if let Some(sink) = &self.config.kv_events {
-            let events = self.engine.drain_kv_events();
-            if !events.is_empty() {
-                sink.send(self.config.node_id, events);
-            }
-        }
-        let s = self.engine.scheduler();
-        let load = WorkerLoad {
-            running: s.num_running() + s.num_awaiting_kv(),
-            waiting: s.num_waiting() + self.pulls.len(),
-            kv_blocks_used: s.pool().num_used(),
-            kv_blocks_total: s.pool().num_blocks(),
-        };
-        self.shared.load.publish(load);
-        self.metrics.running.set(load.running as i64);
-        self.metrics.waiting.set(load.waiting as i64);
-        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
-        self.metrics.observe_tiers(s.pool());
-        let preemptions = s.num_preemptions();
-        self.metrics
-            .preemptions
-            .inc_by(preemptions - self.last_preemptions);
-        self.last_preemptions = preemptions;
+        let pulling = self.pulls.len();
+        self.publisher
+            .publish(&mut self.engine, pulling, &self.shared.load);
     }
 }

@@ -7,7 +7,6 @@ pub mod block_pool;
 pub mod engine_config;
 pub mod gguf;
 pub mod kv_blocks;
-pub mod kv_events;
 pub mod llama_runner;
 pub mod llm_engine;
 pub mod mock_runner;
@@ -18,8 +17,6 @@ pub mod safetensors_loader;
 pub mod sampler;
 pub mod scheduler;
 pub mod tier_store;
-pub mod worker_load;
-pub mod worker_metrics;
 
 use std::path::Path;
 use std::sync::Arc;

@@ -10,7 +10,8 @@
 //!   prompt, in which [`Tier`]": [`InMemoryPrefixIndex`] is written directly in the embedded
 //!   mesh; in the multi-process mesh each node's [`KvEventPublisher`] batches its events into
 //!   etcd under its lease, at a bounded rate, and [`EtcdPrefixIndex`] watches them into an
-//!   in-memory index. Nodes publish through [`KvEventSink`] in either mesh.
+//!   in-memory index. Nodes publish through `kvmesh_common::kv_tier::KvEventSink` in
+//!   either mesh.
 //! - [`EtcdServer`] runs a throwaway local etcd for tests and local clusters.
 //!
 //! The host-memory and disk tiers themselves belong to each node's engine, below its KV pool;
@@ -27,6 +28,6 @@ pub use error::StoreError;
 pub use etcd::{EtcdConfig, EtcdDiscovery, NodeLease};
 pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use prefix::{
-    EtcdPrefixIndex, InMemoryKvSink, InMemoryPrefixIndex, KvEventPublisher, KvEventSink,
-    PrefixIndex, PublisherStats, Tier, TierSet, TieredKvEvent, TieredOverlap, WatcherStats,
+    EtcdPrefixIndex, InMemoryPrefixIndex, KvEventPublisher, PrefixIndex, PublisherStats, Tier,
+    TierSet, TieredKvEvent, TieredOverlap, WatcherStats,
 };

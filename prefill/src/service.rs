@@ -1,18 +1,14 @@
 //! The prefill node's gRPC service (`kvmesh.v1.Prefill`) over a local [`PrefillHandle`].
 
-use crate::export_rpc::HolderDirectory;
-use crate::wire;
 use crate::worker::PrefillHandle;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::{ModelFingerprint, NodeId};
 use kvmesh_transfer::{NetworkTransport, RdmaError, RdmaPeerInfo};
+use kvmesh_worker::{wire, CancelToken, HolderDirectory, LearnPeer};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use tonic::{Request, Response, Status};
-
-/// Tells the KV transport where a destination node receives (learned from each request).
-pub type LearnPeer = Arc<dyn Fn(NodeId, SocketAddr) + Send + Sync>;
 
 pub struct PrefillService {
     handle: PrefillHandle,
@@ -139,7 +135,7 @@ impl pb::prefill_server::Prefill for PrefillService {
         Ok(Response::new(grpc::health_reply(
             h.node_id(),
             !h.is_draining(),
-            h.load().into(),
+            h.load(),
             self.accepted.load(Ordering::Relaxed),
         )))
     }
@@ -153,7 +149,7 @@ impl pb::prefill_server::Prefill for PrefillService {
     }
 }
 
-struct CancelOnDrop(crate::CancelToken);
+struct CancelOnDrop(CancelToken);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {

@@ -1,26 +1,24 @@
 //! The prefill worker thread and its handle.
 
-use crate::export::{ExportError, ExportJob, ExportReply, ExportRequest, KvExporter};
-use crate::pull::{KvPull, Puller};
 use crate::push::KvPush;
-use crate::request::{CancelToken, PrefillDone, PrefillError, PrefillRequest, ReplyTo};
-use crate::PrefillReply;
+use crate::reply::ReplyTo;
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
-use kvmesh_common::{NodeId, RequestId};
-use kvmesh_engine::kv_events::KvEventSink;
+use kvmesh_common::kv_tier::KvEventSink;
+use kvmesh_common::{LoadReport, NodeId, RequestId};
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
-use kvmesh_engine::worker_load::{LoadCell, QueueSlots, WorkerLoad};
-use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
+use kvmesh_worker::{
+    CancelToken, Control, EngineThread, ExportError, ExportJob, ExportReply, ExportRequest,
+    KvExporter, KvPull, LoadPublisher, NodeState, PrefillClient, PrefillDone, PrefillError,
+    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// A prefill worker's own settings (its engine is configured where it is built).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct PrefillConfig {
     pub node_id: NodeId,
     /// Requests accepted and not yet answered; more are refused with `Overloaded`, so the
@@ -33,7 +31,7 @@ pub struct PrefillConfig {
     /// before it recomputes the prefix instead.
     pub pull_timeout: Duration,
     /// Where this node announces its prefix-cache changes (none: not announced).
-    pub kv_events: Option<KvEventSink>,
+    pub kv_events: Option<Arc<dyn KvEventSink>>,
 }
 
 impl PrefillConfig {
@@ -50,20 +48,25 @@ impl PrefillConfig {
 
 enum Inbox {
     Prefill(Box<(PrefillRequest, ReplyTo, Instant)>),
-    /// Served between two steps, ahead of queued prefills (see `crate::export`).
+    /// Served between two steps, ahead of queued prefills (see `kvmesh_worker::export`).
     Export(Box<ExportJob>),
     /// Wakes the thread to notice a drain.
     Wake,
     Stop,
 }
 
-struct Shared {
-    node_id: NodeId,
-    kv_shape: KvShape,
-    queue: QueueSlots,
-    draining: AtomicBool,
-    load: LoadCell,
+impl Control for Inbox {
+    fn wake() -> Self {
+        Inbox::Wake
+    }
+
+    fn stop() -> Self {
+        Inbox::Stop
+    }
 }
+
+/// What the handles and the thread share; the role adds the KV shape the worker produces.
+type Shared = NodeState<KvShape>;
 
 /// Submits requests to one prefill worker. Cheap to clone; usable from any thread.
 #[derive(Clone)]
@@ -87,7 +90,7 @@ impl PrefillHandle {
 
     /// The worker's KV shape: a destination must use the same block size and layout.
     pub fn kv_shape(&self) -> KvShape {
-        self.shared.kv_shape
+        self.shared.role
     }
 
     /// Queues `request`; its reply arrives on `reply` (exactly one, also when the worker stops
@@ -97,7 +100,7 @@ impl PrefillHandle {
         request: PrefillRequest,
         reply: Sender<PrefillReply>,
     ) -> Result<(), PrefillError> {
-        if self.shared.draining.load(Ordering::Acquire) {
+        if self.shared.is_draining() {
             return Err(PrefillError::Unavailable);
         }
         if !self.shared.queue.try_take() {
@@ -119,18 +122,46 @@ impl PrefillHandle {
         }
     }
 
-    pub fn load(&self) -> WorkerLoad {
+    pub fn load(&self) -> LoadReport {
         self.shared.load.get()
     }
 
+    /// Blocks in the worker's KV pool.
+    pub fn kv_blocks_total(&self) -> usize {
+        self.shared.kv_blocks_total
+    }
+
     pub fn is_draining(&self) -> bool {
-        self.shared.draining.load(Ordering::Acquire)
+        self.shared.is_draining()
     }
 
     /// Stops accepting requests; those accepted are finished, then the thread exits.
     pub fn drain(&self) {
-        self.shared.draining.store(true, Ordering::Release);
-        let _ = self.inbox.try_send(Inbox::Wake);
+        self.shared.drain(&self.inbox);
+    }
+}
+
+impl PrefillClient for PrefillHandle {
+    fn node_id(&self) -> NodeId {
+        PrefillHandle::node_id(self)
+    }
+
+    fn kv_shape(&self) -> KvShape {
+        PrefillHandle::kv_shape(self)
+    }
+
+    fn prefill(
+        &self,
+        request: PrefillRequest,
+        reply: Sender<PrefillReply>,
+    ) -> Result<(), PrefillError> {
+        PrefillHandle::prefill(self, request, reply)
+    }
+}
+
+impl From<PrefillHandle> for PrefillTarget {
+    fn from(h: PrefillHandle) -> Self {
+        Arc::new(h)
     }
 }
 
@@ -152,7 +183,7 @@ impl KvExporter for PrefillHandle {
 /// `Unavailable`); `drain` + `join` lets open requests finish first.
 pub struct PrefillWorker {
     handle: PrefillHandle,
-    thread: Option<JoinHandle<()>>,
+    thread: EngineThread<Inbox>,
 }
 
 impl PrefillWorker {
@@ -168,23 +199,20 @@ impl PrefillWorker {
         let kv_rx = transport.bind(config.node_id).map_err(|e| {
             std::io::Error::other(format!("binding the KV transport for pulls: {e}"))
         })?;
-        // The inbox is far larger than the queue bound, so a `try_send` fails only when the
-        // thread is gone.
-        let (tx, rx) =
-            crossbeam_channel::bounded(config.max_queued_requests.saturating_mul(2) + 16);
-        let shared = Arc::new(Shared {
-            node_id: config.node_id,
-            kv_shape: engine.runner().kv_shape(),
-            queue: QueueSlots::new(config.max_queued_requests),
-            draining: AtomicBool::new(false),
-            load: LoadCell::default(),
-        });
+        let (tx, rx) = kvmesh_worker::inbox(config.max_queued_requests);
+        let shared = Arc::new(Shared::new(
+            config.node_id,
+            engine.scheduler().pool().num_blocks(),
+            config.max_queued_requests,
+            engine.runner().kv_shape(),
+        ));
         let metrics = WorkerMetrics::new(config.node_id, "prefill");
         let node_id = config.node_id;
         let mut state = Loop {
             pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone(), |a| {
                 &a.request.prompt
             }),
+            publisher: LoadPublisher::new(node_id, config.kv_events.clone(), metrics.clone()),
             metrics,
             config,
             engine,
@@ -195,15 +223,14 @@ impl PrefillWorker {
             shared: shared.clone(),
             jobs: HashMap::new(),
             next_seq_id: 0,
-            last_preemptions: 0,
         };
-        let thread = std::thread::Builder::new()
-            .name(format!("prefill-{node_id}"))
-            .spawn(move || state.run())
-            .inspect_err(|_| transport.unbind(node_id))?;
+        let thread = EngineThread::spawn(format!("prefill-{node_id}"), tx.clone(), move || {
+            state.run()
+        })
+        .inspect_err(|_| transport.unbind(node_id))?;
         Ok(PrefillWorker {
             handle: PrefillHandle { inbox: tx, shared },
-            thread: Some(thread),
+            thread,
         })
     }
 
@@ -212,32 +239,15 @@ impl PrefillWorker {
     }
 
     /// Waits for the thread to exit (after `drain`, once the open requests are answered).
-    pub fn join(mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    pub fn join(self) {
+        self.thread.join();
     }
 
     /// Waits up to `timeout` for the thread to exit (after `drain`); past it, stops the
     /// thread, ending the requests still open with `Unavailable`. Returns whether they all
     /// finished in time.
-    pub fn join_within(mut self, timeout: std::time::Duration) -> bool {
-        let Some(t) = self.thread.take() else {
-            return true;
-        };
-        let inbox = self.handle.inbox.clone();
-        kvmesh_common::shutdown::join_within(t, timeout, move || {
-            let _ = inbox.send(Inbox::Stop);
-        })
-    }
-}
-
-impl Drop for PrefillWorker {
-    fn drop(&mut self) {
-        if let Some(t) = self.thread.take() {
-            let _ = self.handle.inbox.send(Inbox::Stop);
-            let _ = t.join();
-        }
+    pub fn join_within(self, timeout: Duration) -> bool {
+        self.thread.join_within(timeout)
     }
 }
 
@@ -276,7 +286,7 @@ struct Loop<R: ModelRunner> {
     jobs: HashMap<SeqId, Job>,
     next_seq_id: SeqId,
     metrics: WorkerMetrics,
-    last_preemptions: u64,
+    publisher: LoadPublisher,
 }
 
 impl<R: ModelRunner> Loop<R> {
@@ -286,7 +296,7 @@ impl<R: ModelRunner> Loop<R> {
         loop {
             let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
             if idle {
-                let draining = self.shared.draining.load(Ordering::Acquire);
+                let draining = self.shared.is_draining();
                 if draining
                     && self.jobs.is_empty()
                     && self.pulls.is_empty()
@@ -599,29 +609,9 @@ impl<R: ModelRunner> Loop<R> {
     }
 
     fn publish_load(&mut self) {
-        if let Some(sink) = &self.config.kv_events {
-            let events = self.engine.drain_kv_events();
-            if !events.is_empty() {
-                sink.send(self.config.node_id, events);
-            }
-        }
-        let s = self.engine.scheduler();
-        let load = WorkerLoad {
-            running: s.num_running() + s.num_awaiting_kv(),
-            waiting: s.num_waiting() + self.pulls.len(),
-            kv_blocks_used: s.pool().num_used(),
-            kv_blocks_total: s.pool().num_blocks(),
-        };
-        self.shared.load.publish(load);
-        self.metrics.running.set(load.running as i64);
-        self.metrics.waiting.set(load.waiting as i64);
-        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
-        self.metrics.observe_tiers(s.pool());
-        let preemptions = s.num_preemptions();
-        self.metrics
-            .preemptions
-            .inc_by(preemptions - self.last_preemptions);
-        self.last_preemptions = preemptions;
+        let pulling = self.pulls.len();
+        self.publisher
+            .publish(&mut self.engine, pulling, &self.shared.load);
     }
 }
 

@@ -9,11 +9,12 @@ use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::{KvSource, ModelRunner};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_engine::Loaded;
-use kvmesh_prefill::{
-    CancelToken, ExportSource, KvDestination, PrefillConfig, PrefillDone, PrefillError,
-    PrefillReply, PrefillRequest, PrefillWorker,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillWorker};
 use kvmesh_transfer::{InProcessTransport, KvChunk, Transport};
+use kvmesh_worker::{
+    CancelToken, ExportSource, KvDestination, PrefillDone, PrefillError, PrefillReply,
+    PrefillRequest,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;

@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::metrics::metrics;
 use crate::routing::{lock, Routing, Tracked};
 use async_trait::async_trait;
-use kvmesh_common::grpc::{self, pb, tag_request, KvHolder, Placement, PrefillTarget};
+use kvmesh_common::grpc::{self, pb, tag_request, KvHolder, Placement, PrefillNode};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
 use kvmesh_kvstore::{Discovery, NodeEntry};
@@ -181,7 +181,7 @@ impl Mesh {
             };
             let placement = Placement {
                 prefill: route.prefill.and_then(|id| {
-                    Some(PrefillTarget {
+                    Some(PrefillNode {
                         node_id: id,
                         address: address_of(id)?,
                     })

@@ -14,8 +14,8 @@ use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
 use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_prefill::{DestinationAddresses, KvCacheService, LearnPeer};
 use kvmesh_transfer::Transport;
+use kvmesh_worker::{DestinationAddresses, KvCacheService, LearnPeer};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,7 +76,7 @@ pub fn run(args: &DecodeNodeConfig) -> Result<()> {
         transfer_address: advertise.clone(),
         model_fingerprint: loaded.fingerprint,
         block_size,
-        kv_blocks_total: handle.load().kv_blocks_total,
+        kv_blocks_total: handle.kv_blocks_total(),
     };
     // gRPC (with KvCache) and QUIC share the advertised host:port.
     let addresses = DestinationAddresses {

@@ -13,10 +13,9 @@ use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_prefill::{
-    HolderDirectory, KvCacheService, LearnPeer, PrefillConfig, PrefillService, PrefillWorker,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::Transport;
+use kvmesh_worker::{HolderDirectory, KvCacheService, LearnPeer};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -76,7 +75,7 @@ pub fn run(args: &PrefillNodeConfig) -> Result<()> {
         transfer_address: advertise.clone(),
         model_fingerprint: loaded.fingerprint,
         block_size,
-        kv_blocks_total: handle.load().kv_blocks_total,
+        kv_blocks_total: handle.kv_blocks_total(),
     };
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;

@@ -3,13 +3,14 @@
 //! the in-memory prefix index the workers feed, counting each request on its worker until
 //! its stream ends.
 
+use super::mesh::{LocalMesh, LocalMeshConfig};
 use kvmesh_common::WorkerError;
 use kvmesh_common::{GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, NodeInfo, NodeRole};
-use kvmesh_decode::{DecodeHandle, KvPull, LocalMesh, LocalMeshConfig};
-use kvmesh_engine::worker_load::WorkerLoad;
+use kvmesh_decode::DecodeHandle;
 use kvmesh_kvstore::{Discovery, InMemoryDiscovery};
-use kvmesh_prefill::{ExportSource, PrefillHandle};
+use kvmesh_prefill::PrefillHandle;
 use kvmesh_router::routing::Routing;
+use kvmesh_worker::{ExportSource, KvPull};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -32,7 +33,7 @@ impl MeshBackend {
         routing: Routing,
     ) -> Self {
         let discovery = InMemoryDiscovery::new();
-        let register = |node_id, role, load: WorkerLoad| {
+        let register = |node_id, role, kv_blocks_total| {
             let engine = match role {
                 NodeRole::Prefill => &config.prefill_engine,
                 _ => &config.decode_engine,
@@ -45,7 +46,7 @@ impl MeshBackend {
                     transfer_address: String::new(),
                     model_fingerprint,
                     block_size: engine.block_size,
-                    kv_blocks_total: load.kv_blocks_total,
+                    kv_blocks_total,
                 })
                 .expect("worker node ids are unique");
         };
@@ -60,10 +61,10 @@ impl MeshBackend {
             .map(|h| (h.node_id(), h))
             .collect();
         for (id, h) in &decode {
-            register(*id, NodeRole::Decode, h.load());
+            register(*id, NodeRole::Decode, h.kv_blocks_total());
         }
         for (id, h) in &prefill {
-            register(*id, NodeRole::Prefill, h.load());
+            register(*id, NodeRole::Prefill, h.kv_blocks_total());
         }
         MeshBackend {
             discovery,
@@ -84,7 +85,7 @@ impl MeshBackend {
         let prefill = self.prefill.iter().map(|(i, h)| (*i, h.load()));
         for (id, load) in decode.chain(prefill) {
             // Registered in `new` and never removed while the backend lives.
-            let _ = self.discovery.report_load(id, load.into());
+            let _ = self.discovery.report_load(id, load);
         }
     }
 }

@@ -1,10 +1,10 @@
 //! The typed configuration of `kvmesh serve`: defaults < TOML file < `KVMESH_*` env < flags
 //! (layered by [`crate::config`]).
 
+use super::mesh::LocalMeshConfig as MeshConfig;
 use super::ServeArgs;
 use crate::admission_args;
 use crate::config::{ConfigArgs, Invalid, Layered};
-use kvmesh_decode::LocalMeshConfig as MeshConfig;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::RouterConfig;

@@ -6,7 +6,8 @@
 //! - [`KvEventPublisher`] is one node's writer to etcd: events are batched into at most one
 //!   log key per `kv_flush_interval`, compacted into a snapshot as the log grows, all under
 //!   the node's lease. [`EtcdPrefixIndex`] watches those keys into an in-memory index.
-//! - [`KvEventSink`] is what a node publishes into, whichever of the two meshes it runs in.
+//! - Nodes publish through `kvmesh_common::kv_tier::KvEventSink`: [`InMemoryPrefixIndex`] is
+//!   one; a node of the multi-process mesh forwards to its [`KvEventPublisher`].
 
 mod codec;
 mod index;
@@ -23,9 +24,9 @@ pub use publisher::{KvEventPublisher, PublisherStats};
 pub use tier::{Tier, TierSet, TieredKvEvent, TieredOverlap};
 pub use watcher::{EtcdPrefixIndex, WatcherStats};
 
+use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::HashMap;
-use std::sync::Arc;
 use tokio::sync::watch;
 
 /// The read side of the prefix index.
@@ -55,27 +56,9 @@ pub trait PrefixIndex: Send + Sync {
     fn subscribe(&self) -> watch::Receiver<u64>;
 }
 
-/// Where a node sends its KV events (from `BlockPool::drain_events`, tagged with a tier).
-/// Never blocks.
-pub trait KvEventSink: Send + Sync {
-    fn publish(&self, events: Vec<TieredKvEvent>);
-}
-
-/// A node's sink in a single-process mesh: straight into the shared index.
-#[derive(Clone, Debug)]
-pub struct InMemoryKvSink {
-    pub index: Arc<InMemoryPrefixIndex>,
-    pub node: NodeId,
-}
-
-impl KvEventSink for InMemoryKvSink {
-    fn publish(&self, events: Vec<TieredKvEvent>) {
-        self.index.apply(self.node, &events);
-    }
-}
-
-impl KvEventSink for KvEventPublisher {
-    fn publish(&self, events: Vec<TieredKvEvent>) {
-        KvEventPublisher::publish(self, events);
+/// The sink of the single-process mesh: every node's events go straight into the shared index.
+impl KvEventSink for InMemoryPrefixIndex {
+    fn publish(&self, node: NodeId, events: Vec<TieredKvEvent>) {
+        self.apply(node, &events);
     }
 }

@@ -3,10 +3,10 @@
 //! and `role`. Several workers of one process share each metric family under their own
 //! labels, so registration happens once, on first use (`describe` forces it at start-up).
 
-use crate::block_pool::BlockPool;
 use kvmesh_common::kv_tier::Tier;
 use kvmesh_common::metrics as names;
 use kvmesh_common::NodeId;
+use kvmesh_engine::block_pool::BlockPool;
 use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };

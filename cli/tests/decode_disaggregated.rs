@@ -2,9 +2,8 @@
 //! tokens a lone local run gives, under concurrency, cancellation, corrupt or lost KV and a
 //! dead prefill worker.
 
-mod common;
+mod workers;
 
-use common::*;
 use kvmesh_common::{metrics, NodeId, TokenId};
 use kvmesh_decode::{DecodeConfig, DecodeWorker};
 use kvmesh_prefill::{PrefillConfig, PrefillWorker};
@@ -12,6 +11,7 @@ use kvmesh_transfer::{InProcessTransport, KvChunk, KvReceiver, Transport, Transp
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use workers::*;
 
 /// Wraps the in-process transport: counts chunks, and corrupts or drops the `nth` one.
 struct TestTransport {
@@ -308,52 +308,20 @@ fn seeded_sampling_continues_the_same_random_stream_after_a_remote_prefill() {
 }
 
 #[test]
-fn a_local_mesh_serves_through_its_handles() {
-    let config = kvmesh_decode::LocalMeshConfig {
-        prefill_workers: 2,
-        decode_workers: 2,
-        prefill_engine: engine_config(),
-        decode_engine: engine_config(),
-        decode: DecodeConfig {
-            local_prefill_max_tokens: 32,
-            ..DecodeConfig::new(NodeId(0))
-        },
-        ..Default::default()
-    };
-    let mesh = kvmesh_decode::LocalMesh::start(loaded(), &config).unwrap();
-    let (decode, prefill) = (mesh.decode_handles(), mesh.prefill_handles());
-    assert_eq!(decode.len(), 2);
-    let requests: Vec<_> = (0..4)
-        .map(|i| request(i, prompt(i as usize, 90), 6))
-        .collect();
-    let streams: Vec<_> = requests
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            decode[i % 2]
-                .generate(r.clone(), Some(prefill[i / 2].clone().into()))
-                .unwrap()
-        })
-        .collect();
-    for (r, s) in requests.iter().zip(streams) {
-        assert_eq!(collect(s).0, reference(r));
-    }
-    for d in &decode {
-        assert_eq!(transfers_completed(d.node_id()), 2);
-    }
-    mesh.shutdown();
-    assert!(decode[0].generate(requests[0].clone(), None).is_err());
-}
-
-#[test]
 fn a_worker_announces_the_prefixes_it_caches() {
+    use kvmesh_common::kv_tier::{KvEventSink, TieredKvEvent};
     use kvmesh_common::{BlockHasher, KvEvent};
-    use kvmesh_engine::kv_events::KvEventSink;
+    /// Hands each announcement to the test.
+    #[derive(Debug)]
+    struct Announced(crossbeam_channel::Sender<(NodeId, Vec<TieredKvEvent>)>);
+    impl KvEventSink for Announced {
+        fn publish(&self, node: NodeId, events: Vec<TieredKvEvent>) {
+            let _ = self.0.send((node, events));
+        }
+    }
     let (tx, rx) = crossbeam_channel::unbounded();
     let mut config = DecodeConfig::new(NodeId(0x2ff));
-    config.kv_events = Some(KvEventSink::new(move |node, events| {
-        let _ = tx.send((node, events));
-    }));
+    config.kv_events = Some(Arc::new(Announced(tx)));
     let worker =
         DecodeWorker::spawn(config, engine(), Arc::new(InProcessTransport::new(16))).unwrap();
     let req = request(51, prompt(51, 40), 4);

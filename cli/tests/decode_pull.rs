@@ -2,17 +2,17 @@
 //! node computed, with exactly the tokens of recomputing it; a holder that lacks the blocks
 //! or never answers costs a recompute, never a wrong or a lost request.
 
-mod common;
+mod workers;
 
-use common::*;
 use crossbeam_channel::Sender;
 use kvmesh_common::metrics as names;
 use kvmesh_common::{NodeId, TokenId};
-use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, EventReceiver, KvPull};
-use kvmesh_prefill::{ExportError, ExportReply, ExportRequest, KvExporter};
+use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker, EventReceiver};
 use kvmesh_transfer::{InProcessTransport, Transport};
+use kvmesh_worker::{ExportError, ExportReply, ExportRequest, KvExporter, KvPull};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use workers::*;
 
 fn worker(node: NodeId, transport: &Arc<dyn Transport>) -> DecodeWorker {
     let config = DecodeConfig {

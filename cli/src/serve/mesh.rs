@@ -1,9 +1,8 @@
 //! N prefill and M decode workers of one process, joined by the in-process transport: what
 //! `kvmesh serve` runs.
 
-use crate::config::DecodeConfig;
-use crate::worker::{DecodeError, DecodeHandle, DecodeWorker};
 use kvmesh_common::NodeId;
+use kvmesh_decode::{DecodeConfig, DecodeError, DecodeHandle, DecodeWorker};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::Loaded;
 use kvmesh_prefill::{PrefillConfig, PrefillHandle, PrefillWorker};
@@ -41,7 +40,6 @@ impl Default for LocalMeshConfig {
 
 /// The running workers. Dropping it stops them all.
 pub struct LocalMesh {
-    pub transport: Arc<InProcessTransport>,
     // Decode workers first: they stop before the prefill workers they may be waiting on.
     pub decode: Vec<DecodeWorker>,
     pub prefill: Vec<PrefillWorker>,
@@ -62,28 +60,24 @@ impl LocalMesh {
     /// Builds every engine over `loaded` (weights shared, one KV pool per worker) and starts
     /// the threads.
     pub fn start(loaded: &Loaded, config: &LocalMeshConfig) -> Result<LocalMesh, MeshError> {
-        kvmesh_engine::worker_metrics::describe();
-        let transport = Arc::new(InProcessTransport::new(config.transport_queue_chunks));
-        let dyn_transport: Arc<dyn Transport> = transport.clone();
+        kvmesh_worker::metrics::describe();
+        let transport: Arc<dyn Transport> =
+            Arc::new(InProcessTransport::new(config.transport_queue_chunks));
         let mut prefill = Vec::with_capacity(config.prefill_workers);
         for i in 0..config.prefill_workers {
             let mut c = config.prefill.clone();
             c.node_id = NodeId(0x100 + i as u64);
             let engine = config.prefill_engine.llama_engine(loaded)?;
-            prefill.push(PrefillWorker::spawn(c, engine, dyn_transport.clone())?);
+            prefill.push(PrefillWorker::spawn(c, engine, transport.clone())?);
         }
         let mut decode = Vec::with_capacity(config.decode_workers);
         for i in 0..config.decode_workers {
             let mut c = config.decode.clone();
             c.node_id = NodeId(0x200 + i as u64);
             let engine = config.decode_engine.llama_engine(loaded)?;
-            decode.push(DecodeWorker::spawn(c, engine, dyn_transport.clone())?);
+            decode.push(DecodeWorker::spawn(c, engine, transport.clone())?);
         }
-        Ok(LocalMesh {
-            transport,
-            decode,
-            prefill,
-        })
+        Ok(LocalMesh { decode, prefill })
     }
 
     pub fn prefill_handles(&self) -> Vec<PrefillHandle> {
@@ -97,9 +91,7 @@ impl LocalMesh {
     /// Drains every worker and waits for them: decode workers finish their open requests
     /// (which may still need the prefill workers), then the prefill workers stop.
     pub fn shutdown(self) {
-        let LocalMesh {
-            decode, prefill, ..
-        } = self;
+        let LocalMesh { decode, prefill } = self;
         for d in &decode {
             d.handle().drain();
         }
@@ -114,3 +106,6 @@ impl LocalMesh {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

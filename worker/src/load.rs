@@ -1,66 +1,31 @@
 //! A worker's live load, published by its engine thread and read by routers without locks.
 
+use kvmesh_common::LoadReport;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// A snapshot of one worker's load: what a routing policy weighs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WorkerLoad {
-    /// Requests holding KV blocks (computing, decoding or awaiting a transfer).
-    pub running: usize,
-    /// Requests accepted but not yet holding blocks.
-    pub waiting: usize,
-    pub kv_blocks_used: usize,
-    pub kv_blocks_total: usize,
-}
-
-impl WorkerLoad {
-    /// Fraction of KV blocks in use, in `[0, 1]`.
-    pub fn kv_usage(&self) -> f64 {
-        if self.kv_blocks_total == 0 {
-            0.0
-        } else {
-            self.kv_blocks_used as f64 / self.kv_blocks_total as f64
-        }
-    }
-}
-
-impl From<WorkerLoad> for kvmesh_common::LoadReport {
-    /// What a node publishes to discovery (the pool size is in its `NodeInfo`).
-    fn from(l: WorkerLoad) -> Self {
-        kvmesh_common::LoadReport {
-            running: l.running,
-            waiting: l.waiting,
-            kv_blocks_used: l.kv_blocks_used,
-        }
-    }
-}
-
-/// Where the engine thread publishes its [`WorkerLoad`]; each field is read atomically, the
-/// snapshot as a whole may mix two publications.
+/// Where the engine thread publishes its load (the [`LoadReport`] the node reports to
+/// discovery); each field is read atomically, the snapshot as a whole may mix two
+/// publications.
 #[derive(Debug, Default)]
 pub struct LoadCell {
     running: AtomicUsize,
     waiting: AtomicUsize,
     kv_blocks_used: AtomicUsize,
-    kv_blocks_total: AtomicUsize,
 }
 
 impl LoadCell {
-    pub fn publish(&self, load: WorkerLoad) {
+    pub fn publish(&self, load: LoadReport) {
         self.running.store(load.running, Ordering::Relaxed);
         self.waiting.store(load.waiting, Ordering::Relaxed);
         self.kv_blocks_used
             .store(load.kv_blocks_used, Ordering::Relaxed);
-        self.kv_blocks_total
-            .store(load.kv_blocks_total, Ordering::Relaxed);
     }
 
-    pub fn get(&self) -> WorkerLoad {
-        WorkerLoad {
+    pub fn get(&self) -> LoadReport {
+        LoadReport {
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
-            kv_blocks_total: self.kv_blocks_total.load(Ordering::Relaxed),
         }
     }
 }

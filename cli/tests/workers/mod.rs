@@ -1,4 +1,5 @@
-//! Shared by the decode worker's tests: the real model (loaded once), engines and prompts.
+//! Shared by the tests of the workers (decode, and prefill with decode): the real model
+//! (loaded once), engines and prompts.
 
 #![allow(dead_code)]
 
@@ -106,7 +107,7 @@ pub fn collect(mut rx: EventReceiver) -> (Vec<TokenId>, String, Usage) {
 }
 
 /// Waits (bounded) until the worker reports no request and no KV block in use.
-pub fn wait_until_idle(load: impl Fn() -> kvmesh_decode::WorkerLoad, within: std::time::Duration) {
+pub fn wait_until_idle(load: impl Fn() -> kvmesh_common::LoadReport, within: std::time::Duration) {
     let deadline = std::time::Instant::now() + within;
     loop {
         let l = load();

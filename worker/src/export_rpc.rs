@@ -5,7 +5,6 @@ use crate::export::{
     ExportDone, ExportError, ExportReply, ExportRequest, ExportSource, KvExporter,
 };
 use crate::request::KvDestination;
-use crate::service::LearnPeer;
 use crossbeam_channel::Sender;
 use kvmesh_common::grpc::{pb, tag_request, WireError};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
@@ -16,6 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Response, Status};
+
+/// Tells the KV transport where a node receives (learned from each request that names it).
+pub type LearnPeer = Arc<dyn Fn(NodeId, SocketAddr) + Send + Sync>;
 
 /// The holder's side: hands each call to the local worker, which pushes the KV to the
 /// caller's transfer address and answers.

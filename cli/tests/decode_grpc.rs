@@ -2,24 +2,22 @@
 //! disaggregated output equals a lone local run, a call's deadline ends it and frees its
 //! blocks, and dropping the call cancels it.
 
-mod common;
+mod workers;
 
-use common::*;
-use kvmesh_common::grpc::{self, pb, PrefillTarget};
+use kvmesh_common::grpc::{self, pb, PrefillNode};
 use kvmesh_common::{metrics, GenerateEvent, GenerateRequest, NodeId};
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_prefill::{
-    DestinationAddresses, HolderDirectory, KvCacheService, LearnPeer, PrefillConfig,
-    PrefillService, PrefillWorker,
-};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{
     LoopbackFabric, LoopbackRdma, NetworkTransport, QuicConfig, QuicTransport, RdmaPeering,
     Transport,
 };
+use kvmesh_worker::{DestinationAddresses, HolderDirectory, KvCacheService, LearnPeer};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_stream::wrappers::TcpListenerStream;
+use workers::*;
 
 const LOOPBACK: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 0);
@@ -32,7 +30,7 @@ struct Mesh {
     _decode: DecodeWorker,
     decode: DecodeHandle,
     decode_addr: SocketAddr,
-    prefill: PrefillTarget,
+    prefill: PrefillNode,
 }
 
 async fn serve<S>(service: S) -> SocketAddr
@@ -110,7 +108,7 @@ async fn mesh_with(rdma: bool) -> Mesh {
         _prefill: prefill,
         _decode: decode,
         decode_addr,
-        prefill: PrefillTarget {
+        prefill: PrefillNode {
             node_id: NodeId(0x100),
             address: prefill_addr.to_string(),
         },
@@ -198,7 +196,7 @@ async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
     );
 
     let mut c = client(d_addr).await;
-    let target = |node_id, addr: SocketAddr| PrefillTarget {
+    let target = |node_id, addr: SocketAddr| PrefillNode {
         node_id,
         address: addr.to_string(),
     };
@@ -228,7 +226,7 @@ async fn a_prefill_node_pulls_the_prefix_its_destination_holds() {
 async fn generate(
     c: &mut pb::decode_client::DecodeClient<tonic::transport::Channel>,
     req: &GenerateRequest,
-    prefill: PrefillTarget,
+    prefill: PrefillNode,
 ) -> Vec<u32> {
     let call = grpc::generate_request_to_pb(req, &prefill.into());
     let mut stream = c.generate(call).await.unwrap().into_inner();

@@ -13,13 +13,13 @@
 
 use crate::export::{ExportReply, ExportRequest, ExportSource};
 use crate::incoming::IncomingTransfer;
+use crate::metrics::WorkerMetrics;
 use crate::request::KvDestination;
 use crossbeam_channel::{Receiver, Sender};
 use kvmesh_common::{NodeId, RequestId, TokenId};
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
 use kvmesh_engine::scheduler::Import;
-use kvmesh_engine::worker_metrics::WorkerMetrics;
 use kvmesh_transfer::KvChunk;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -1,0 +1,134 @@
+//! `LocalMesh` on the real model: requests through its handles match a lone engine's run.
+
+use super::*;
+use kvmesh_common::{GenerateEvent, GenerateRequest, RequestId, SamplingParams, TokenId};
+use std::sync::OnceLock;
+
+/// The default model, loaded once.
+fn loaded() -> &'static Loaded {
+    static MODEL: OnceLock<Loaded> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
+        assert!(
+            path.exists(),
+            "model missing at {}: run `kvmesh fetch-model`",
+            path.display()
+        );
+        kvmesh_engine::load(&path).expect("model loads")
+    })
+}
+
+/// Small pools and a modest step budget, so prompts prefill in several chunks.
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        block_size: 16,
+        num_blocks: 256,
+        max_num_batched_tokens: 256,
+        max_num_seqs: 64,
+        max_model_len: Some(2048),
+        enable_prefix_caching: true,
+        host_tier_blocks: 0,
+        disk_tier_blocks: 0,
+        disk_tier_dir: None,
+    }
+}
+
+/// `len` real tokens, different for each `seed`.
+fn request(seed: u64, len: usize, max_tokens: u32) -> GenerateRequest {
+    let text = "Networks joined the machines, and distributed systems learned to survive \
+        the failure of any one of them, while a key-value cache moves between them.";
+    let base = loaded().tokenizer.encode(text, false).unwrap();
+    let prompt = (0..len)
+        .map(|i| base[(seed as usize * 17 + i) % base.len()])
+        .collect();
+    GenerateRequest {
+        request_id: RequestId(seed),
+        prompt,
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(max_tokens)
+        },
+        resume: Vec::new(),
+    }
+}
+
+/// What a lone engine generates for `request`.
+fn reference(request: &GenerateRequest) -> Vec<TokenId> {
+    let mut e = engine_config().llama_engine(loaded()).unwrap();
+    e.add_request(0, request.prompt.clone(), request.params.clone(), 0)
+        .unwrap();
+    let mut tokens = Vec::new();
+    while e.has_work() {
+        for out in e.step().unwrap() {
+            tokens.extend(out.sampled.map(|s| s.token));
+        }
+    }
+    tokens
+}
+
+/// The tokens of a stream that must end with `Finished`.
+fn collect(mut rx: kvmesh_decode::EventReceiver) -> Vec<TokenId> {
+    let mut tokens = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("the stream ends with Finished") {
+            GenerateEvent::Token(t) => tokens.push(t.token),
+            GenerateEvent::Finished { .. } => return tokens,
+            GenerateEvent::Error(e) => panic!("stream failed: {e}"),
+        }
+    }
+}
+
+/// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
+fn transfers_completed(node: NodeId) -> u64 {
+    let node = node.to_string();
+    prometheus::gather()
+        .iter()
+        .filter(|f| f.name() == kvmesh_common::metrics::TRANSFER_SECONDS)
+        .flat_map(|f| f.get_metric())
+        .filter(|m| {
+            let has = |k: &str, v: &str| {
+                m.get_label()
+                    .iter()
+                    .any(|l| l.name() == k && l.value() == v)
+            };
+            has("node", &node) && has("role", "decode")
+        })
+        .map(|m| m.get_histogram().get_sample_count())
+        .sum()
+}
+
+#[test]
+fn a_local_mesh_serves_through_its_handles() {
+    let config = LocalMeshConfig {
+        prefill_workers: 2,
+        decode_workers: 2,
+        prefill_engine: engine_config(),
+        decode_engine: engine_config(),
+        decode: DecodeConfig {
+            local_prefill_max_tokens: 32,
+            ..DecodeConfig::new(NodeId(0))
+        },
+        ..Default::default()
+    };
+    let mesh = LocalMesh::start(loaded(), &config).unwrap();
+    let (decode, prefill) = (mesh.decode_handles(), mesh.prefill_handles());
+    assert_eq!(decode.len(), 2);
+    let requests: Vec<_> = (0..4).map(|i| request(i, 90, 6)).collect();
+    let streams: Vec<_> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            decode[i % 2]
+                .generate(r.clone(), Some(prefill[i / 2].clone().into()))
+                .unwrap()
+        })
+        .collect();
+    for (r, s) in requests.iter().zip(streams) {
+        assert_eq!(collect(s), reference(r));
+    }
+    for d in &decode {
+        assert_eq!(transfers_completed(d.node_id()), 2);
+    }
+    mesh.shutdown();
+    assert!(decode[0].generate(requests[0].clone(), None).is_err());
+}

@@ -1,0 +1,67 @@
+//! What a worker's thread publishes after each turn of its loop, whatever its role.
+
+use crate::load::LoadCell;
+use crate::metrics::WorkerMetrics;
+use kvmesh_common::kv_tier::KvEventSink;
+use kvmesh_common::{LoadReport, NodeId};
+use kvmesh_engine::llm_engine::LlmEngine;
+use kvmesh_engine::runner::ModelRunner;
+use std::sync::Arc;
+
+/// Publishes a worker's prefix-cache changes to its sink, and its load to its handles (from
+/// which discovery and routers read it) and to its metrics.
+pub struct LoadPublisher {
+    node_id: NodeId,
+    kv_events: Option<Arc<dyn KvEventSink>>,
+    metrics: WorkerMetrics,
+    /// The engine's preemption count at the last publication (the metric counts the rest).
+    last_preemptions: u64,
+}
+
+impl LoadPublisher {
+    /// `kv_events`: where the node announces its prefix-cache changes (none: not announced).
+    pub fn new(
+        node_id: NodeId,
+        kv_events: Option<Arc<dyn KvEventSink>>,
+        metrics: WorkerMetrics,
+    ) -> Self {
+        LoadPublisher {
+            node_id,
+            kv_events,
+            metrics,
+            last_preemptions: 0,
+        }
+    }
+
+    /// Publishes `engine`'s state into `cell`; `pulling` requests wait for a pull (outside
+    /// the engine) and count as waiting.
+    pub fn publish<R: ModelRunner>(
+        &mut self,
+        engine: &mut LlmEngine<R>,
+        pulling: usize,
+        cell: &LoadCell,
+    ) {
+        if let Some(sink) = &self.kv_events {
+            let events = engine.drain_kv_events();
+            if !events.is_empty() {
+                sink.publish(self.node_id, events);
+            }
+        }
+        let s = engine.scheduler();
+        let load = LoadReport {
+            running: s.num_running() + s.num_awaiting_kv(),
+            waiting: s.num_waiting() + pulling,
+            kv_blocks_used: s.pool().num_used(),
+        };
+        cell.publish(load);
+        self.metrics.running.set(load.running as i64);
+        self.metrics.waiting.set(load.waiting as i64);
+        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
+        self.metrics.observe_tiers(s.pool());
+        let preemptions = s.num_preemptions();
+        self.metrics
+            .preemptions
+            .inc_by(preemptions - self.last_preemptions);
+        self.last_preemptions = preemptions;
+    }
+}
