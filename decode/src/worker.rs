@@ -116,8 +116,8 @@ impl DecodeHandle {
     }
 
     /// `generate`, first pulling the prompt's cached prefix from `pull`'s node when that is
-    /// cheaper than recomputing it (see the `pull` module); whatever is not pulled is prefilled
-    /// as `generate` would.
+    /// cheaper than recomputing it (see `kvmesh_worker::Puller`); whatever is not pulled is
+    /// prefilled as `generate` would.
     pub fn generate_pulling(
         &self,
         request: GenerateRequest,
