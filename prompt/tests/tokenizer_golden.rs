@@ -7,22 +7,12 @@ use std::sync::OnceLock;
 use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
 use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
 use kvmesh_prompt::gguf::GgufFile;
-use kvmesh_prompt::model_fetch::default_model_path;
 use kvmesh_prompt::tokenizer::Tokenizer;
 use proptest::prelude::*;
 use serde_json::Value;
 
 fn model_path() -> PathBuf {
-    let path = match std::env::var_os("KVMESH_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => default_model_path().expect("no model directory"),
-    };
-    assert!(
-        path.exists(),
-        "model file {} is missing: run `kvmesh fetch-model` (or set KVMESH_MODEL to the GGUF file)",
-        path.display()
-    );
-    path
+    kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn tokenizer() -> &'static Tokenizer {

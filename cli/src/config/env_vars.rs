@@ -28,7 +28,7 @@ env_vars! {
     /// Log filter (tracing `EnvFilter` syntax, e.g. `debug` or `kvmesh_router=debug`); default `info`.
     LOG = "KVMESH_LOG";
     /// Model file (.gguf) or HF checkpoint directory (`--model`).
-    MODEL = "KVMESH_MODEL";
+    MODEL = kvmesh_prompt::model_fetch::ENV_MODEL;
     /// Where the default model is cached (default `$XDG_CACHE_HOME/kvmesh/models`, else `~/.cache/kvmesh/models`).
     MODEL_DIR = kvmesh_prompt::model_fetch::ENV_MODEL_DIR;
     /// Caps the CPU kernels' instruction set (e.g. `avx2`) below what the CPU supports.

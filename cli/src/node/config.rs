@@ -134,30 +134,38 @@ impl Default for PrefillNodeConfig {
     }
 }
 
-impl Layered for PrefillNodeConfig {
-    const ROLE: &'static str = "prefill";
-    const KEYS: &'static [&'static [(&'static str, &'static str)]] =
-        &[MESH_KEYS, engine_args::KEYS];
-    const UNSET_KEYS: &'static [&'static str] = &["engine.max_model_len"];
-    type Args = PrefillArgs;
+/// The layering of an engine-owning node (`prefill`, `decode`): mesh and engine tables, no
+/// secrets.
+macro_rules! engine_node_layered {
+    ($config:ty, $args:ty, $role:literal) => {
+        impl Layered for $config {
+            const ROLE: &'static str = $role;
+            const KEYS: &'static [&'static [(&'static str, &'static str)]] =
+                &[MESH_KEYS, engine_args::KEYS];
+            const UNSET_KEYS: &'static [&'static str] = &["engine.max_model_len"];
+            type Args = $args;
 
-    fn config_args(args: &PrefillArgs) -> &ConfigArgs {
-        &args.config
-    }
+            fn config_args(args: &$args) -> &ConfigArgs {
+                &args.config
+            }
 
-    fn finish(&mut self) -> Result<(), Invalid> {
-        self.mesh.check()?;
-        check_engine(&self.engine)
-    }
+            fn finish(&mut self) -> Result<(), Invalid> {
+                self.mesh.check()?;
+                check_engine(&self.engine)
+            }
 
-    fn require(&self) -> Result<(), Invalid> {
-        self.mesh.require()
-    }
+            fn require(&self) -> Result<(), Invalid> {
+                self.mesh.require()
+            }
 
-    fn redacted(&self) -> Self {
-        self.clone()
-    }
+            fn redacted(&self) -> Self {
+                self.clone()
+            }
+        }
+    };
 }
+
+engine_node_layered!(PrefillNodeConfig, PrefillArgs, "prefill");
 
 /// `kvmesh decode`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -190,30 +198,7 @@ impl Default for DecodeNodeConfig {
     }
 }
 
-impl Layered for DecodeNodeConfig {
-    const ROLE: &'static str = "decode";
-    const KEYS: &'static [&'static [(&'static str, &'static str)]] =
-        &[MESH_KEYS, engine_args::KEYS];
-    const UNSET_KEYS: &'static [&'static str] = &["engine.max_model_len"];
-    type Args = DecodeArgs;
-
-    fn config_args(args: &DecodeArgs) -> &ConfigArgs {
-        &args.config
-    }
-
-    fn finish(&mut self) -> Result<(), Invalid> {
-        self.mesh.check()?;
-        check_engine(&self.engine)
-    }
-
-    fn require(&self) -> Result<(), Invalid> {
-        self.mesh.require()
-    }
-
-    fn redacted(&self) -> Self {
-        self.clone()
-    }
-}
+engine_node_layered!(DecodeNodeConfig, DecodeArgs, "decode");
 
 /// `kvmesh router`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -22,12 +22,7 @@ pub fn golden() -> &'static serde_json::Value {
 pub fn model() -> &'static (Arc<LlamaModel>, Arc<Tokenizer>) {
     static MODEL: OnceLock<(Arc<LlamaModel>, Arc<Tokenizer>)> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
-        assert!(
-            path.exists(),
-            "model missing at {}: run `kvmesh fetch-model` (scripts/test.sh does)",
-            path.display()
-        );
+        let path = kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"));
         let loaded = kvmesh_engine::load(&path).expect("model loads");
         (loaded.model, loaded.tokenizer)
     })

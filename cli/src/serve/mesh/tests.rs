@@ -8,12 +8,7 @@ use std::sync::OnceLock;
 fn loaded() -> &'static Loaded {
     static MODEL: OnceLock<Loaded> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let path = kvmesh_prompt::model_fetch::default_model_path().expect("a cache directory");
-        assert!(
-            path.exists(),
-            "model missing at {}: run `kvmesh fetch-model`",
-            path.display()
-        );
+        let path = kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"));
         kvmesh_engine::load(&path).expect("model loads")
     })
 }
