@@ -1,21 +1,21 @@
 //! `kvmesh serve`: the whole mesh in one process — the HTTP router, prefill workers and decode
 //! workers, joined by the in-process transport and the in-memory kvstore.
 
-mod backend;
 mod config;
+mod in_process;
 mod mesh;
 
 use crate::admission_args::AdmissionArgs;
 use crate::config::{env_vars, ConfigArgs};
 use crate::model_args;
 use anyhow::{Context, Result};
-use backend::MeshBackend;
 use clap::Args;
 pub use config::ServeConfig;
+use in_process::LocalWorkers;
 use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_kvstore::InMemoryPrefixIndex;
 use kvmesh_router::routing::Routing;
-use kvmesh_router::Router;
+use kvmesh_router::{MeshBackend, MeshBackendConfig, Router};
 use mesh::LocalMesh;
 use serde::Serialize;
 use std::path::PathBuf;
@@ -81,10 +81,11 @@ pub fn run(config: &ServeConfig) -> Result<()> {
         index,
         loaded.fingerprint,
     );
-    let backend = Arc::new(MeshBackend::new(
-        &mesh,
-        &mesh_config,
-        loaded.fingerprint,
+    let workers = LocalWorkers::of(&mesh);
+    let backend = Arc::new(MeshBackend::with_connector(
+        workers.clone(),
+        Arc::new(workers.discovery(&mesh_config, loaded.fingerprint)),
+        MeshBackendConfig::default(),
         routing,
     ));
     let mut router_config = config.router.clone();
@@ -114,7 +115,7 @@ pub fn run(config: &ServeConfig) -> Result<()> {
             .context("HTTP server")
     })?;
     tracing::info!("HTTP server stopped; draining workers");
-    backend.set_ready(false);
+    backend.drain();
     mesh.shutdown();
     tracing::info!("stopped");
     Ok(())

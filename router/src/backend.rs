@@ -4,7 +4,8 @@ use async_trait::async_trait;
 use kvmesh_common::{GenerateEvent, GenerateRequest, WorkerError};
 use tokio::sync::mpsc;
 
-/// Serves tokens: in-process workers now, a gRPC client later.
+/// Serves tokens: the [`MeshBackend`](crate::MeshBackend) over the decode nodes (in-process
+/// or over gRPC), or a test's stand-in.
 ///
 /// Implement it with [`macro@crate::async_trait`] (re-exported by this crate):
 ///

@@ -15,9 +15,11 @@
 //! cancellation signal.
 //!
 //! Where a request goes is [`routing`] (the [`policy`] over the prompt's cached prefix and the
-//! nodes' load, and the disaggregation rule), shared by every backend; [`RemoteBackend`] serves
-//! the multi-process mesh and migrates a request whose decode node fails mid-stream. This
-//! crate's seam to the workers is [`Backend`].
+//! nodes' load, and the disaggregation rule); [`MeshBackend`] routes over the decode nodes,
+//! retries the unavailable ones and migrates a request whose decode node fails mid-stream,
+//! whatever reaches the nodes (a [`DecodeConnector`]: gRPC for the multi-process mesh,
+//! [`RemoteBackend`], or the in-process workers of `kvmesh serve`). This crate's seam to the
+//! workers is [`Backend`].
 
 mod admission;
 mod auth;
@@ -26,6 +28,7 @@ mod config;
 mod error;
 mod generation;
 mod json;
+mod mesh;
 mod metrics;
 mod openai;
 pub mod policy;
@@ -41,6 +44,7 @@ pub use async_trait::async_trait;
 pub use backend::Backend;
 pub use config::{ConfigError, RouterConfig};
 pub use error::ApiError;
+pub use mesh::{BrokenStream, DecodeConnector, DecodeEvents, MeshBackend, MeshBackendConfig};
 pub use metrics::registry;
-pub use remote::{RemoteBackend, RemoteConfig};
+pub use remote::{GrpcConnector, RemoteBackend, RemoteConfig};
 pub use server::Router;

@@ -14,7 +14,7 @@ use kvmesh_common::{
 use kvmesh_kvstore::{InMemoryDiscovery, InMemoryPrefixIndex};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::routing::Routing;
-use kvmesh_router::{Backend, RemoteBackend, RemoteConfig};
+use kvmesh_router::{Backend, MeshBackendConfig, RemoteBackend, RemoteConfig};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -324,7 +324,10 @@ async fn migrations_stop_at_the_limit() {
         .map(|i| Node::start(i, Script::FailAfter(1, tonic::Code::Unavailable)))
         .collect();
     let config = RemoteConfig {
-        max_migrations: 2,
+        mesh: MeshBackendConfig {
+            max_migrations: 2,
+            ..MeshBackendConfig::default()
+        },
         ..RemoteConfig::default()
     };
     let backend = backend(&nodes.iter().collect::<Vec<_>>(), config);

@@ -10,7 +10,7 @@ use crate::config::{node_id_hex, ConfigArgs, Invalid, Layered};
 use kvmesh_common::NodeId;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
-use kvmesh_router::{RemoteConfig, RouterConfig};
+use kvmesh_router::{MeshBackendConfig, RouterConfig};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -221,7 +221,7 @@ impl Default for RouterNodeConfig {
         RouterNodeConfig {
             model: None,
             threads: None,
-            max_migrations: RemoteConfig::default().max_migrations,
+            max_migrations: MeshBackendConfig::default().max_migrations,
             mesh: MeshNodeConfig::default(),
             router: RouterConfig::default(),
             routing: RoutingConfig::default(),

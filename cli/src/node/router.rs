@@ -10,7 +10,7 @@ use clap::Args;
 use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
 use kvmesh_router::policy::RoutingConfig;
 use kvmesh_router::routing::Routing;
-use kvmesh_router::{RemoteBackend, RemoteConfig, Router};
+use kvmesh_router::{MeshBackendConfig, RemoteBackend, RemoteConfig, Router};
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -84,8 +84,11 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
         let backend = Arc::new(RemoteBackend::new(
             discovery,
             RemoteConfig {
-                max_migrations: args.max_migrations,
                 tls,
+                mesh: MeshBackendConfig {
+                    max_migrations: args.max_migrations,
+                    ..MeshBackendConfig::default()
+                },
                 ..RemoteConfig::default()
             },
             routing,

@@ -1,4 +1,5 @@
-//! `LocalMesh` on the real model: requests through its handles match a lone engine's run.
+//! `LocalMesh` on the real model: requests through its handles, and through the router's
+//! `MeshBackend` over them, match a lone engine's run.
 
 use super::*;
 use kvmesh_common::{GenerateEvent, GenerateRequest, RequestId, SamplingParams, TokenId};
@@ -126,4 +127,55 @@ fn a_local_mesh_serves_through_its_handles() {
     }
     mesh.shutdown();
     assert!(decode[0].generate(requests[0].clone(), None).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_backend_passes_over_a_draining_worker() {
+    use crate::serve::in_process::LocalWorkers;
+    use kvmesh_kvstore::InMemoryPrefixIndex;
+    use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+    use kvmesh_router::routing::Routing;
+    use kvmesh_router::{Backend, MeshBackend, MeshBackendConfig};
+
+    let config = LocalMeshConfig {
+        prefill_workers: 0,
+        decode_workers: 2,
+        decode_engine: engine_config(),
+        ..Default::default()
+    };
+    let mesh = LocalMesh::start(loaded(), &config).unwrap();
+    // Round robin starts with the first worker, which refuses: it is draining.
+    let decode = mesh.decode_handles();
+    decode[0].drain();
+    let routing = Routing::new(
+        "round_robin".parse::<RoutingConfig>().unwrap().build(),
+        DisaggConfig::default(),
+        Arc::new(InMemoryPrefixIndex::new()),
+        loaded().fingerprint,
+    );
+    let workers = LocalWorkers::of(&mesh);
+    let backend = MeshBackend::with_connector(
+        workers.clone(),
+        Arc::new(workers.discovery(&config, loaded().fingerprint)),
+        MeshBackendConfig::default(),
+        routing,
+    );
+    assert!(backend.is_ready());
+    for seed in 0..3 {
+        let r = request(seed, 40, 4);
+        let mut events = backend.generate(r.clone()).await.unwrap();
+        let mut tokens = Vec::new();
+        loop {
+            match events.recv().await.expect("the stream ends with Finished") {
+                GenerateEvent::Token(t) => tokens.push(t.token),
+                GenerateEvent::Finished { .. } => break,
+                GenerateEvent::Error(e) => panic!("request {seed} failed: {e}"),
+            }
+        }
+        assert_eq!(tokens, reference(&r), "request {seed}");
+    }
+    backend.drain();
+    assert!(!backend.is_ready());
+    assert!(backend.generate(request(9, 40, 4)).await.is_err());
+    mesh.shutdown();
 }

@@ -1,0 +1,338 @@
+//! The router's [`Backend`] over a mesh of decode nodes, whatever reaches them: discovery
+//! names the live nodes, the routing policy picks a decode node (and a prefill node for it),
+//! and a [`DecodeConnector`] opens the request there (gRPC for the multi-process mesh, the
+//! worker handles for `kvmesh serve`).
+//!
+//! A node that refuses a request as unavailable (it died and its lease has not expired yet,
+//! or it is draining) is skipped for a short while and the request goes to the next
+//! candidate, so a crash costs no request that had not started. A stream that breaks
+//! mid-request (the decode node died or failed) is *migrated*: the prompt and the tokens
+//! delivered so far go to another decode node, which recomputes their KV and continues after
+//! them, so the client's stream goes on without a gap or a repeated token
+//! (`MeshBackendConfig::max_migrations` bounds it). Dropping the event receiver drops the
+//! node's stream, which cancels the request on the decode node and, through it, on the
+//! prefill node.
+
+use crate::backend::Backend;
+use crate::metrics::metrics;
+use crate::routing::{lock, Routing, Tracked};
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use kvmesh_common::grpc::{KvHolder, Placement, PrefillNode};
+use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, NodeRole, WorkerError};
+use kvmesh_kvstore::{Discovery, NodeEntry};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How the backend reaches a decode node.
+#[async_trait]
+pub trait DecodeConnector: Send + Sync + 'static {
+    /// Opens `req` on the decode node `node`, its prompt KV coming from `placement`, to end
+    /// within `timeout`. `Err(WorkerError::Unavailable)`: the node cannot take it, another
+    /// node may; any other error is the request's own.
+    async fn generate(
+        &self,
+        node: &NodeEntry,
+        req: &GenerateRequest,
+        placement: &Placement,
+        timeout: Duration,
+    ) -> Result<DecodeEvents, WorkerError>;
+
+    /// `node` refused a request or broke a stream: drop what is kept to reach it.
+    fn suspect(&self, _node: NodeId) {}
+}
+
+/// A request's events from its decode node, until the last one (`Finished` or `Error`); a
+/// stream that ends before it, or yields a [`BrokenStream`], broke.
+pub type DecodeEvents = BoxStream<'static, Result<GenerateEvent, BrokenStream>>;
+
+/// Why a decode node's stream broke under a request.
+#[derive(Debug)]
+pub struct BrokenStream {
+    pub error: WorkerError,
+    /// The request's deadline passed on the node: no other node would do better.
+    pub deadline_passed: bool,
+}
+
+/// How the backend retries and migrates.
+#[derive(Clone, Debug)]
+pub struct MeshBackendConfig {
+    /// How long a node that refused a request is left out of routing (it is usually dead
+    /// and about to leave discovery).
+    pub suspect_for: Duration,
+    /// Decode nodes tried per request before giving up with 503.
+    pub max_attempts: usize,
+    /// Each request's deadline, sent with it: past it the decode node ends the request and
+    /// cancels its prefill. Migrations do not extend it.
+    pub request_timeout: Duration,
+    /// How many times one request may move to another decode node after its stream broke.
+    pub max_migrations: usize,
+}
+
+impl Default for MeshBackendConfig {
+    fn default() -> Self {
+        MeshBackendConfig {
+            suspect_for: Duration::from_secs(3),
+            max_attempts: 3,
+            request_timeout: Duration::from_secs(600),
+            max_migrations: 3,
+        }
+    }
+}
+
+pub struct MeshBackend<C> {
+    mesh: Arc<Mesh<C>>,
+}
+
+/// What the request streams share: the relay of a broken stream opens the next one.
+struct Mesh<C> {
+    discovery: Arc<dyn Discovery>,
+    connector: C,
+    config: MeshBackendConfig,
+    suspects: Mutex<HashMap<NodeId, Instant>>,
+    routing: Routing,
+    draining: AtomicBool,
+}
+
+/// A request's stream open on one decode node.
+struct Opened {
+    node: NodeId,
+    events: DecodeEvents,
+    in_flight: Tracked,
+}
+
+impl<C: DecodeConnector> MeshBackend<C> {
+    /// Routes over the nodes `discovery` names and reaches them through `connector`.
+    pub fn with_connector(
+        connector: C,
+        discovery: Arc<dyn Discovery>,
+        config: MeshBackendConfig,
+        routing: Routing,
+    ) -> Self {
+        MeshBackend {
+            mesh: Arc::new(Mesh {
+                discovery,
+                connector,
+                config,
+                suspects: Mutex::new(HashMap::new()),
+                routing,
+                draining: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Stops taking requests (`/health` turns 503) while open streams finish.
+    pub fn drain(&self) {
+        self.mesh.draining.store(true, Ordering::Release);
+    }
+}
+
+impl<C: DecodeConnector> Mesh<C> {
+    /// Live nodes of `role`, less the suspects and those already tried.
+    fn candidates(&self, role: NodeRole, tried: &[NodeId]) -> Vec<NodeEntry> {
+        let now = Instant::now();
+        let mut suspects = lock(&self.suspects);
+        suspects.retain(|_, until| *until > now);
+        self.discovery
+            .nodes(role)
+            .into_iter()
+            .filter(|n| !suspects.contains_key(&n.info.node_id) && !tried.contains(&n.info.node_id))
+            .collect()
+    }
+
+    fn suspect(&self, node: NodeId) {
+        lock(&self.suspects).insert(node, Instant::now() + self.config.suspect_for);
+        self.connector.suspect(node);
+    }
+
+    /// Opens `req` on the best decode node not in `tried` (which it extends), moving on to
+    /// the next one while nodes are unavailable, up to `max_attempts` of them.
+    async fn open(
+        &self,
+        req: &GenerateRequest,
+        tried: &mut Vec<NodeId>,
+        deadline: Instant,
+    ) -> Result<Opened, WorkerError> {
+        let mut last_error = WorkerError::Unavailable("no decode node is registered".into());
+        // A migrated request is routed by everything its KV will hold.
+        let tokens: std::borrow::Cow<[_]> = if req.resume.is_empty() {
+            (&req.prompt[..]).into()
+        } else {
+            [&req.prompt[..], &req.resume[..]].concat().into()
+        };
+        // The decode node recomputes a migrated request itself (see `GenerateRequest::resume`).
+        let prefill = if req.resume.is_empty() {
+            self.candidates(NodeRole::Prefill, &[])
+        } else {
+            Vec::new()
+        };
+        for attempt in 0..self.config.max_attempts {
+            let Some(timeout) = deadline.checked_duration_since(Instant::now()) else {
+                return Err(WorkerError::Unavailable(
+                    "the request's deadline passed".into(),
+                ));
+            };
+            let decode = self.candidates(NodeRole::Decode, tried);
+            let Some(route) = self.routing.route(&tokens, &decode, &prefill) else {
+                break;
+            };
+            let id = route.decode;
+            tried.push(id);
+            let node = decode
+                .iter()
+                .find(|n| n.info.node_id == id)
+                .expect("chosen");
+            let address_of = |id: NodeId| {
+                let mut live = decode.iter().chain(&prefill);
+                live.find(|n| n.info.node_id == id)
+                    .map(|n| n.info.address.clone())
+            };
+            let placement = Placement {
+                prefill: route.prefill.and_then(|id| {
+                    Some(PrefillNode {
+                        node_id: id,
+                        address: address_of(id)?,
+                    })
+                }),
+                pull: route.pull.and_then(|(id, blocks)| {
+                    Some(KvHolder {
+                        node_id: id,
+                        address: address_of(id)?,
+                        blocks,
+                    })
+                }),
+            };
+            // Counted on its node until its stream ends (and on its prefill node until its
+            // first token): load reports lag a burst, and without this every request of the
+            // burst would see the same idle node.
+            let prefill = placement.prefill.as_ref().map(|p| p.node_id);
+            let in_flight = self.routing.track_route(id, prefill);
+            if attempt > 0 {
+                metrics().decode_retries.inc();
+            }
+            match self
+                .connector
+                .generate(node, req, &placement, timeout)
+                .await
+            {
+                Ok(events) => {
+                    return Ok(Opened {
+                        node: id,
+                        events,
+                        in_flight,
+                    })
+                }
+                Err(WorkerError::Unavailable(message)) => {
+                    tracing::warn!(request_id = %req.request_id, node = %id,
+                        "decode node unavailable: {message}; trying another");
+                    self.suspect(id);
+                    last_error = WorkerError::Unavailable(message);
+                }
+                Err(error) => return Err(error),
+            }
+        }
+        Err(last_error)
+    }
+}
+
+#[async_trait]
+impl<C: DecodeConnector> Backend for MeshBackend<C> {
+    async fn generate(
+        &self,
+        req: GenerateRequest,
+    ) -> Result<mpsc::UnboundedReceiver<GenerateEvent>, WorkerError> {
+        let mesh = &self.mesh;
+        if mesh.draining.load(Ordering::Acquire) {
+            return Err(WorkerError::Unavailable("the router is draining".into()));
+        }
+        let deadline = Instant::now() + mesh.config.request_timeout;
+        let mut tried = Vec::new();
+        let opened = mesh.open(&req, &mut tried, deadline).await?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(relay(mesh.clone(), req, opened, tried, deadline, tx));
+        Ok(rx)
+    }
+
+    fn is_ready(&self) -> bool {
+        !self.mesh.draining.load(Ordering::Acquire)
+            && !self.mesh.discovery.nodes(NodeRole::Decode).is_empty()
+    }
+}
+
+/// Moves a request's events onto `tx` until the last one or the receiver going away (which
+/// drops the stream: the request is cancelled). When the stream breaks first, the request
+/// migrates to another decode node with the tokens delivered so far and the relay goes on
+/// from there.
+async fn relay<C: DecodeConnector>(
+    mesh: Arc<Mesh<C>>,
+    mut req: GenerateRequest,
+    mut opened: Opened,
+    mut tried: Vec<NodeId>,
+    deadline: Instant,
+    tx: mpsc::UnboundedSender<GenerateEvent>,
+) {
+    let mut migrations = 0;
+    loop {
+        let next = tokio::select! {
+            () = tx.closed() => return,
+            next = opened.events.next() => next,
+        };
+        let broken = match next {
+            Some(Ok(GenerateEvent::Token(t))) => {
+                opened.in_flight.prefilled();
+                req.resume.push(t.token);
+                if tx.send(GenerateEvent::Token(t)).is_err() {
+                    return;
+                }
+                continue;
+            }
+            Some(Ok(GenerateEvent::Error(e))) if is_migratable(&e) => e,
+            Some(Ok(last)) => {
+                let _ = tx.send(last);
+                return;
+            }
+            Some(Err(BrokenStream {
+                error,
+                deadline_passed,
+            })) => {
+                if deadline_passed || !is_migratable(&error) {
+                    let _ = tx.send(GenerateEvent::Error(error));
+                    return;
+                }
+                error
+            }
+            None => WorkerError::Unavailable(
+                "the decode node closed the stream before finishing".into(),
+            ),
+        };
+        if migrations == mesh.config.max_migrations {
+            let _ = tx.send(GenerateEvent::Error(broken));
+            return;
+        }
+        migrations += 1;
+        metrics().migrations.inc();
+        tracing::warn!(request_id = %req.request_id, node = %opened.node,
+            delivered = req.resume.len(), "decode stream broke ({broken}); migrating");
+        mesh.suspect(opened.node);
+        let next = tokio::select! {
+            () = tx.closed() => return,
+            next = mesh.open(&req, &mut tried, deadline) => next,
+        };
+        match next {
+            Ok(o) => opened = o,
+            Err(e) => {
+                let _ = tx.send(GenerateEvent::Error(e));
+                return;
+            }
+        }
+    }
+}
+
+/// Failures of the node rather than of the request: another node may well succeed.
+fn is_migratable(e: &WorkerError) -> bool {
+    matches!(e, WorkerError::Unavailable(_) | WorkerError::Internal(_))
+}
