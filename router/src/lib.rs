@@ -37,10 +37,10 @@ pub mod routing;
 mod server;
 mod sse;
 
+pub use crate::metrics::exporter as metrics_exporter;
 pub use async_trait::async_trait;
 pub use backend::Backend;
 pub use config::{ConfigError, RouterConfig};
 pub use error::ApiError;
-pub use metrics::registry;
 pub use remote::{RemoteBackend, RemoteConfig};
 pub use server::Router;

@@ -200,7 +200,7 @@ impl Mesh {
             let prefill = placement.prefill.as_ref().map(|p| p.node_id);
             let in_flight = self.routing.track_route(id, prefill);
             if attempt > 0 {
-                metrics().decode_retries.inc();
+                metrics().decode_retries.increment(1);
             }
             match self.client(node)?.generate(call).await {
                 Ok(stream) => {
@@ -301,7 +301,7 @@ async fn relay(
             return;
         }
         migrations += 1;
-        metrics().migrations.inc();
+        metrics().migrations.increment(1);
         tracing::warn!(request_id = %req.request_id, node = %opened.node,
             delivered = req.resume.len(), "decode stream broke ({broken}); migrating");
         mesh.suspect(opened.node);
