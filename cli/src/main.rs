@@ -74,7 +74,15 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let env = config::process_env();
-    match parse_cli().command {
+    let command = parse_cli().command;
+    if matches!(
+        command,
+        Command::Serve(_) | Command::Router(_) | Command::Prefill(_) | Command::Decode(_)
+    ) {
+        // Metric handles taken before the recorder is installed record nothing.
+        kvmesh_router::metrics_exporter();
+    }
+    match command {
         Command::FetchModel(args) => model_args::fetch(&args),
         Command::Serve(args) => config::run(&args, &env, serve::run),
         Command::Router(args) => config::run(&args, &env, node::router::run),

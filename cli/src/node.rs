@@ -265,7 +265,7 @@ pub async fn serve_lease(
     tracing::info!(%node, role = role.as_str(), "registered");
     // The pool is empty until the first request, which comes only after registration.
     let _ = kv_events.set(KvEventPublisher::start(&lease));
-    let publisher_metrics = metrics::PublisherMetrics::new(node);
+    let mut publisher_metrics = metrics::PublisherMetrics::new(node);
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     let signal = crate::serve::shutdown_signal();
     tokio::pin!(signal);

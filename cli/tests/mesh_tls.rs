@@ -39,7 +39,10 @@ fn loaded() -> &'static Loaded {
     })
 }
 
+/// Every test worker gets one of these engines; the metrics recorder goes in first, so the
+/// workers' metric handles record (the tests read them).
 fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner::LlamaRunner> {
+    kvmesh_router::metrics_exporter();
     EngineConfig {
         block_size: 16,
         num_blocks: 128,
@@ -245,21 +248,10 @@ async fn generate(
 /// Remote prefills whose KV the decode node `node` received whole (from its metrics).
 fn transfers_completed(node: NodeId) -> u64 {
     let node = node.to_string();
-    prometheus::gather()
-        .iter()
-        .filter(|f| f.name() == kvmesh_common::metrics::TRANSFER_SECONDS)
-        .flat_map(|f| f.get_metric())
-        .filter(|m| {
-            let labels = m.get_label();
-            labels
-                .iter()
-                .any(|l| l.name() == "node" && l.value() == node)
-                && labels
-                    .iter()
-                    .any(|l| l.name() == "role" && l.value() == "decode")
-        })
-        .map(|m| m.get_histogram().get_sample_count())
-        .sum()
+    let labels = [("node", &node[..]), ("role", "decode")];
+    let scrape = kvmesh_router::metrics_exporter().render();
+    let count = format!("{}_count", kvmesh_common::metrics::TRANSFER_SECONDS);
+    kvmesh_common::metrics::scraped_sum(&scrape, &count, &labels) as u64
 }
 
 /// A request prefilled on the prefill node, whose KV crossed QUIC, gives the tokens of a

@@ -57,3 +57,71 @@ pub const KV_ETCD_WRITE_FAILURES_TOTAL: &str = "kvmesh_kvstore_kv_etcd_write_fai
 pub const KV_HELD_BLOCKS: &str = "kvmesh_kvstore_kv_held_blocks";
 pub const PREFIX_INDEX_ENTRIES: &str = "kvmesh_router_prefix_index_entries";
 pub const PREFIX_INDEX_RESYNCS_TOTAL: &str = "kvmesh_router_prefix_index_resyncs_total";
+
+// Histogram bucket upper bounds (seconds), one list per histogram.
+pub const ROUTER_TTFT_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+pub const ROUTER_ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
+];
+pub const ROUTER_E2E_BUCKETS: &[f64] = &[
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Worker latencies: 1 ms doubling up to 32.768 s.
+pub const WORKER_LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096,
+    8.192, 16.384, 32.768,
+];
+/// Every histogram with its buckets (the exporter makes a histogram of exactly these names).
+pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
+    (ROUTER_TTFT_SECONDS, ROUTER_TTFT_BUCKETS),
+    (ROUTER_ITL_SECONDS, ROUTER_ITL_BUCKETS),
+    (ROUTER_E2E_SECONDS, ROUTER_E2E_BUCKETS),
+    (WORKER_QUEUE_SECONDS, WORKER_LATENCY_BUCKETS),
+    (TRANSFER_SECONDS, WORKER_LATENCY_BUCKETS),
+];
+
+/// The sum of the samples of `name` in Prometheus text `scrape` whose labels include every
+/// `(label, value)` of `labels` (0 when there is none; label values without commas): a counter over some of its label
+/// sets, or a histogram's `_count`.
+pub fn scraped_sum(scrape: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (sample, label_text) = match series.split_once('{') {
+                Some((sample, rest)) => (sample, rest.strip_suffix('}')?),
+                None => (series, ""),
+            };
+            let wanted = sample == name
+                && labels.iter().all(|(k, v)| {
+                    label_text
+                        .split(',')
+                        .any(|pair| pair == format!("{k}=\"{v}\""))
+                });
+            wanted.then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scraped_sum_adds_the_matching_label_sets() {
+        let scrape = "# HELP a_total A.\n# TYPE a_total counter\n\
+                      a_total{node=\"1\",role=\"decode\"} 3\n\
+                      a_total{node=\"2\",role=\"decode\"} 4\n\
+                      a_total{node=\"1\",role=\"prefill\"} 5\n\
+                      a_total_other{node=\"1\"} 100\n\
+                      b 7\n";
+        assert_eq!(scraped_sum(scrape, "a_total", &[("role", "decode")]), 7.0);
+        assert_eq!(scraped_sum(scrape, "a_total", &[("node", "1")]), 8.0);
+        assert_eq!(scraped_sum(scrape, "a_total", &[]), 12.0);
+        assert_eq!(scraped_sum(scrape, "b", &[]), 7.0);
+        assert_eq!(scraped_sum(scrape, "a_total", &[("node", "9")]), 0.0);
+    }
+}

@@ -349,7 +349,7 @@ struct Loop<R: ModelRunner> {
 impl<R: ModelRunner> Loop<R> {
     fn run(&mut self) {
         let total = self.engine.scheduler().pool().num_blocks();
-        self.metrics.kv_blocks_total.set(total as i64);
+        self.metrics.kv_blocks_total.set(total as f64);
         self.publish_load();
         loop {
             let idle =
@@ -459,7 +459,9 @@ impl<R: ModelRunner> Loop<R> {
                 Ok(Inbox::Export(job)) => {
                     let timeout = self.config.export_timeout;
                     if let Ok(done) = job.serve(&self.engine, &*self.transport, timeout) {
-                        self.metrics.kv_exported_blocks.inc_by(done.blocks as u64);
+                        self.metrics
+                            .kv_exported_blocks
+                            .increment(done.blocks as u64);
                     }
                 }
                 Ok(Inbox::Wake) => {}
@@ -622,7 +624,7 @@ impl<R: ModelRunner> Loop<R> {
         }
         self.metrics
             .transfer_bytes
-            .inc_by(chunk.payload.len() as u64);
+            .increment(chunk.payload.len() as u64);
         if let Some(c) = self.remote.written(Instant::now(), seq_id, &chunk) {
             self.complete(c);
         }
@@ -652,7 +654,7 @@ impl<R: ModelRunner> Loop<R> {
             .complete_remote_prefill(seq_id, done.first, done.cached_tokens)
         {
             Ok(out) => {
-                self.metrics.transfer_seconds.observe(elapsed.as_secs_f64());
+                self.metrics.transfer_seconds.record(elapsed.as_secs_f64());
                 self.emit(out);
             }
             Err(e) => {
@@ -810,11 +812,11 @@ impl<R: ModelRunner> Loop<R> {
             self.shared.queue.give_back();
             self.metrics
                 .queue_seconds
-                .observe(a.enqueued_at.elapsed().as_secs_f64());
+                .record(a.enqueued_at.elapsed().as_secs_f64());
             self.metrics
                 .prefix_queried_tokens
-                .inc_by(u64::from(a.prompt_tokens));
-            self.metrics.prefix_hit_tokens.inc_by(cached as u64);
+                .increment(u64::from(a.prompt_tokens));
+            self.metrics.prefix_hit_tokens.increment(cached as u64);
         }
     }
 

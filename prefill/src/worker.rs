@@ -292,7 +292,7 @@ struct Loop<R: ModelRunner> {
 impl<R: ModelRunner> Loop<R> {
     fn run(&mut self) {
         let pool = self.engine.scheduler().pool();
-        self.metrics.kv_blocks_total.set(pool.num_blocks() as i64);
+        self.metrics.kv_blocks_total.set(pool.num_blocks() as f64);
         loop {
             let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
             if idle {
@@ -407,7 +407,9 @@ impl<R: ModelRunner> Loop<R> {
             Inbox::Export(job) => {
                 let result = job.serve(&self.engine, &*self.transport, self.config.send_timeout);
                 if let Ok(done) = result {
-                    self.metrics.kv_exported_blocks.inc_by(done.blocks as u64);
+                    self.metrics
+                        .kv_exported_blocks
+                        .increment(done.blocks as u64);
                 }
             }
             Inbox::Wake => {}
@@ -596,15 +598,15 @@ impl<R: ModelRunner> Loop<R> {
             }
             self.metrics
                 .queue_seconds
-                .observe(job.enqueued_at.elapsed().as_secs_f64());
+                .record(job.enqueued_at.elapsed().as_secs_f64());
             if let Some(t) = self.engine.scheduler().sequence_tokens(a.seq_id) {
                 self.metrics
                     .prefix_queried_tokens
-                    .inc_by(t.prompt.len() as u64);
+                    .increment(t.prompt.len() as u64);
             }
             self.metrics
                 .prefix_hit_tokens
-                .inc_by(a.num_cached_tokens as u64);
+                .increment(a.num_cached_tokens as u64);
         }
     }
 
@@ -658,7 +660,7 @@ impl Pusher<'_> {
                 Ok(()) => {
                     job.chunks_sent += 1;
                     job.bytes_sent += bytes;
-                    self.metrics.transfer_bytes.inc_by(bytes);
+                    self.metrics.transfer_bytes.increment(bytes);
                 }
                 Err(e) => {
                     tracing::warn!(request_id = %job.request_id, "KV push failed: {e}");

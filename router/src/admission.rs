@@ -430,8 +430,7 @@ impl Admission {
         let mut e = self.estimator.lock().unwrap_or_else(|e| e.into_inner());
         let out = f(&mut e);
         let m = metrics();
-        m.admission_pending_tokens
-            .set(i64::try_from(e.pending_tokens()).unwrap_or(i64::MAX));
+        m.admission_pending_tokens.set(e.pending_tokens() as f64);
         m.admission_estimated_ttft
             .set(e.estimated_ttft_now().as_secs_f64());
         m.admission_headroom.set(e.headroom);
@@ -440,10 +439,7 @@ impl Admission {
 }
 
 fn counted(rejection: Rejection) -> Rejection {
-    metrics()
-        .rejected
-        .with_label_values(&[rejection.reason()])
-        .inc();
+    metrics().rejected(rejection.reason());
     rejection
 }
 

@@ -59,14 +59,11 @@ pub(crate) async fn start(
             .await
             .map_err(|e| {
                 if matches!(e, WorkerError::Overloaded(_)) {
-                    metrics()
-                        .rejected
-                        .with_label_values(&["backend_overloaded"])
-                        .inc();
+                    metrics().rejected("backend_overloaded");
                 }
                 ApiError::from_worker(e, retry_after_secs)
             })?;
-    metrics().prompt_tokens.inc_by(job.prompt.len() as u64);
+    metrics().prompt_tokens.increment(job.prompt.len() as u64);
     Ok(Generation::new(
         receivers,
         ticket,

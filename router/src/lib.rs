@@ -40,11 +40,12 @@ pub mod routing;
 mod server;
 mod sse;
 
+pub use crate::metrics::exporter as metrics_exporter;
 pub use async_trait::async_trait;
 pub use backend::Backend;
 pub use config::{ConfigError, RouterConfig};
 pub use error::ApiError;
 pub use mesh::{BrokenStream, DecodeConnector, DecodeEvents, MeshBackend, MeshBackendConfig};
-pub use metrics::registry;
+
 pub use remote::{GrpcConnector, RemoteBackend, RemoteConfig};
 pub use server::Router;

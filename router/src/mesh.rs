@@ -212,7 +212,7 @@ impl<C: DecodeConnector> Mesh<C> {
             let prefill = placement.prefill.as_ref().map(|p| p.node_id);
             let in_flight = self.routing.track_route(id, prefill);
             if attempt > 0 {
-                metrics().decode_retries.inc();
+                metrics().decode_retries.increment(1);
             }
             match self
                 .connector
@@ -314,7 +314,7 @@ async fn relay<C: DecodeConnector>(
             return;
         }
         migrations += 1;
-        metrics().migrations.inc();
+        metrics().migrations.increment(1);
         tracing::warn!(request_id = %req.request_id, node = %opened.node,
             delivered = req.resume.len(), "decode stream broke ({broken}); migrating");
         mesh.suspect(opened.node);

@@ -1,14 +1,18 @@
 //! Router metrics (names from `kvmesh_common::metrics`) and the `/metrics` endpoint.
 //!
-//! Everything lives in the `prometheus` crate's default registry, which [`registry`]
-//! returns: whatever else in the process registers there (worker metrics, say) is served
-//! by the same `/metrics` output.
+//! Instrumentation goes through the `metrics` facade; [`exporter`] installs the process's
+//! Prometheus recorder (once, whoever asks first), so whatever else in the process records
+//! metrics (worker metrics, say) is served by the same `/metrics` output.
 
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Arc, LazyLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use ::metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram,
+};
 use axum::body::{Body, Bytes};
 use axum::extract::Request;
 use axum::http::{header, StatusCode};
@@ -16,171 +20,154 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use http_body::{Frame, SizeHint};
 use kvmesh_common::metrics as names;
-use prometheus::{
-    Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
-};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use crate::error::{status_label, ApiError};
+use crate::error::status_label;
 use crate::request_id::RequestContext;
 
-/// The registry `/metrics` serves: the `prometheus` default registry, with the router's
-/// metrics registered (and so described) from the first call on.
-pub fn registry() -> &'static Registry {
-    LazyLock::force(&METRICS);
-    prometheus::default_registry()
+/// The Prometheus text format's content type.
+const TEXT_FORMAT: &str = "text/plain; version=0.0.4";
+/// How often histogram samples are folded into their buckets between scrapes (so a process
+/// nobody scrapes does not keep every sample).
+const UPKEEP_INTERVAL: Duration = Duration::from_secs(5);
+
+/// The process's Prometheus recorder, installed on the first call (every histogram with the
+/// buckets of `kvmesh_common::metrics::HISTOGRAM_BUCKETS`). Metric handles taken before it
+/// is installed record nothing, so processes call this before starting their workers.
+pub fn exporter() -> &'static PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE.get_or_init(install)
+}
+
+fn install() -> PrometheusHandle {
+    let mut builder = PrometheusBuilder::new();
+    for &(name, buckets) in names::HISTOGRAM_BUCKETS {
+        builder = match builder.set_buckets_for_metric(Matcher::Full(name.into()), buckets) {
+            Ok(b) => b,
+            Err(e) => unreachable!("{name}: bucket lists are never empty ({e})"),
+        };
+    }
+    let recorder = builder.build_recorder();
+    let handle = recorder.handle();
+    if let Err(e) = ::metrics::set_global_recorder(recorder) {
+        tracing::warn!("another metrics recorder is installed, /metrics stays empty: {e}");
+    }
+    let upkeep = handle.clone();
+    let spawned = std::thread::Builder::new()
+        .name("metrics-upkeep".into())
+        .spawn(move || loop {
+            std::thread::sleep(UPKEEP_INTERVAL);
+            upkeep.run_upkeep();
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("no metrics upkeep thread (histograms fold at scrapes only): {e}");
+    }
+    handle
 }
 
 pub(crate) struct Metrics {
-    /// Labels: `endpoint` (`chat_completions`, `completions`), `status` (HTTP status; `499`
-    /// when the client went away first).
-    pub(crate) requests: IntCounterVec,
     pub(crate) ttft: Histogram,
     pub(crate) itl: Histogram,
     pub(crate) e2e: Histogram,
-    pub(crate) prompt_tokens: IntCounter,
-    pub(crate) generation_tokens: IntCounter,
-    pub(crate) in_flight: IntGauge,
+    pub(crate) prompt_tokens: Counter,
+    pub(crate) generation_tokens: Counter,
+    pub(crate) in_flight: Gauge,
     /// Requests moved to another decode node after their stream broke.
-    pub(crate) migrations: IntCounter,
+    pub(crate) migrations: Counter,
     /// Decode nodes that refused a request before another one took it.
-    pub(crate) decode_retries: IntCounter,
-    /// Label: `reason` (`queue_delay`, `in_flight`, `rate_limit`, `backend_overloaded`).
-    pub(crate) rejected: IntCounterVec,
-    pub(crate) admission_pending_tokens: IntGauge,
+    pub(crate) decode_retries: Counter,
+    pub(crate) admission_pending_tokens: Gauge,
     pub(crate) admission_estimated_ttft: Gauge,
     pub(crate) admission_headroom: Gauge,
 }
 
+impl Metrics {
+    /// Counts a finished completion request: `endpoint` (`chat_completions`, `completions`),
+    /// `status` (HTTP status; `499` when the client went away first).
+    fn request_finished(&self, endpoint: &'static str, status: &'static str) {
+        counter!(names::ROUTER_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => status)
+            .increment(1);
+    }
+
+    /// Counts a request refused with 429 for `reason` (`queue_delay`, `in_flight`,
+    /// `rate_limit`, `backend_overloaded`).
+    pub(crate) fn rejected(&self, reason: &'static str) {
+        counter!(names::ROUTER_REJECTED_TOTAL, "reason" => reason).increment(1);
+    }
+}
+
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
-    let r = prometheus::default_registry();
-    let histogram = |name: &str, help: &str, buckets: &[f64]| {
-        let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
-            .expect("valid histogram options");
-        register(r, h)
+    exporter();
+    describe_counter!(
+        names::ROUTER_REQUESTS_TOTAL,
+        "Completion requests by endpoint and final HTTP status (499: client went away)."
+    );
+    describe_counter!(
+        names::ROUTER_REJECTED_TOTAL,
+        "Requests refused with 429, by reason: queue_delay (the TTFT target would be missed), \
+         in_flight (max_in_flight reached), rate_limit (per-key rate), backend_overloaded (a \
+         worker's queue is full)."
+    );
+    let histogram = |name: &'static str, help: &'static str| {
+        describe_histogram!(name, help);
+        histogram!(name)
+    };
+    let counter = |name: &'static str, help: &'static str| {
+        describe_counter!(name, help);
+        counter!(name)
+    };
+    let gauge = |name: &'static str, help: &'static str| {
+        describe_gauge!(name, help);
+        gauge!(name)
     };
     Metrics {
-        requests: register(
-            r,
-            IntCounterVec::new(
-                Opts::new(
-                    names::ROUTER_REQUESTS_TOTAL,
-                    "Completion requests by endpoint and final HTTP status (499: client went away).",
-                ),
-                &["endpoint", "status"],
-            )
-            .expect("valid counter options"),
-        ),
         ttft: histogram(
             names::ROUTER_TTFT_SECONDS,
             "Time from receiving a request to its first generated token.",
-            &[
-                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-            ],
         ),
         itl: histogram(
             names::ROUTER_ITL_SECONDS,
             "Time between consecutive tokens of one choice.",
-            &[
-                0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
-            ],
         ),
         e2e: histogram(
             names::ROUTER_E2E_SECONDS,
             "Time from receiving a request to its last byte, for successful requests.",
-            &[
-                0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
-            ],
         ),
-        prompt_tokens: register(
-            r,
-            IntCounter::new(
-                names::ROUTER_PROMPT_TOKENS_TOTAL,
-                "Prompt tokens of requests sent to the backend.",
-            )
-            .expect("valid counter options"),
+        prompt_tokens: counter(
+            names::ROUTER_PROMPT_TOKENS_TOTAL,
+            "Prompt tokens of requests sent to the backend.",
         ),
-        generation_tokens: register(
-            r,
-            IntCounter::new(
-                names::ROUTER_GENERATION_TOKENS_TOTAL,
-                "Tokens generated (all choices).",
-            )
-            .expect("valid counter options"),
+        generation_tokens: counter(
+            names::ROUTER_GENERATION_TOKENS_TOTAL,
+            "Tokens generated (all choices).",
         ),
-        in_flight: register(
-            r,
-            IntGauge::new(
-                names::ROUTER_REQUESTS_IN_FLIGHT,
-                "Completion requests being served.",
-            )
-            .expect("valid gauge options"),
+        in_flight: gauge(
+            names::ROUTER_REQUESTS_IN_FLIGHT,
+            "Completion requests being served.",
         ),
-        migrations: register(
-            r,
-            IntCounter::new(
-                names::ROUTER_MIGRATIONS_TOTAL,
-                "Requests moved to another decode node after their stream broke mid-request.",
-            )
-            .expect("valid counter options"),
+        migrations: counter(
+            names::ROUTER_MIGRATIONS_TOTAL,
+            "Requests moved to another decode node after their stream broke mid-request.",
         ),
-        decode_retries: register(
-            r,
-            IntCounter::new(
-                names::ROUTER_DECODE_RETRIES_TOTAL,
-                "Requests sent to another decode node because the first one was unavailable.",
-            )
-            .expect("valid counter options"),
+        decode_retries: counter(
+            names::ROUTER_DECODE_RETRIES_TOTAL,
+            "Requests sent to another decode node because the first one was unavailable.",
         ),
-        rejected: register(
-            r,
-            IntCounterVec::new(
-                Opts::new(
-                    names::ROUTER_REJECTED_TOTAL,
-                    "Requests refused with 429, by reason: queue_delay (the TTFT target would \
-                     be missed), in_flight (max_in_flight reached), rate_limit (per-key rate), \
-                     backend_overloaded (a worker's queue is full).",
-                ),
-                &["reason"],
-            )
-            .expect("valid counter options"),
+        admission_pending_tokens: gauge(
+            names::ROUTER_ADMISSION_PENDING_TOKENS,
+            "Prompt tokens of admitted requests still waiting for their first token.",
         ),
-        admission_pending_tokens: register(
-            r,
-            IntGauge::new(
-                names::ROUTER_ADMISSION_PENDING_TOKENS,
-                "Prompt tokens of admitted requests still waiting for their first token.",
-            )
-            .expect("valid gauge options"),
+        admission_estimated_ttft: gauge(
+            names::ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS,
+            "Admission control's estimate of a new request's time to first token.",
         ),
-        admission_estimated_ttft: register(
-            r,
-            Gauge::new(
-                names::ROUTER_ADMISSION_ESTIMATED_TTFT_SECONDS,
-                "Admission control's estimate of a new request's time to first token.",
-            )
-            .expect("valid gauge options"),
-        ),
-        admission_headroom: register(
-            r,
-            Gauge::new(
-                names::ROUTER_ADMISSION_HEADROOM,
-                "The share of the TTFT target admission control lets an estimate use; it \
-                 shrinks when admitted requests break the target.",
-            )
-            .expect("valid gauge options"),
+        admission_headroom: gauge(
+            names::ROUTER_ADMISSION_HEADROOM,
+            "The share of the TTFT target admission control lets an estimate use; it \
+             shrinks when admitted requests break the target.",
         ),
     }
 });
-
-/// Registers `c`; if something registered the same metric first, ours still counts but
-/// is not exported (logged).
-fn register<C: prometheus::core::Collector + Clone + 'static>(r: &Registry, c: C) -> C {
-    if let Err(e) = r.register(Box::new(c.clone())) {
-        tracing::warn!(error = %e, "router metric not registered");
-    }
-    c
-}
 
 pub(crate) fn metrics() -> &'static Metrics {
     &METRICS
@@ -188,11 +175,8 @@ pub(crate) fn metrics() -> &'static Metrics {
 
 /// `GET /metrics`: Prometheus text format.
 pub(crate) async fn render() -> Response {
-    let families = registry().gather();
-    match TextEncoder::new().encode_to_string(&families) {
-        Ok(text) => ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], text).into_response(),
-        Err(e) => ApiError::Internal(format!("encoding metrics: {e}")).into_response(),
-    }
+    let text = exporter().render();
+    ([(header::CONTENT_TYPE, TEXT_FORMAT)], text).into_response()
 }
 
 /// How a completion request ended, for the requests counter. A request extension shared
@@ -227,7 +211,7 @@ struct RequestGuard {
 
 impl RequestGuard {
     fn new(endpoint: &'static str, received: Instant, outcome: Outcome) -> Self {
-        metrics().in_flight.inc();
+        metrics().in_flight.increment(1.0);
         RequestGuard {
             endpoint,
             received,
@@ -240,7 +224,7 @@ impl RequestGuard {
 impl Drop for RequestGuard {
     fn drop(&mut self) {
         let m = metrics();
-        m.in_flight.dec();
+        m.in_flight.decrement(1.0);
         let status = match self.outcome.0.load(Ordering::Relaxed) {
             UNSET => self.response_status.map_or(CLIENT_GONE, |s| s.as_u16()),
             STREAMING => CLIENT_GONE,
@@ -248,14 +232,14 @@ impl Drop for RequestGuard {
         };
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         if status == StatusCode::OK {
-            m.e2e.observe(self.received.elapsed().as_secs_f64());
+            m.e2e.record(self.received.elapsed().as_secs_f64());
         }
         let label = if status.as_u16() == CLIENT_GONE {
             "499"
         } else {
             status_label(status)
         };
-        m.requests.with_label_values(&[self.endpoint, label]).inc();
+        m.request_finished(self.endpoint, label);
     }
 }
 
@@ -333,14 +317,14 @@ impl TokenTimer {
     pub(crate) fn token(&mut self, index: usize) {
         let now = Instant::now();
         let m = metrics();
-        m.generation_tokens.inc();
+        m.generation_tokens.increment(1);
         if !self.first_seen {
             self.first_seen = true;
-            m.ttft.observe(secs(now - self.received));
+            m.ttft.record(secs(now - self.received));
         }
         if let Some(slot) = self.last.get_mut(index) {
             if let Some(prev) = slot.replace(now) {
-                m.itl.observe(secs(now - prev));
+                m.itl.record(secs(now - prev));
             }
         }
     }

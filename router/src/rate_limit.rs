@@ -105,7 +105,7 @@ pub(crate) async fn limit(
             .copied()
             .unwrap_or(KeyDigest::ANONYMOUS);
         if let Err(wait) = limiter.check(&key, Instant::now()) {
-            metrics().rejected.with_label_values(&["rate_limit"]).inc();
+            metrics().rejected("rate_limit");
             let secs = wait.as_secs_f64().ceil().clamp(1.0, u64::MAX as f64) as u64;
             return ApiError::RateLimited {
                 retry_after_secs: secs,

@@ -63,7 +63,9 @@ impl Router {
         tokenizer: Arc<Tokenizer>,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
-        metrics::registry();
+        // The recorder and every unlabelled router series exist from the start (scrapes
+        // list them before the first request).
+        metrics::metrics();
         let keys = Arc::new(ApiKeys::new(&config.api_keys));
         let rate_limiter =
             RateLimiter::new(&keys, config.rate_limit_per_second, config.rate_limit_burst)

@@ -154,15 +154,15 @@ async fn metrics_are_exposed_in_prometheus_text() {
     assert!(count("kvmesh_router_inter_token_latency_seconds_count") >= 2.0);
     assert!(count("kvmesh_router_generation_tokens_total") >= 3.0);
     assert!(count("kvmesh_router_prompt_tokens_total") >= 1.0);
-    // The registry is public, so the lead can add worker metrics to the same output.
-    assert!(std::ptr::eq(
-        kvmesh_router::registry(),
-        prometheus_default()
-    ));
-}
-
-fn prometheus_default() -> &'static prometheus::Registry {
-    prometheus::default_registry()
+    // The recorder is the process's, so worker metrics recorded anywhere in it land in the
+    // same output.
+    metrics::counter!("kvmesh_test_recorded_elsewhere_total").increment(1);
+    let reply = get(&app, "/metrics").await;
+    let text = String::from_utf8(reply.body.clone()).unwrap();
+    assert!(
+        text.contains("kvmesh_test_recorded_elsewhere_total 1"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

@@ -30,6 +30,7 @@ mod remote;
 mod request;
 pub mod wire;
 
+pub use crate::metrics::WorkerMetrics;
 pub use client::{PrefillClient, PrefillTarget};
 pub use engine_thread::{inbox, Control, EngineThread, NodeState};
 pub use export::{
@@ -38,7 +39,6 @@ pub use export::{
 pub use export_rpc::{HolderDirectory, KvCacheService, LearnPeer, RemoteExporter};
 pub use incoming::{IncomingError, IncomingTransfer};
 pub use load::{LoadCell, QueueSlots};
-pub use metrics::WorkerMetrics;
 pub use publish::LoadPublisher;
 pub use pull::{KvPull, Puller};
 pub use remote::RemotePrefill;

@@ -1,212 +1,181 @@
-//! The Prometheus metrics every engine-owning worker (prefill or decode) reports, in the
-//! process-wide default registry. Names come from `kvmesh_common::metrics`; labels are `node`
+//! The metrics every engine-owning worker (prefill or decode) reports, through the `metrics`
+//! facade (the process that serves `/metrics` installs the recorder, before it starts its
+//! workers). Names and histogram buckets come from `kvmesh_common::metrics`; labels are `node`
 //! and `role`. Several workers of one process share each metric family under their own
-//! labels, so registration happens once, on first use (`describe` forces it at start-up).
+//! labels.
 
 use kvmesh_common::kv_tier::Tier;
 use kvmesh_common::metrics as names;
 use kvmesh_common::NodeId;
 use kvmesh_engine::block_pool::BlockPool;
-use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram,
 };
-use std::sync::OnceLock;
 
-const LABELS: &[&str] = &["node", "role"];
-const TIER_LABELS: &[&str] = &["node", "role", "tier"];
 /// The tiers below the pool, with their label values.
 const LOWER_TIERS: [(Tier, &str); 2] = [(Tier::Host, "host"), (Tier::Disk, "disk")];
 
-struct Families {
-    queue_seconds: HistogramVec,
-    running: IntGaugeVec,
-    waiting: IntGaugeVec,
-    kv_used: IntGaugeVec,
-    kv_total: IntGaugeVec,
-    prefix_queried: IntCounterVec,
-    prefix_hit: IntCounterVec,
-    preemptions: IntCounterVec,
-    transfer_bytes: IntCounterVec,
-    transfer_seconds: HistogramVec,
-    tier_blocks: IntGaugeVec,
-    tier_promoted: IntCounterVec,
-    pulled_blocks: IntCounterVec,
-    pulled_bytes: IntCounterVec,
-    pull_failures: IntCounterVec,
-    exported_blocks: IntCounterVec,
-}
-
-fn register<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
-    if let Err(e) = prometheus::register(Box::new(c.clone())) {
-        // Someone registered the name already (a second registry user in tests): keep
-        // counting on our copy rather than failing the worker.
-        tracing::warn!("metric registration: {e}");
-    }
-    c
-}
-
-fn gauge(name: &str, help: &str) -> IntGaugeVec {
-    register(IntGaugeVec::new(Opts::new(name, help), LABELS).expect("valid metric"))
-}
-
-fn counter(name: &str, help: &str) -> IntCounterVec {
-    register(IntCounterVec::new(Opts::new(name, help), LABELS).expect("valid metric"))
-}
-
-fn histogram(name: &str, help: &str, buckets: Vec<f64>) -> HistogramVec {
-    let opts = HistogramOpts::new(name, help).buckets(buckets);
-    register(HistogramVec::new(opts, LABELS).expect("valid metric"))
-}
-
-fn families() -> &'static Families {
-    static F: OnceLock<Families> = OnceLock::new();
-    F.get_or_init(|| {
-        let latency = prometheus::exponential_buckets(0.001, 2.0, 16).expect("valid buckets");
-        Families {
-            queue_seconds: histogram(
-                names::WORKER_QUEUE_SECONDS,
-                "Time from a request's arrival at a worker to its first KV blocks.",
-                latency.clone(),
-            ),
-            running: gauge(
-                names::WORKER_REQUESTS_RUNNING,
-                "Requests holding KV blocks (decoding, prefilling or awaiting KV).",
-            ),
-            waiting: gauge(
-                names::WORKER_REQUESTS_WAITING,
-                "Requests queued for KV blocks.",
-            ),
-            kv_used: gauge(names::WORKER_KV_BLOCKS_USED, "KV blocks in use."),
-            kv_total: gauge(names::WORKER_KV_BLOCKS_TOTAL, "KV blocks in the pool."),
-            prefix_queried: counter(
-                names::WORKER_PREFIX_QUERIED_TOKENS_TOTAL,
-                "Prompt tokens looked up in the prefix cache.",
-            ),
-            prefix_hit: counter(
-                names::WORKER_PREFIX_HIT_TOKENS_TOTAL,
-                "Prompt tokens served from the prefix cache.",
-            ),
-            preemptions: counter(
-                names::WORKER_PREEMPTIONS_TOTAL,
-                "Sequences preempted (KV freed, to be recomputed).",
-            ),
-            transfer_bytes: counter(
-                names::TRANSFER_BYTES_TOTAL,
-                "KV bytes sent (prefill) or received intact (decode).",
-            ),
-            transfer_seconds: histogram(
-                names::TRANSFER_SECONDS,
-                "Time from asking a prefill worker for a prompt to having all of its KV.",
-                latency,
-            ),
-            pulled_blocks: counter(
-                names::WORKER_KV_PULLED_BLOCKS_TOTAL,
-                "Prefix blocks pulled from another node's cache instead of recomputed.",
-            ),
-            pulled_bytes: counter(
-                names::WORKER_KV_PULLED_BYTES_TOTAL,
-                "KV bytes pulled from other nodes' caches.",
-            ),
-            pull_failures: counter(
-                names::WORKER_KV_PULL_FAILURES_TOTAL,
-                "Pulls that fell back to recomputing the blocks.",
-            ),
-            exported_blocks: counter(
-                names::WORKER_KV_EXPORTED_BLOCKS_TOTAL,
-                "Cached blocks sent to other nodes that pulled them.",
-            ),
-            tier_blocks: register(
-                IntGaugeVec::new(
-                    Opts::new(
-                        names::WORKER_KV_TIER_BLOCKS,
-                        "Prefix-cache blocks held in a tier below the KV pool.",
-                    ),
-                    TIER_LABELS,
-                )
-                .expect("valid metric"),
-            ),
-            tier_promoted: register(
-                IntCounterVec::new(
-                    Opts::new(
-                        names::WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL,
-                        "Prefix hits served from a tier below the KV pool, in blocks.",
-                    ),
-                    TIER_LABELS,
-                )
-                .expect("valid metric"),
-            ),
-        }
-    })
-}
-
-/// Registers every worker metric with its help text; call once at start-up so scrapes list
-/// them before the first request.
+/// Gives every worker metric its help text (describing again changes nothing).
 pub fn describe() {
-    families();
+    describe_histogram!(
+        names::WORKER_QUEUE_SECONDS,
+        "Time from a request's arrival at a worker to its first KV blocks."
+    );
+    describe_gauge!(
+        names::WORKER_REQUESTS_RUNNING,
+        "Requests holding KV blocks (decoding, prefilling or awaiting KV)."
+    );
+    describe_gauge!(
+        names::WORKER_REQUESTS_WAITING,
+        "Requests queued for KV blocks."
+    );
+    describe_gauge!(names::WORKER_KV_BLOCKS_USED, "KV blocks in use.");
+    describe_gauge!(names::WORKER_KV_BLOCKS_TOTAL, "KV blocks in the pool.");
+    describe_counter!(
+        names::WORKER_PREFIX_QUERIED_TOKENS_TOTAL,
+        "Prompt tokens looked up in the prefix cache."
+    );
+    describe_counter!(
+        names::WORKER_PREFIX_HIT_TOKENS_TOTAL,
+        "Prompt tokens served from the prefix cache."
+    );
+    describe_counter!(
+        names::WORKER_PREEMPTIONS_TOTAL,
+        "Sequences preempted (KV freed, to be recomputed)."
+    );
+    describe_counter!(
+        names::TRANSFER_BYTES_TOTAL,
+        "KV bytes sent (prefill) or received intact (decode)."
+    );
+    describe_histogram!(
+        names::TRANSFER_SECONDS,
+        "Time from asking a prefill worker for a prompt to having all of its KV."
+    );
+    describe_counter!(
+        names::WORKER_KV_PULLED_BLOCKS_TOTAL,
+        "Prefix blocks pulled from another node's cache instead of recomputed."
+    );
+    describe_counter!(
+        names::WORKER_KV_PULLED_BYTES_TOTAL,
+        "KV bytes pulled from other nodes' caches."
+    );
+    describe_counter!(
+        names::WORKER_KV_PULL_FAILURES_TOTAL,
+        "Pulls that fell back to recomputing the blocks."
+    );
+    describe_counter!(
+        names::WORKER_KV_EXPORTED_BLOCKS_TOTAL,
+        "Cached blocks sent to other nodes that pulled them."
+    );
+    describe_gauge!(
+        names::WORKER_KV_TIER_BLOCKS,
+        "Prefix-cache blocks held in a tier below the KV pool."
+    );
+    describe_counter!(
+        names::WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL,
+        "Prefix hits served from a tier below the KV pool, in blocks."
+    );
 }
 
-/// One worker's handles on the metric families.
+/// A counter that follows a running total kept elsewhere (a pool's or a publisher's stats),
+/// remembering the total it last caught up to.
+#[derive(Clone, Debug)]
+pub struct TotalCounter {
+    counter: Counter,
+    seen: u64,
+}
+
+impl TotalCounter {
+    pub fn new(counter: Counter) -> Self {
+        TotalCounter { counter, seen: 0 }
+    }
+
+    /// Moves the counter up to `total`.
+    pub fn catch_up(&mut self, total: u64) {
+        self.counter.increment(total.saturating_sub(self.seen));
+        self.seen = self.seen.max(total);
+    }
+}
+
+/// One lower tier's metrics.
+#[derive(Clone, Debug)]
+struct TierMetrics {
+    tier: Tier,
+    blocks: Gauge,
+    promoted: TotalCounter,
+}
+
+/// One worker's handles on the metric families (taken, and so listed by scrapes, at once).
 #[derive(Clone, Debug)]
 pub struct WorkerMetrics {
     pub queue_seconds: Histogram,
-    pub running: IntGauge,
-    pub waiting: IntGauge,
-    pub kv_blocks_used: IntGauge,
-    pub kv_blocks_total: IntGauge,
-    pub prefix_queried_tokens: IntCounter,
-    pub prefix_hit_tokens: IntCounter,
-    pub preemptions: IntCounter,
-    pub transfer_bytes: IntCounter,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    pub kv_blocks_used: Gauge,
+    pub kv_blocks_total: Gauge,
+    pub prefix_queried_tokens: Counter,
+    pub prefix_hit_tokens: Counter,
+    pub preemptions: Counter,
+    pub transfer_bytes: Counter,
     pub transfer_seconds: Histogram,
-    pub kv_pulled_blocks: IntCounter,
-    pub kv_pulled_bytes: IntCounter,
-    pub kv_pull_failures: IntCounter,
-    pub kv_exported_blocks: IntCounter,
+    pub kv_pulled_blocks: Counter,
+    pub kv_pulled_bytes: Counter,
+    pub kv_pull_failures: Counter,
+    pub kv_exported_blocks: Counter,
     /// Per lower tier (host, disk): blocks held, and hits promoted from it.
-    tiers: [(Tier, IntGauge, IntCounter); 2],
+    tiers: [TierMetrics; 2],
 }
 
 impl WorkerMetrics {
     /// `role` is `"prefill"` or `"decode"`.
-    pub fn new(node: NodeId, role: &str) -> Self {
-        let f = families();
+    pub fn new(node: NodeId, role: &'static str) -> Self {
+        describe();
         let node = node.to_string();
-        let l = [node.as_str(), role];
+        let labels = [("node", node.clone()), ("role", role.to_string())];
         WorkerMetrics {
-            queue_seconds: f.queue_seconds.with_label_values(&l),
-            running: f.running.with_label_values(&l),
-            waiting: f.waiting.with_label_values(&l),
-            kv_blocks_used: f.kv_used.with_label_values(&l),
-            kv_blocks_total: f.kv_total.with_label_values(&l),
-            prefix_queried_tokens: f.prefix_queried.with_label_values(&l),
-            prefix_hit_tokens: f.prefix_hit.with_label_values(&l),
-            preemptions: f.preemptions.with_label_values(&l),
-            transfer_bytes: f.transfer_bytes.with_label_values(&l),
-            transfer_seconds: f.transfer_seconds.with_label_values(&l),
-            kv_pulled_blocks: f.pulled_blocks.with_label_values(&l),
-            kv_pulled_bytes: f.pulled_bytes.with_label_values(&l),
-            kv_pull_failures: f.pull_failures.with_label_values(&l),
-            kv_exported_blocks: f.exported_blocks.with_label_values(&l),
+            queue_seconds: histogram!(names::WORKER_QUEUE_SECONDS, &labels),
+            running: gauge!(names::WORKER_REQUESTS_RUNNING, &labels),
+            waiting: gauge!(names::WORKER_REQUESTS_WAITING, &labels),
+            kv_blocks_used: gauge!(names::WORKER_KV_BLOCKS_USED, &labels),
+            kv_blocks_total: gauge!(names::WORKER_KV_BLOCKS_TOTAL, &labels),
+            prefix_queried_tokens: counter!(names::WORKER_PREFIX_QUERIED_TOKENS_TOTAL, &labels),
+            prefix_hit_tokens: counter!(names::WORKER_PREFIX_HIT_TOKENS_TOTAL, &labels),
+            preemptions: counter!(names::WORKER_PREEMPTIONS_TOTAL, &labels),
+            transfer_bytes: counter!(names::TRANSFER_BYTES_TOTAL, &labels),
+            transfer_seconds: histogram!(names::TRANSFER_SECONDS, &labels),
+            kv_pulled_blocks: counter!(names::WORKER_KV_PULLED_BLOCKS_TOTAL, &labels),
+            kv_pulled_bytes: counter!(names::WORKER_KV_PULLED_BYTES_TOTAL, &labels),
+            kv_pull_failures: counter!(names::WORKER_KV_PULL_FAILURES_TOTAL, &labels),
+            kv_exported_blocks: counter!(names::WORKER_KV_EXPORTED_BLOCKS_TOTAL, &labels),
             tiers: LOWER_TIERS.map(|(tier, name)| {
-                let l = [node.as_str(), role, name];
-                (
+                let labels = [
+                    ("node", node.clone()),
+                    ("role", role.to_string()),
+                    ("tier", name.to_string()),
+                ];
+                TierMetrics {
                     tier,
-                    f.tier_blocks.with_label_values(&l),
-                    f.tier_promoted.with_label_values(&l),
-                )
+                    blocks: gauge!(names::WORKER_KV_TIER_BLOCKS, &labels),
+                    promoted: TotalCounter::new(counter!(
+                        names::WORKER_KV_TIER_PROMOTED_BLOCKS_TOTAL,
+                        &labels
+                    )),
+                }
             }),
         }
     }
 
-    /// Brings the tier metrics up to `pool`'s state.
-    pub fn observe_tiers(&self, pool: &BlockPool) {
-        for (tier, blocks, promoted) in &self.tiers {
-            let held = match tier {
+    /// Brings the tier metrics up to `pool`'s state (one caller, the load publisher, keeps
+    /// the totals it has seen).
+    pub fn observe_tiers(&mut self, pool: &BlockPool) {
+        for t in &mut self.tiers {
+            let held = match t.tier {
                 Tier::Host => pool.num_host_cached(),
                 _ => pool.num_disk_cached(),
             };
-            blocks.set(held as i64);
-            promoted.inc_by(pool.num_promoted(*tier).saturating_sub(promoted.get()));
+            t.blocks.set(held as f64);
+            t.promoted.catch_up(pool.num_promoted(t.tier));
         }
     }
 }

@@ -54,14 +54,14 @@ impl LoadPublisher {
             kv_blocks_used: s.pool().num_used(),
         };
         cell.publish(load);
-        self.metrics.running.set(load.running as i64);
-        self.metrics.waiting.set(load.waiting as i64);
-        self.metrics.kv_blocks_used.set(load.kv_blocks_used as i64);
+        self.metrics.running.set(load.running as f64);
+        self.metrics.waiting.set(load.waiting as f64);
+        self.metrics.kv_blocks_used.set(load.kv_blocks_used as f64);
         self.metrics.observe_tiers(s.pool());
         let preemptions = s.num_preemptions();
         self.metrics
             .preemptions
-            .inc_by(preemptions - self.last_preemptions);
+            .increment(preemptions - self.last_preemptions);
         self.last_preemptions = preemptions;
     }
 }

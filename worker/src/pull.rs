@@ -225,7 +225,7 @@ impl<T> Puller<T> {
                 pull.source.node_id()
             );
             engine.finish_import(import, 0);
-            self.metrics.kv_pull_failures.inc();
+            self.metrics.kv_pull_failures.increment(1);
             return Err(waiting);
         }
         let now = Instant::now();
@@ -408,11 +408,11 @@ impl<T> Puller<T> {
         let elapsed = p.started.elapsed();
         if arrived > 0 {
             let bytes = p.incoming.bytes();
-            self.metrics.kv_pulled_blocks.inc_by(arrived as u64);
-            self.metrics.kv_pulled_bytes.inc_by(bytes);
+            self.metrics.kv_pulled_blocks.increment(arrived as u64);
+            self.metrics.kv_pulled_bytes.increment(bytes);
             self.cost.observe_pull(bytes, elapsed);
         } else {
-            self.metrics.kv_pull_failures.inc();
+            self.metrics.kv_pull_failures.increment(1);
             self.cost.observe_failed_pull(elapsed);
         }
         let mut ready = vec![p.waiting];

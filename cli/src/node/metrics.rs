@@ -5,73 +5,63 @@
 use kvmesh_common::metrics as names;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::{EtcdPrefixIndex, PrefixIndex, PublisherStats};
-use prometheus::{IntCounter, IntGauge, Opts};
+use kvmesh_worker::metrics::TotalCounter;
+use metrics::{counter, describe_counter, describe_gauge, gauge, Gauge};
 use std::net::SocketAddr;
 
-fn register<C: prometheus::core::Collector + Clone + 'static>(c: C) -> C {
-    if let Err(e) = prometheus::register(Box::new(c.clone())) {
-        tracing::warn!("metric registration: {e}");
-    }
-    c
+fn total_counter(name: &'static str, help: &'static str, node: NodeId) -> TotalCounter {
+    describe_counter!(name, help);
+    TotalCounter::new(counter!(name, "node" => node.to_string()))
 }
 
-fn counter(name: &str, help: &str, node: NodeId) -> IntCounter {
-    let opts = Opts::new(name, help).const_label("node", node.to_string());
-    register(IntCounter::with_opts(opts).expect("valid metric"))
-}
-
-fn gauge(name: &str, help: &str, node: NodeId) -> IntGauge {
-    let opts = Opts::new(name, help).const_label("node", node.to_string());
-    register(IntGauge::with_opts(opts).expect("valid metric"))
-}
-
-/// Moves a counter up to `total` (the stats are running totals).
-fn catch_up(c: &IntCounter, total: u64) {
-    c.inc_by(total.saturating_sub(c.get()));
+fn node_gauge(name: &'static str, help: &'static str, node: NodeId) -> Gauge {
+    describe_gauge!(name, help);
+    gauge!(name, "node" => node.to_string())
 }
 
 /// One node's KV-event publishing.
 pub struct PublisherMetrics {
-    events: IntCounter,
-    etcd_writes: IntCounter,
-    write_failures: IntCounter,
-    held_blocks: IntGauge,
+    events: TotalCounter,
+    etcd_writes: TotalCounter,
+    write_failures: TotalCounter,
+    held_blocks: Gauge,
 }
 
 impl PublisherMetrics {
     pub fn new(node: NodeId) -> Self {
         PublisherMetrics {
-            events: counter(
+            events: total_counter(
                 names::KV_EVENTS_PUBLISHED_TOTAL,
                 "KV events published",
                 node,
             ),
-            etcd_writes: counter(
+            etcd_writes: total_counter(
                 names::KV_ETCD_WRITES_TOTAL,
                 "etcd writes of the prefix index",
                 node,
             ),
-            write_failures: counter(
+            write_failures: total_counter(
                 names::KV_ETCD_WRITE_FAILURES_TOTAL,
                 "failed etcd writes of the prefix index",
                 node,
             ),
-            held_blocks: gauge(names::KV_HELD_BLOCKS, "KV blocks this node announces", node),
+            held_blocks: node_gauge(names::KV_HELD_BLOCKS, "KV blocks this node announces", node),
         }
     }
 
-    pub fn update(&self, s: &PublisherStats) {
-        catch_up(&self.events, s.events_published);
-        catch_up(&self.etcd_writes, s.etcd_writes);
-        catch_up(&self.write_failures, s.write_failures);
-        self.held_blocks.set(s.held_blocks as i64);
+    /// Catches up with `s` (running totals).
+    pub fn update(&mut self, s: &PublisherStats) {
+        self.events.catch_up(s.events_published);
+        self.etcd_writes.catch_up(s.etcd_writes);
+        self.write_failures.catch_up(s.write_failures);
+        self.held_blocks.set(s.held_blocks as f64);
     }
 }
 
 /// A router's view of the cluster's prefix index, refreshed every second.
 pub fn export_index_stats(index: EtcdPrefixIndex, node: NodeId) {
-    let entries = gauge(names::PREFIX_INDEX_ENTRIES, "(block, node) entries", node);
-    let resyncs = counter(
+    let entries = node_gauge(names::PREFIX_INDEX_ENTRIES, "(block, node) entries", node);
+    let mut resyncs = total_counter(
         names::PREFIX_INDEX_RESYNCS_TOTAL,
         "full re-lists of the prefix index",
         node,
@@ -80,8 +70,8 @@ pub fn export_index_stats(index: EtcdPrefixIndex, node: NodeId) {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
         loop {
             tick.tick().await;
-            entries.set(index.len() as i64);
-            catch_up(&resyncs, index.stats().resyncs);
+            entries.set(index.len() as f64);
+            resyncs.catch_up(index.stats().resyncs);
         }
     });
 }
@@ -91,14 +81,7 @@ pub fn serve(addr: SocketAddr) {
     tokio::spawn(async move {
         let app = axum::Router::new().route(
             "/metrics",
-            axum::routing::get(|| async {
-                let mut text = String::new();
-                let encoder = prometheus::TextEncoder::new();
-                if let Err(e) = encoder.encode_utf8(&prometheus::gather(), &mut text) {
-                    tracing::warn!("encoding metrics: {e}");
-                }
-                text
-            }),
+            axum::routing::get(|| async { kvmesh_router::metrics_exporter().render() }),
         );
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {

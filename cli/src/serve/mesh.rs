@@ -60,7 +60,8 @@ impl LocalMesh {
     /// Builds every engine over `loaded` (weights shared, one KV pool per worker) and starts
     /// the threads.
     pub fn start(loaded: &Loaded, config: &LocalMeshConfig) -> Result<LocalMesh, MeshError> {
-        kvmesh_worker::metrics::describe();
+        // The recorder goes in before the workers take their metric handles.
+        kvmesh_router::metrics_exporter();
         let transport: Arc<dyn Transport> =
             Arc::new(InProcessTransport::new(config.transport_queue_chunks));
         let mut prefill = Vec::with_capacity(config.prefill_workers);

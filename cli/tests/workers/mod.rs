@@ -35,7 +35,10 @@ pub fn engine_config() -> EngineConfig {
     }
 }
 
+/// Every test worker gets one of these engines; the metrics recorder goes in first, so the
+/// workers' metric handles record (the tests read them).
 pub fn engine() -> LlmEngine<LlamaRunner> {
+    kvmesh_router::metrics_exporter();
     engine_config().llama_engine(loaded()).unwrap()
 }
 
@@ -117,37 +120,17 @@ pub fn wait_until_idle(load: impl Fn() -> kvmesh_common::LoadReport, within: std
     }
 }
 
-/// The process-wide metrics `name` whose labels include every `(label, value)`.
-fn metrics_labelled(name: &str, labels: &[(&str, &str)]) -> Vec<prometheus::proto::Metric> {
-    prometheus::gather()
-        .iter()
-        .filter(|f| f.name() == name)
-        .flat_map(|f| f.get_metric())
-        .filter(|m| {
-            labels.iter().all(|&(k, v)| {
-                m.get_label()
-                    .iter()
-                    .any(|l| l.name() == k && l.value() == v)
-            })
-        })
-        .cloned()
-        .collect()
-}
-
 /// A worker's counter `name` (process-wide metrics, told apart by node).
 pub fn counter(name: &str, node: kvmesh_common::NodeId) -> u64 {
-    metrics_labelled(name, &[("node", &node.to_string())])
-        .iter()
-        .map(|m| m.get_counter().get_value() as u64)
-        .sum()
+    let scrape = kvmesh_router::metrics_exporter().render();
+    kvmesh_common::metrics::scraped_sum(&scrape, name, &[("node", &node.to_string())]) as u64
 }
 
 /// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
 pub fn transfers_completed(node: kvmesh_common::NodeId) -> u64 {
     let node = node.to_string();
     let labels = [("node", &node[..]), ("role", "decode")];
-    metrics_labelled(kvmesh_common::metrics::TRANSFER_SECONDS, &labels)
-        .iter()
-        .map(|m| m.get_histogram().get_sample_count())
-        .sum()
+    let scrape = kvmesh_router::metrics_exporter().render();
+    let count = format!("{}_count", kvmesh_common::metrics::TRANSFER_SECONDS);
+    kvmesh_common::metrics::scraped_sum(&scrape, &count, &labels) as u64
 }

@@ -77,20 +77,10 @@ fn collect(mut rx: kvmesh_decode::EventReceiver) -> Vec<TokenId> {
 /// Remote prefills whose KV the decode worker `node` received whole (from its metrics).
 fn transfers_completed(node: NodeId) -> u64 {
     let node = node.to_string();
-    prometheus::gather()
-        .iter()
-        .filter(|f| f.name() == kvmesh_common::metrics::TRANSFER_SECONDS)
-        .flat_map(|f| f.get_metric())
-        .filter(|m| {
-            let has = |k: &str, v: &str| {
-                m.get_label()
-                    .iter()
-                    .any(|l| l.name() == k && l.value() == v)
-            };
-            has("node", &node) && has("role", "decode")
-        })
-        .map(|m| m.get_histogram().get_sample_count())
-        .sum()
+    let labels = [("node", &node[..]), ("role", "decode")];
+    let scrape = kvmesh_router::metrics_exporter().render();
+    let count = format!("{}_count", kvmesh_common::metrics::TRANSFER_SECONDS);
+    kvmesh_common::metrics::scraped_sum(&scrape, &count, &labels) as u64
 }
 
 #[test]
