@@ -17,15 +17,9 @@ fn loaded() -> &'static Loaded {
 /// Small pools and a modest step budget, so prompts prefill in several chunks.
 fn engine_config() -> EngineConfig {
     EngineConfig {
-        block_size: 16,
         num_blocks: 256,
-        max_num_batched_tokens: 256,
-        max_num_seqs: 64,
         max_model_len: Some(2048),
-        enable_prefix_caching: true,
-        host_tier_blocks: 0,
-        disk_tier_blocks: 0,
-        disk_tier_dir: None,
+        ..EngineConfig::default()
     }
 }
 
