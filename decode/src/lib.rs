@@ -13,10 +13,12 @@
 //! thread's shell, load and metrics, KV movement, the prefill client) is in `kvmesh_worker`.
 
 mod config;
+mod handle;
 mod remote_prefill;
 mod service;
 mod worker;
 
 pub use config::DecodeConfig;
+pub use handle::{DecodeHandle, EventReceiver};
 pub use service::{DecodeService, PrefillDirectory};
-pub use worker::{DecodeError, DecodeHandle, DecodeWorker, EventReceiver};
+pub use worker::{DecodeError, DecodeWorker};

@@ -1,6 +1,6 @@
 //! The decode node's gRPC service (`kvmesh.v1.Decode`) over a local [`DecodeHandle`].
 
-use crate::worker::DecodeHandle;
+use crate::handle::DecodeHandle;
 use futures::{Stream, StreamExt};
 use kvmesh_common::grpc::KvHolder;
 use kvmesh_common::grpc::{self, pb};
