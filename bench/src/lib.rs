@@ -7,6 +7,7 @@
 //! The engine benchmark (`kvmesh bench engine`) lives in the CLI for now; the comparison with
 //! llama.cpp is `bench/engine_vs_llamacpp.sh`.
 
+pub mod arrivals;
 pub mod replay;
 pub mod stats;
 pub mod trace;

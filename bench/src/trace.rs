@@ -311,10 +311,11 @@ pub fn scale_trace(
     // Arrival order (stable, so ties keep the trace's order).
     let mut records: Vec<&TraceRecord> = records.iter().collect();
     records.sort_by_key(|r| r.timestamp);
-    let (Some(first), Some(last)) = (records.first(), records.last()) else {
+    if records.is_empty() {
         return Err(TraceError::Empty);
-    };
-    let span_ms = (last.timestamp - first.timestamp) as f64;
+    }
+    let timestamps: Vec<u64> = records.iter().map(|r| r.timestamp).collect();
+    let offsets = paced_offsets(&timestamps, config.pacing);
     let previous = previous_turns(&records);
     let block = config.block_tokens() as usize;
     let scale = u64::from(config.scale);
@@ -322,18 +323,6 @@ pub fn scale_trace(
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let offset_ms = (r.timestamp - first.timestamp) as f64;
-            let at_s = match config.pacing {
-                Pacing::Speedup(f) => offset_ms / 1000.0 / f,
-                Pacing::RequestsPerSecond(rate) => {
-                    let target_span_s = (records.len() - 1) as f64 / rate;
-                    if span_ms > 0.0 {
-                        offset_ms / span_ms * target_span_s
-                    } else {
-                        i as f64 / rate
-                    }
-                }
-            };
             let mut len = r.input_length.div_ceil(scale) as usize;
             if let Some(max) = config.max_prompt_tokens {
                 len = len.min(max);
@@ -351,7 +340,7 @@ pub fn scale_trace(
                 .div_ceil(scale)
                 .clamp(1, u64::from(config.max_output_tokens)) as u32;
             ScaledRequest {
-                at: Duration::from_secs_f64(at_s),
+                at: offsets[i],
                 prompt_tokens,
                 max_tokens,
                 hash_ids,
@@ -359,6 +348,37 @@ pub fn scale_trace(
             }
         })
         .collect())
+}
+
+/// Send offsets for trace timestamps (milliseconds, in arrival order), from the first one:
+/// a linear map, so order and relative gaps are kept (to the nanosecond it rounds to).
+///
+/// With a pacing that is not a positive number the offsets are those of the trace's own pace.
+/// All at one instant, [`Pacing::RequestsPerSecond`] spreads them evenly at the rate.
+pub fn paced_offsets(timestamps_ms: &[u64], pacing: Pacing) -> Vec<Duration> {
+    let (Some(&first), Some(&last)) = (timestamps_ms.iter().min(), timestamps_ms.iter().max())
+    else {
+        return Vec::new();
+    };
+    let span_ms = (last - first) as f64;
+    // Nanoseconds per trace millisecond: whole-nanosecond arithmetic, so a speed-up by a power
+    // of two keeps every gap exactly.
+    let ns_per_ms = match pacing {
+        Pacing::Speedup(f) if f.is_finite() && f > 0.0 => 1e6 / f,
+        Pacing::RequestsPerSecond(rate) if rate.is_finite() && rate > 0.0 && span_ms > 0.0 => {
+            (timestamps_ms.len() - 1) as f64 / rate * 1e9 / span_ms
+        }
+        Pacing::RequestsPerSecond(rate) if rate.is_finite() && rate > 0.0 => {
+            return (0..timestamps_ms.len())
+                .map(|i| Duration::from_nanos((i as f64 * 1e9 / rate).round() as u64))
+                .collect();
+        }
+        _ => 1e6,
+    };
+    timestamps_ms
+        .iter()
+        .map(|&t| Duration::from_nanos(((t - first) as f64 * ns_per_ms).round() as u64))
+        .collect()
 }
 
 /// Which conversation a request belongs to: its second hash id, the first after the common
