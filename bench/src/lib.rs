@@ -8,6 +8,7 @@
 //! llama.cpp is `bench/engine_vs_llamacpp.sh`.
 
 pub mod replay;
+pub mod slo;
 pub mod stats;
 pub mod trace;
 
