@@ -9,6 +9,7 @@
 
 pub mod arrivals;
 pub mod replay;
+pub mod slo;
 pub mod stats;
 pub mod trace;
 
