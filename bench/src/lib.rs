@@ -1,4 +1,9 @@
-//! Load generation, trace replay, SLO sweeps and the discrete-event simulator.
+//! Load generation and trace replay.
+//!
+//! The load generator's pure cores: [`arrivals`] turns a load shape (closed loop at a
+//! concurrency, open loop at a rate with Poisson or gamma arrivals, steps, ramps, a compressed
+//! day, trace-timed) into send times from a seed; [`slo`] judges request outcomes against
+//! `--slo` objectives and reports attainment and goodput with a Wilson interval.
 //!
 //! Trace replay: [`trace`] reads a Mooncake trace and scales it to a small model;
 //! [`replay::replay`] sends the requests to a running router, open loop, and reports TTFT,
