@@ -13,10 +13,12 @@
 //! llama.cpp is `bench/engine_vs_llamacpp.sh`.
 
 pub mod arrivals;
+pub mod load;
 pub mod replay;
 pub mod slo;
 pub mod stats;
 pub mod trace;
+pub mod workload;
 
 pub use replay::{replay, ReplayError, ReplayOptions, ReplayReport, RequestRecord};
 pub use trace::{

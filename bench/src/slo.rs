@@ -29,7 +29,12 @@ pub const SCHEMA_VERSION: u32 = 1;
 /// or from the send.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestOutcome {
+    /// Which request of the workload this was (an index into [`crate::workload::Workload::items`]).
+    pub item: usize,
     pub sent: Duration,
+    /// When it ended however it ended (completed, refused, failed), from the run's start;
+    /// for a completed request `sent + e2e`.
+    pub ended: Duration,
     /// The response's HTTP status; `None` when none came (connect error, timeout before it).
     pub status: Option<u16>,
     /// Why it did not complete (`connect`, `timeout`, `stream_error`, `truncated`, an HTTP
