@@ -1,7 +1,7 @@
 //! The decode worker's handle: what `generate` checks and queues, read from any thread.
 
 use crossbeam_channel::{Sender, TrySendError};
-use kvmesh_common::{GenerateEvent, GenerateRequest, LoadReport, NodeId, WorkerError};
+use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, WorkerError};
 use kvmesh_worker::{
     Control, ExportError, ExportJob, ExportReply, ExportRequest, KvExporter, KvPull, NodeState,
     PrefillTarget,
@@ -162,23 +162,7 @@ impl DecodeHandle {
         Ok(())
     }
 
-    pub fn load(&self) -> LoadReport {
-        self.shared.load.get()
-    }
-
-    /// Blocks in the worker's KV pool.
-    pub fn kv_blocks_total(&self) -> usize {
-        self.shared.kv_blocks_total
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.shared.is_draining()
-    }
-
-    /// Stops accepting requests; those accepted are finished, then the thread exits.
-    pub fn drain(&self) {
-        self.shared.drain(&self.inbox);
-    }
+    kvmesh_worker::node_handle_methods!();
 }
 
 impl KvExporter for DecodeHandle {

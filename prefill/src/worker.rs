@@ -4,7 +4,7 @@ use crate::push::KvPush;
 use crate::reply::ReplyTo;
 use crossbeam_channel::{Receiver, Select, Sender, TryRecvError, TrySendError};
 use kvmesh_common::kv_tier::KvEventSink;
-use kvmesh_common::{LoadReport, NodeId, RequestId};
+use kvmesh_common::{NodeId, RequestId};
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
@@ -122,23 +122,7 @@ impl PrefillHandle {
         }
     }
 
-    pub fn load(&self) -> LoadReport {
-        self.shared.load.get()
-    }
-
-    /// Blocks in the worker's KV pool.
-    pub fn kv_blocks_total(&self) -> usize {
-        self.shared.kv_blocks_total
-    }
-
-    pub fn is_draining(&self) -> bool {
-        self.shared.is_draining()
-    }
-
-    /// Stops accepting requests; those accepted are finished, then the thread exits.
-    pub fn drain(&self) {
-        self.shared.drain(&self.inbox);
-    }
+    kvmesh_worker::node_handle_methods!();
 }
 
 impl PrefillClient for PrefillHandle {

@@ -65,6 +65,33 @@ impl<R> NodeState<R> {
     }
 }
 
+/// The methods every node's handle offers over its engine thread's [`NodeState`] (field
+/// `shared`) and inbox (field `inbox`), written once for the decode and the prefill handle:
+/// expand inside the handle's `impl`.
+#[macro_export]
+macro_rules! node_handle_methods {
+    () => {
+        /// What the engine thread last published.
+        pub fn load(&self) -> ::kvmesh_common::LoadReport {
+            self.shared.load.get()
+        }
+
+        /// Blocks in the node's KV pool.
+        pub fn kv_blocks_total(&self) -> usize {
+            self.shared.kv_blocks_total
+        }
+
+        pub fn is_draining(&self) -> bool {
+            self.shared.is_draining()
+        }
+
+        /// Stops accepting requests; those accepted are finished, then the thread exits.
+        pub fn drain(&self) {
+            self.shared.drain(&self.inbox);
+        }
+    };
+}
+
 /// Owns a worker's engine thread. Dropping it stops the thread (the requests still open end
 /// with `Unavailable`) and waits for it; drain first, then `join` or `join_within`, to let
 /// them finish.
