@@ -451,12 +451,17 @@ pub fn block_token_ids(hash_id: u64, len: usize, ids: &Range<u32>) -> impl Itera
 /// hash id appeared in an earlier request (0 when there are no blocks). It counts blocks,
 /// not tokens, so a partial last block weighs as much as a full one.
 pub fn ideal_hit_rate<'a>(requests: impl IntoIterator<Item = &'a ScaledRequest>) -> f64 {
+    block_hit_rate(requests.into_iter().map(|r| r.hash_ids.as_slice()))
+}
+
+/// [`ideal_hit_rate`] of requests given by their hash ids, in order of sending.
+pub fn block_hit_rate<'a>(requests: impl IntoIterator<Item = &'a [u64]>) -> f64 {
     let mut seen = std::collections::HashSet::new();
     let (mut blocks, mut hits) = (0usize, 0usize);
-    for r in requests {
-        blocks += r.hash_ids.len();
-        hits += r.hash_ids.iter().filter(|id| seen.contains(*id)).count();
-        seen.extend(r.hash_ids.iter().copied());
+    for hash_ids in requests {
+        blocks += hash_ids.len();
+        hits += hash_ids.iter().filter(|id| seen.contains(*id)).count();
+        seen.extend(hash_ids.iter().copied());
     }
     if blocks == 0 {
         0.0

@@ -234,6 +234,19 @@ impl WorkloadSpec {
     }
 }
 
+impl Workload {
+    /// The best prefix-cache hit rate its requests allow, sent in order
+    /// ([`trace::ideal_hit_rate`]); 0 for sources without hash ids.
+    pub fn ideal_hit_rate(&self) -> f64 {
+        trace::block_hit_rate(self.items.iter().map(|i| i.hash_ids.as_slice()))
+    }
+}
+
+/// A trace's length divided by `scale`, rounded up, at least 1.
+fn scaled(len: u64, scale: f64) -> u32 {
+    ((len as f64 / scale).ceil() as u64).clamp(1, u64::from(u32::MAX)) as u32
+}
+
 /// Maps a bounded-line failure to the file and line at fault.
 fn line_error(file: &str, line: usize, e: trace::LineError) -> WorkloadError {
     match e {

@@ -140,6 +140,8 @@ fn chat_prompts_are_text_of_the_requested_word_count() {
             "each word has its space"
         );
     }
+    let w = load("synthetic:input=37,output=8", Api::Chat, 20, 5);
+    assert!(w.items.iter().all(|i| prompt_len(i) == 37));
     let w = load("synthetic:input=12,output=8,prefix=20", Api::Chat, 3, 5);
     for item in &w.items {
         let Prompt::Messages(m) = &item.prompt else {
@@ -227,6 +229,7 @@ fn azure_lengths_are_pairs_from_the_trace() {
 fn the_azure_trace_gives_arrivals_and_lengths() {
     let w = load("azure", Api::Completions, 100, 0);
     assert_eq!(w.items.len(), 100);
+    assert_eq!(w.ideal_hit_rate(), 0.0, "no hash ids");
     let first = parse_azure(BUNDLED_AZURE_TRACE.as_bytes(), "azure").unwrap();
     assert_eq!(prompt_len(&w.items[0]), first[0].context_tokens as usize);
     assert_eq!(u64::from(w.items[0].max_tokens), first[0].generated_tokens);
@@ -308,6 +311,8 @@ fn mooncake_shared_hash_ids_are_shared_prefixes() {
             }
         }
         assert!(shared > 100, "the trace shares prefixes: {shared}");
+        let ideal = w.ideal_hit_rate();
+        assert!(ideal > 0.0 && ideal < 1.0, "{ideal}");
         let followed = w.items.iter().filter(|i| i.previous_turn.is_some()).count();
         for (i, item) in w.items.iter().enumerate() {
             if let Some(p) = item.previous_turn {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::text::PromptMaker;
-use super::{line_error, open, WorkItem, WorkloadError, WorkloadOptions};
+use super::{line_error, open, scaled, WorkItem, WorkloadError, WorkloadOptions};
 use crate::trace::{read_bounded_line, MAX_LINE_BYTES};
 
 /// The conversation trace bundled with the repository, built into the binary like
@@ -118,13 +118,12 @@ pub(super) fn items(
     records.sort_by_key(|r| r.timestamp_ns);
     records.truncate(opts.requests);
     let first = records.first().map_or(0, |r| r.timestamp_ns);
-    let scaled = |n: u64| ((n as f64 / scale).ceil() as u64).clamp(1, u64::from(u32::MAX)) as u32;
     let mut maker = PromptMaker::new(opts.api, opts.seed, opts.token_ids.clone(), None);
     Ok(records
         .iter()
         .map(|r| WorkItem {
-            prompt: maker.make(scaled(r.context_tokens)),
-            max_tokens: opts.cap_output(scaled(r.generated_tokens)),
+            prompt: maker.make(scaled(r.context_tokens, scale)),
+            max_tokens: opts.cap_output(scaled(r.generated_tokens, scale)),
             at: Some(Duration::from_nanos(r.timestamp_ns - first)),
             previous_turn: None,
             hash_ids: Vec::new(),

@@ -6,7 +6,7 @@ use rand::{Rng, SeedableRng};
 use super::azure::bundled_azure;
 use super::spec::{Length, SyntheticSpec};
 use super::text::PromptMaker;
-use super::{WorkItem, WorkloadError, WorkloadOptions};
+use super::{scaled, WorkItem, WorkloadError, WorkloadOptions};
 use crate::arrivals::normal;
 
 /// Seeds lengths apart from content, so a different input length leaves the output
@@ -29,13 +29,11 @@ pub(super) fn items(
         .map(|_| {
             // One row per request, shared by both lengths when both are azure.
             let row = (!pairs.is_empty()).then(|| pairs[rng.gen_range(0..pairs.len())]);
-            let scaled =
-                |n: u64| ((n as f64 / scale).ceil() as u64).clamp(1, u64::from(u32::MAX)) as u32;
             let input = draw(spec.input, &mut rng, || {
-                scaled(row.map_or(1, |r| r.context_tokens))
+                scaled(row.map_or(1, |r| r.context_tokens), scale)
             });
             let output = draw(spec.output, &mut rng, || {
-                scaled(row.map_or(1, |r| r.generated_tokens))
+                scaled(row.map_or(1, |r| r.generated_tokens), scale)
             });
             let input = spec.max_input.map_or(input, |m| input.min(m));
             let output = spec.max_output.map_or(output, |m| output.min(m));

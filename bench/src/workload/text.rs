@@ -17,8 +17,10 @@ use crate::load::Api;
 use crate::trace::block_token_ids;
 use crate::workload::Prompt;
 
-/// Common English words, each one token with a leading space in byte-level BPE vocabularies.
-/// Lower case, letters only, so no two words merge or split differently beside each other.
+/// Common English words, each one token with a leading space in byte-level BPE vocabularies
+/// (every one is a `Ġword` entry of SmolLM2-135M's 49,152-token vocabulary, checked against
+/// the GGUF's `tokenizer.ggml.tokens`). Lower case, letters only: the pre-tokenizer splits
+/// before each space, so neighbours never merge.
 pub const ONE_TOKEN_WORDS: &[&str] = &[
     "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
     "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
