@@ -48,10 +48,10 @@
 //! # Prompt content
 //!
 //! For the completions API synthetic and trace prompts are token ids ([`Prompt::Tokens`]), of
-//! exact lengths, from [`trace::DEFAULT_TOKEN_IDS`]; each synthetic prompt starts with a token
-//! no other prompt of the workload starts with (up to the range's 39,000 prompts), so
-//! prompts share no prefix unless `prefix=` asks for one. For chat they are text of
-//! [`ONE_TOKEN_WORDS`], one word per token (see [`text`](self::text) for why that is about,
+//! exact lengths, from [`trace::DEFAULT_TOKEN_IDS`]; each synthetic or Azure prompt starts
+//! (after any `prefix=`) with a token no other prompt of the workload starts with there (up to
+//! the range's 39,000 prompts), so prompts share no prefix by chance. For chat they are text of
+//! [`ONE_TOKEN_WORDS`], one word per token (see [`text`] for why that is about,
 //! not exactly, the token count; the server's `usage.prompt_tokens` is exact). Content is
 //! deterministic from [`WorkloadOptions::seed`]; Mooncake content depends only on the hash
 //! ids (same id, same tokens or text).
