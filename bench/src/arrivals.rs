@@ -245,7 +245,7 @@ fn exponential(rng: &mut StdRng) -> f64 {
 }
 
 /// Standard normal, by Box–Muller (one of the pair).
-fn normal(rng: &mut StdRng) -> f64 {
+pub(crate) fn normal(rng: &mut StdRng) -> f64 {
     let (u1, u2) = (unit_open(rng), unit_open(rng));
     (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
 }

@@ -26,7 +26,7 @@ pub const BUNDLED_TRACE: &str = include_str!("../../data/traces/mooncake_convers
 pub const BUNDLED_TRACE_PATH: &str = "data/traces/mooncake_conversation_trace.jsonl";
 
 /// A longer line is an error, not a reason to buffer without bound.
-const MAX_LINE_BYTES: usize = 1 << 20;
+pub(crate) const MAX_LINE_BYTES: usize = 1 << 20;
 
 /// Token ids drawn for prompts by default: clear of the special and byte tokens at the low
 /// end of the vocabulary and inside SmolLM2's 49,152.
@@ -121,18 +121,16 @@ pub fn parse_trace<R: BufRead>(
     let mut line = 0;
     while records.len() < limit {
         line += 1;
-        buf.clear();
-        let read = std::io::Read::take(&mut reader, MAX_LINE_BYTES as u64 + 1)
-            .read_until(b'\n', &mut buf)
-            .map_err(|source| TraceError::Read { line, source })?;
-        if read == 0 {
-            break;
-        }
-        if buf.len() > MAX_LINE_BYTES {
-            return Err(TraceError::LineTooLong {
-                line,
-                max: MAX_LINE_BYTES,
-            });
+        match read_bounded_line(&mut reader, &mut buf, MAX_LINE_BYTES) {
+            Ok(true) => {}
+            Ok(false) => break,
+            Err(LineError::Io(source)) => return Err(TraceError::Read { line, source }),
+            Err(LineError::TooLong) => {
+                return Err(TraceError::LineTooLong {
+                    line,
+                    max: MAX_LINE_BYTES,
+                })
+            }
         }
         if buf.iter().all(u8::is_ascii_whitespace) {
             continue;
@@ -146,6 +144,32 @@ pub fn parse_trace<R: BufRead>(
         records.push(record);
     }
     Ok(records)
+}
+
+/// Why [`read_bounded_line`] found no line.
+#[derive(Debug)]
+pub(crate) enum LineError {
+    Io(std::io::Error),
+    /// Longer than the bound: the file is not what it claims to be.
+    TooLong,
+}
+
+/// Reads the next line (with its `\n`) into `buf`, refusing one longer than `max` bytes so a
+/// file without newlines is not buffered whole; `Ok(false)` at the end. Shared by every line
+/// format the bench reads (Mooncake, JSONL prompts, the Azure CSV).
+pub(crate) fn read_bounded_line<R: BufRead>(
+    reader: &mut R,
+    buf: &mut Vec<u8>,
+    max: usize,
+) -> Result<bool, LineError> {
+    buf.clear();
+    let read = std::io::Read::take(reader, max as u64 + 1)
+        .read_until(b'\n', buf)
+        .map_err(LineError::Io)?;
+    if buf.len() > max {
+        return Err(LineError::TooLong);
+    }
+    Ok(read > 0)
 }
 
 fn validate(r: &TraceRecord) -> Result<(), String> {
@@ -427,12 +451,17 @@ pub fn block_token_ids(hash_id: u64, len: usize, ids: &Range<u32>) -> impl Itera
 /// hash id appeared in an earlier request (0 when there are no blocks). It counts blocks,
 /// not tokens, so a partial last block weighs as much as a full one.
 pub fn ideal_hit_rate<'a>(requests: impl IntoIterator<Item = &'a ScaledRequest>) -> f64 {
+    block_hit_rate(requests.into_iter().map(|r| r.hash_ids.as_slice()))
+}
+
+/// [`ideal_hit_rate`] of requests given by their hash ids, in order of sending.
+pub fn block_hit_rate<'a>(requests: impl IntoIterator<Item = &'a [u64]>) -> f64 {
     let mut seen = std::collections::HashSet::new();
     let (mut blocks, mut hits) = (0usize, 0usize);
-    for r in requests {
-        blocks += r.hash_ids.len();
-        hits += r.hash_ids.iter().filter(|id| seen.contains(*id)).count();
-        seen.extend(r.hash_ids.iter().copied());
+    for hash_ids in requests {
+        blocks += hash_ids.len();
+        hits += hash_ids.iter().filter(|id| seen.contains(*id)).count();
+        seen.extend(hash_ids.iter().copied());
     }
     if blocks == 0 {
         0.0
