@@ -15,6 +15,7 @@
 pub mod arrivals;
 pub mod load;
 pub mod replay;
+pub mod search;
 pub mod slo;
 pub mod stats;
 pub mod trace;

@@ -11,6 +11,9 @@ mod generate;
 mod model_args;
 mod node;
 mod serve;
+// Pure cores only so far: compiled for their tests until the subcommand's driver lands.
+#[cfg(test)]
+mod tune;
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
