@@ -73,7 +73,7 @@ pub enum PlotError {
 /// A line of a panel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Series {
-    /// The legend's name for it.
+    /// The legend's name for it; empty: none (the second line of a pair of bounds).
     pub name: String,
     pub points: Vec<(f64, f64)>,
     /// A palette index ([`draw`]'s colours, cycling).

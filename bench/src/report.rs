@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 pub use cdf::{Cdf, QUANTILES};
 pub use compare::compare;
 pub use table::render_table;
-pub use timeline::{bin_width, Bin, Timeline, TARGET_BINS};
+pub use timeline::{bin_width, Bin, Timeline, SENDS_PER_BIN, TARGET_BINS};
 
 use crate::arrivals::{LoadShape, OpenLoop};
 use crate::cpu::GeneratorUse;

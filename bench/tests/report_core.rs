@@ -110,16 +110,24 @@ fn timeline_bins_are_exact_on_a_scripted_run() {
 
 #[test]
 fn bin_widths_are_round_and_about_sixty_to_a_run() {
-    assert_eq!(bin_width(Duration::from_secs(60)), Duration::from_secs(1));
-    assert_eq!(bin_width(Duration::from_secs(100)), Duration::from_secs(2));
-    assert_eq!(bin_width(Duration::from_secs(300)), Duration::from_secs(5));
-    assert_eq!(bin_width(Duration::from_secs(600)), Duration::from_secs(10));
-    assert_eq!(bin_width(Duration::from_secs(1)), ms(20));
-    assert_eq!(bin_width(Duration::ZERO), ms(1));
+    let s = Duration::from_secs;
+    assert_eq!(bin_width(s(60), 10_000), s(1));
+    assert_eq!(bin_width(s(100), 10_000), s(2));
+    assert_eq!(bin_width(s(300), 10_000), s(5));
+    assert_eq!(bin_width(s(600), 10_000), s(10));
+    assert_eq!(bin_width(s(1), 10_000), ms(20));
+    assert_eq!(bin_width(Duration::ZERO, 10_000), ms(1));
+    // Few requests: at least 4 to a bin on average (40 in 10 s: 10 bins of 1 s).
+    assert_eq!(bin_width(s(10), 40), s(1));
+    assert_eq!(bin_width(s(10), 0), s(10));
     // Timeline::new picks it from the run's span, the last end included.
     let shape: LoadShape = "poisson:rate=1".parse().unwrap();
-    let t = Timeline::new(&shape, &[done(0, 100, &[59_900])], Duration::from_secs(30));
+    let outcomes: Vec<_> = (0..300)
+        .map(|i| done(i * 100, 100, &[59_900 - i * 100]))
+        .collect();
+    let t = Timeline::new(&shape, &outcomes, Duration::from_secs(30));
     assert_eq!((t.bin_s, t.bins.len()), (1.0, 60));
+    assert_eq!(t.bins.iter().map(|b| b.sent).sum::<usize>(), 300);
 }
 
 fn slo() -> SloSpec {

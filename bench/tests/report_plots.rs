@@ -118,7 +118,7 @@ fn figures_hold_the_series_and_slo_lines() {
     assert!(goodput
         .series
         .iter()
-        .any(|s| s.name == "goodput, 95% Wilson low"));
+        .any(|s| s.name == "goodput, 95% Wilson bounds"));
     assert!(goodput.h_rules[0].name.starts_with("max goodput"));
     let timeline = &figs[3];
     assert_eq!(timeline.panels.len(), 4);

@@ -60,8 +60,8 @@ fn percentile_series(
     xs: &[f64],
     summary: fn(&Point) -> &Option<Summary>,
 ) -> Vec<Series> {
-    let quantiles: [(&str, fn(&Summary) -> f64); 3] =
-        [("p50", |s| s.p50), ("p90", |s| s.p90), ("p99", |s| s.p99)];
+    type Quantile = (&'static str, fn(&Summary) -> f64);
+    let quantiles: [Quantile; 3] = [("p50", |s| s.p50), ("p90", |s| s.p90), ("p99", |s| s.p99)];
     quantiles
         .iter()
         .enumerate()
@@ -160,12 +160,10 @@ fn goodput_vs_load(report: &BenchReport) -> Figure {
         line("goodput", 0, LineStyle::Marked, &|p| {
             Some(p.slo.goodput.rate)
         }),
-        line("goodput, 95% Wilson low", 0, LineStyle::Dashed, &|p| {
+        line("goodput, 95% Wilson bounds", 0, LineStyle::Dashed, &|p| {
             p.slo.goodput.low
         }),
-        line("goodput, 95% Wilson high", 0, LineStyle::Dashed, &|p| {
-            p.slo.goodput.high
-        }),
+        line("", 0, LineStyle::Dashed, &|p| p.slo.goodput.high),
         line("completed req/s", 1, LineStyle::Marked, &|p| {
             Some(p.slo.request_throughput)
         }),

@@ -165,7 +165,10 @@ fn draw_panel<DB: DrawingBackend>(
                 .draw_series(DashedLineSeries::new(pts, 6, 4, c.stroke_width(1)))
                 .map_err(err)?,
         };
-        drawn.label(&s.name).legend(legend);
+        // A nameless series (the second bound of a pair) stays out of the legend.
+        if !s.name.is_empty() {
+            drawn.label(&s.name).legend(legend);
+        }
     }
     let rule = RULE.stroke_width(2);
     let legend = move |(x, y): (i32, i32)| PathElement::new(vec![(x, y), (x + 20, y)], rule);

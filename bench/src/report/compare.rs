@@ -13,6 +13,9 @@ enum Better {
     Lower,
 }
 
+/// Reads a metric's value from a point's report.
+type Read = Box<dyn Fn(&SloReport) -> Option<f64>>;
+
 /// One metric of a point: its name, its unit's scale for display, and which way is better.
 struct Metric {
     name: String,
@@ -20,7 +23,7 @@ struct Metric {
     /// Displayed value = value × scale (seconds to ms, shares to %).
     scale: f64,
     decimals: usize,
-    value: Box<dyn Fn(&SloReport) -> Option<f64>>,
+    value: Read,
 }
 
 fn metric(

@@ -10,9 +10,13 @@ use crate::slo::{Class, RequestOutcome};
 use crate::stats::{percentile, sorted};
 use crate::trace::Pacing;
 
-/// About this many bins over a run: enough to see a ramp, few enough that each bin holds
-/// requests (and the JSON stays small).
+/// At most about this many bins over a run: enough to see a ramp, few enough that the JSON
+/// stays small.
 pub const TARGET_BINS: usize = 60;
+
+/// Sends per bin, on average, at least: fewer and the per-bin rates and percentiles are
+/// mostly noise (a bin of 0 or 1 sends).
+pub const SENDS_PER_BIN: usize = 4;
 
 /// One bin, `[start_s, start_s + bin_s)` of the run. Counts are per bin; divide by
 /// [`Timeline::bin_s`] for per-second rates ([`Timeline::per_s`]).
@@ -48,9 +52,11 @@ pub struct Timeline {
 }
 
 /// A "nice" bin width (1, 2 or 5 times a power of ten seconds, at least 1 ms) giving about
-/// [`TARGET_BINS`] bins over `span`.
-pub fn bin_width(span: Duration) -> Duration {
-    let raw = (span.as_secs_f64() / TARGET_BINS as f64).max(1e-3);
+/// [`TARGET_BINS`] bins over `span`, or fewer where `requests` would leave fewer than
+/// [`SENDS_PER_BIN`] to a bin.
+pub fn bin_width(span: Duration, requests: usize) -> Duration {
+    let bins = (requests / SENDS_PER_BIN).clamp(1, TARGET_BINS);
+    let raw = (span.as_secs_f64() / bins as f64).max(1e-3);
     let decade = 10f64.powf(raw.log10().floor());
     let nice = [1.0, 2.0, 5.0, 10.0]
         .into_iter()
@@ -78,7 +84,7 @@ impl Timeline {
             .iter()
             .map(|o| o.ended)
             .fold(duration, Duration::max);
-        Timeline::with_bin(shape, outcomes, duration, bin_width(span))
+        Timeline::with_bin(shape, outcomes, duration, bin_width(span, outcomes.len()))
     }
 
     /// The timeline in bins of `bin` (a zero width is taken as 1 ms).
