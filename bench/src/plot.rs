@@ -119,6 +119,9 @@ pub struct Panel {
     pub h_rules: Vec<Rule>,
     /// Vertical rules (`x = at`).
     pub v_rules: Vec<Rule>,
+    /// The x axis' span where fixed (a timeline's: the whole run, in every panel alike);
+    /// `None`: the data's.
+    pub x_range: Option<(f64, f64)>,
     /// The y axis starts at 0 (counts, rates, latencies); a CDF's also ends at 1.
     pub y_max: Option<f64>,
     pub legend: Legend,

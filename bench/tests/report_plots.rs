@@ -122,6 +122,12 @@ fn figures_hold_the_series_and_slo_lines() {
     assert!(goodput.h_rules[0].name.starts_with("max goodput"));
     let timeline = &figs[3];
     assert_eq!(timeline.panels.len(), 4);
+    // Every panel spans the whole run, so the panels line up in time.
+    let span = report().points[0].timeline.bins.len() as f64 * report().points[0].timeline.bin_s;
+    assert!(timeline
+        .panels
+        .iter()
+        .all(|p| p.x_range == Some((0.0, span))));
     let offered = &timeline.panels[0].series[0];
     assert_eq!(offered.name, "offered (sent/s)");
     assert_eq!(

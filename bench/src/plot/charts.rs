@@ -88,6 +88,7 @@ fn latency_vs_load(report: &BenchReport) -> Figure {
         series: percentile_series(report, &xs, summary),
         h_rules: rules,
         v_rules: Vec::new(),
+        x_range: None,
         y_max: None,
         legend: Legend::UpperLeft,
     };
@@ -128,6 +129,7 @@ fn cdfs(report: &BenchReport) -> Figure {
             .collect(),
         h_rules: Vec::new(),
         v_rules: slo_rule(report, objective).into_iter().collect(),
+        x_range: None,
         y_max: Some(1.0),
         legend: Legend::LowerRight,
     };
@@ -198,6 +200,7 @@ fn goodput_vs_load(report: &BenchReport) -> Figure {
             series,
             h_rules,
             v_rules: Vec::new(),
+            x_range: None,
             y_max: None,
             legend: Legend::UpperLeft,
         }],
@@ -236,6 +239,7 @@ fn timeline(report: &BenchReport, index: usize, point: &Point) -> Figure {
         series,
         h_rules,
         v_rules: Vec::new(),
+        x_range: Some((0.0, t.bins.len() as f64 * t.bin_s)),
         y_max: None,
         legend: Legend::UpperRight,
     };

@@ -124,7 +124,7 @@ fn draw_panel<DB: DrawingBackend>(
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.1))
         .chain(panel.h_rules.iter().map(|r| r.at));
-    let x = range(xs, false);
+    let x = panel.x_range.unwrap_or_else(|| range(xs, false));
     let y = match panel.y_max {
         Some(max) => (0.0, max * 1.02),
         None => range(ys, true),
