@@ -232,6 +232,22 @@ fn png_plots_have_the_signature_and_size_asked() {
             "{png:?} holds a drawing, not a blank page"
         );
     }
+    // Decoded: the SLO rule is drawn in its red, and text and axes in black.
+    let png = std::fs::File::open(dir.path().join("plots/latency_vs_load.png")).unwrap();
+    let mut reader = png::Decoder::new(std::io::BufReader::new(png))
+        .read_info()
+        .unwrap();
+    let mut rgb = vec![0; reader.output_buffer_size()];
+    let info = reader.next_frame(&mut rgb).unwrap();
+    assert_eq!(
+        (info.width, info.height, info.color_type),
+        (640, 480, png::ColorType::Rgb)
+    );
+    let pixels: Vec<&[u8]> = rgb.chunks(3).collect();
+    let count = |c: [u8; 3]| pixels.iter().filter(|p| **p == c).count();
+    assert!(count([200, 0, 0]) > 100, "SLO red: {}", count([200, 0, 0]));
+    assert!(count([0, 0, 0]) > 100, "black: {}", count([0, 0, 0]));
+    assert!(count([255, 255, 255]) > pixels.len() / 2, "a white page");
     assert_eq!(DEFAULT_SIZE, (1280, 800));
 }
 

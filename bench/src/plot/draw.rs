@@ -56,11 +56,26 @@ pub(super) fn write(
             root.present().map_err(err)
         }
         PlotFormat::Png => {
-            let root = BitMapBackend::new(path, size).into_drawing_area();
-            draw_figure(&root, figure)?;
-            root.present().map_err(err)
+            let mut rgb = vec![0u8; size.0 as usize * size.1 as usize * 3];
+            {
+                let root = BitMapBackend::with_buffer(&mut rgb, size).into_drawing_area();
+                draw_figure(&root, figure)?;
+                root.present().map_err(err)?;
+            }
+            write_png(path, &rgb, size)
         }
     }
+}
+
+/// `rgb` (8-bit RGB, row by row) as a PNG file.
+fn write_png(path: &Path, rgb: &[u8], (w, h): (u32, u32)) -> Result<(), String> {
+    let file = std::fs::File::create(path).map_err(err)?;
+    let mut encoder = png::Encoder::new(std::io::BufWriter::new(file), w, h);
+    encoder.set_color(png::ColorType::Rgb);
+    encoder.set_depth(png::BitDepth::Eight);
+    let mut writer = encoder.write_header().map_err(err)?;
+    writer.write_image_data(rgb).map_err(err)?;
+    writer.finish().map_err(err)
 }
 
 fn draw_figure<DB: DrawingBackend>(
