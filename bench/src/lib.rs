@@ -13,9 +13,12 @@
 //! llama.cpp is `bench/engine_vs_llamacpp.sh`.
 
 pub mod arrivals;
+pub mod cpu;
 pub mod load;
+pub mod plot;
 pub mod replay;
 pub mod search;
+pub mod report;
 pub mod slo;
 pub mod stats;
 pub mod trace;

@@ -16,7 +16,7 @@ mod wilson;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 pub use spec::{Objective, SloSpec, SloSpecError};
 pub use summary::Summary;
@@ -102,7 +102,7 @@ impl RequestOutcome {
 }
 
 /// The share of completed requests meeting an objective (or all of them).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Attainment {
     /// Completed requests that met it.
     pub met: usize,
@@ -123,7 +123,7 @@ impl Attainment {
 }
 
 /// One objective's result.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ObjectiveReport {
     pub objective: Objective,
     pub target_s: f64,
@@ -133,7 +133,7 @@ pub struct ObjectiveReport {
 
 /// Goodput in requests per second, with the bounds of the attainment's interval carried over
 /// (`interval × completed / duration`).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Goodput {
     pub rate: f64,
     pub low: Option<f64>,
@@ -141,7 +141,7 @@ pub struct Goodput {
 }
 
 /// A run judged against its SLO. Times are in seconds; a summary is `null` for no samples.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct SloReport {
     pub schema_version: u32,
     /// The spec in `--slo` form.

@@ -6,11 +6,11 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use humantime_serde::re::humantime;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// One latency objective. Each is judged on one statistic of one request (per-request
 /// semantics, as vLLM's `--goodput` and aiperf's goodput judge them); see [`Self::NAMES`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Objective {
     /// Time to first token: from the send to the first token.

@@ -1,13 +1,13 @@
 //! The summary of one latency series.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::stats::{percentile, sorted};
 
 /// Percentiles (linear interpolation, [`percentile`]), mean, population standard deviation
 /// (numpy's default, as vLLM and aiperf report it), extremes and count of a series, in the
 /// series' unit (seconds in a report).
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     pub count: usize,
     pub mean: f64,

@@ -1,12 +1,12 @@
 //! The Wilson score interval on a share of successes.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The normal quantile of a two-sided 95% interval.
 pub const Z_95: f64 = 1.959964;
 
 /// A closed interval of shares, `0 <= low <= high <= 1`.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Interval {
     pub low: f64,
     pub high: f64,
