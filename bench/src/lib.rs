@@ -16,6 +16,7 @@ pub mod arrivals;
 pub mod cpu;
 pub mod load;
 pub mod plot;
+pub mod probe;
 pub mod replay;
 pub mod search;
 pub mod report;

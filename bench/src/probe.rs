@@ -1,0 +1,179 @@
+//! Measured points over the driver: one run at one load, a sweep of loads, or a max-goodput
+//! search, each run judged against the SLO into a report [`Point`] with the generator's own
+//! CPU use beside it. `kvmesh bench serve` and `kvmesh tune` both measure through this.
+
+use std::time::Duration;
+
+use crate::arrivals::{Arrivals, LoadShape};
+use crate::cpu::CpuClock;
+use crate::load::{self, LoadError, Run, RunEvent, RunPlan, Target};
+use crate::report::{MaxGoodput, Point};
+use crate::search::{
+    Found, MaxGoodputSearch, Probe, RecordError, SearchConfig, SearchConfigError, Verdict,
+};
+use crate::slo::SloSpec;
+use crate::workload::Workload;
+
+/// What every point of a measurement shares.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Bench {
+    pub target: Target,
+    pub workload: Workload,
+    pub slo: SloSpec,
+    pub seed: u64,
+    /// Each point's length: requests sent, wall time, or both (the first reached ends it).
+    pub requests: Option<usize>,
+    pub duration: Option<Duration>,
+    /// The driver's safety valve (see [`RunPlan::max_in_flight`]).
+    pub max_in_flight: usize,
+    pub follow_turns: bool,
+}
+
+/// What [`Bench`] reports as it goes, for a live display.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Progress<'a> {
+    /// Point `index` starts, offering `shape`.
+    Point {
+        index: usize,
+        label: &'a str,
+        shape: &'a LoadShape,
+    },
+    /// A request of the current point was sent or ended.
+    Request(RunEvent<'a>),
+}
+
+/// A point and the run behind it (its outcomes, for the per-request CSV).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Measured {
+    pub point: Point,
+    pub run: Run,
+}
+
+/// What a max-goodput search found.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Search {
+    /// Every probe, in the order run.
+    pub points: Vec<Measured>,
+    /// The search's answer; `None` when even the start failed.
+    pub found: Option<Found>,
+    /// The answer's point, for the report.
+    pub max_goodput: Option<MaxGoodput>,
+}
+
+/// Why a search could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SearchError {
+    #[error(transparent)]
+    Config(#[from] SearchConfigError),
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    #[error("the search refused a probe it asked for: {0}")]
+    Record(#[from] RecordError),
+    #[error("the search asked for a load that is no shape: {0}")]
+    BadLoad(f64),
+}
+
+type Observer<'o> = dyn FnMut(Progress<'_>) + Send + 'o;
+
+impl Bench {
+    /// The plan of one point at `shape`, `length` times the configured length (a search
+    /// re-runs an inconclusive probe longer).
+    fn plan(&self, shape: &LoadShape, length: u32) -> RunPlan {
+        RunPlan {
+            shape: shape.clone(),
+            seed: self.seed,
+            max_requests: self.requests.map(|n| n.saturating_mul(length as usize)),
+            duration: self.duration.map(|d| d * length),
+            max_in_flight: self.max_in_flight,
+            follow_turns: self.follow_turns,
+        }
+    }
+
+    async fn measure(
+        &self,
+        index: usize,
+        shape: &LoadShape,
+        length: u32,
+        observer: &mut Observer<'_>,
+    ) -> Result<Measured, LoadError> {
+        let label = shape.to_string();
+        observer(Progress::Point {
+            index,
+            label: &label,
+            shape,
+        });
+        let clock = CpuClock::start();
+        let run = load::run(
+            &self.target,
+            &self.workload,
+            &self.plan(shape, length),
+            &mut |event| observer(Progress::Request(event)),
+        )
+        .await?;
+        let point = Point::new(label, shape, &self.slo, &run.outcomes, run.duration)
+            .with_generator(clock.stop());
+        Ok(Measured { point, run })
+    }
+
+    /// One point at `shape`.
+    pub async fn point(
+        &self,
+        shape: &LoadShape,
+        observer: &mut Observer<'_>,
+    ) -> Result<Measured, LoadError> {
+        self.measure(0, shape, 1, observer).await
+    }
+
+    /// One point per shape, in order.
+    pub async fn sweep(
+        &self,
+        shapes: &[LoadShape],
+        observer: &mut Observer<'_>,
+    ) -> Result<Vec<Measured>, LoadError> {
+        let mut points = Vec::with_capacity(shapes.len());
+        for (index, shape) in shapes.iter().enumerate() {
+            points.push(self.measure(index, shape, 1, observer).await?);
+        }
+        Ok(points)
+    }
+
+    /// GuideLLM's max-goodput search (see [`crate::search`]), open-loop probes drawn with
+    /// `arrivals` when it searches a rate.
+    pub async fn max_goodput(
+        &self,
+        config: SearchConfig,
+        arrivals: Arrivals,
+        observer: &mut Observer<'_>,
+    ) -> Result<Search, SearchError> {
+        let criteria = config.criteria.clone();
+        let axis = config.axis;
+        let mut search = MaxGoodputSearch::new(config)?;
+        let mut points: Vec<Measured> = Vec::new();
+        while let Some(request) = search.next_probe() {
+            let shape = axis
+                .shape(request.load, arrivals)
+                .ok_or(SearchError::BadLoad(request.load))?;
+            let measured = self
+                .measure(points.len(), &shape, request.length, observer)
+                .await?;
+            let probe = Probe::judged(request, &measured.point.slo, &criteria);
+            points.push(measured);
+            search.record(probe)?;
+        }
+        let found = search.result();
+        // The answer's point: the last passing probe at the load found (a retried probe's
+        // longer run). Probes and points are recorded in step.
+        let max_goodput = found.as_ref().and_then(|f| {
+            search
+                .probes()
+                .iter()
+                .rposition(|p| p.load == f.load && matches!(p.verdict, Verdict::Pass))
+                .map(|i| MaxGoodput::of(&points[i].point))
+        });
+        Ok(Search {
+            points,
+            found,
+            max_goodput,
+        })
+    }
+}
