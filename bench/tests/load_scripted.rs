@@ -540,3 +540,38 @@ async fn a_duration_stops_sending_and_awaits_what_is_in_flight() {
     assert!(run.outcomes.iter().all(|o| o.sent < MS(150)));
     assert!(run.outcomes.iter().all(|o| o.class() == Class::Ok));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_kept_alive_and_reused() {
+    use axum::serve::ListenerExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let counter = accepted.clone();
+    let listener = listener.tap_io(move |_| {
+        counter.fetch_add(1, Ordering::Relaxed);
+    });
+    tokio::spawn(async move { axum::serve(listener, scripted::router(Script::default())).await });
+    let plan_ = RunPlan {
+        max_requests: Some(200),
+        ..plan(closed(2))
+    };
+    let run = load::run(
+        &target(&url, Api::Completions),
+        &text_workload(3, 4),
+        &plan_,
+        &mut |_| {},
+    )
+    .await
+    .unwrap();
+    assert!(run.outcomes.iter().all(|o| o.class() == Class::Ok));
+    let connections = accepted.load(Ordering::Relaxed);
+    println!("{connections} connections for 200 requests");
+    assert!(
+        connections <= 8,
+        "{connections} connections for 200 requests"
+    );
+}

@@ -5,7 +5,8 @@
 //! *due* at its offset (open loop, trace) or when one in flight ends (closed loop); it is
 //! *held* while the previous turn of its conversation is still running (`follow_turns`), and
 //! it *waits* while `max_in_flight` requests are running. Held and waiting requests go in the
-//! order they became due.
+//! order they became due; in a closed loop a held request keeps its place, so the loop's
+//! concurrency counts it.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;

@@ -21,6 +21,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -125,6 +126,10 @@ pub fn router(script: Script) -> Router {
 
 /// Serves [`router`] on `listener` until the task is dropped or the listener fails.
 pub async fn serve(listener: tokio::net::TcpListener, script: Script) -> std::io::Result<()> {
+    // Each token goes out as it is written, not held back for the last one's ACK.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(script)).await
 }
 
