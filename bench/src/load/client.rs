@@ -7,6 +7,7 @@
 //! task per request would be the generator's largest cost at thousands of requests a second.
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE, HOST};
@@ -125,6 +126,9 @@ pub(crate) struct Client {
     authorization: Option<HeaderValue>,
     /// Connections whose last response was read to its end.
     idle: Mutex<Vec<Connection>>,
+    /// How long the rest of a body is read, after its stream has ended, to reuse its
+    /// connection (the request's timeout).
+    drain_within: Duration,
 }
 
 impl Client {
@@ -140,6 +144,7 @@ impl Client {
             endpoint: Endpoint::parse(&target.url, target.api)?,
             authorization,
             idle: Mutex::new(Vec::new()),
+            drain_within: target.request_timeout,
         })
     }
 
@@ -256,7 +261,8 @@ impl Client {
         } else {
             let client = self.clone();
             tokio::spawn(async move {
-                if drain(&mut body).await {
+                let drained = tokio::time::timeout(client.drain_within, drain(&mut body)).await;
+                if matches!(drained, Ok(true)) {
                     client.give_back(conn);
                 }
             });
@@ -315,7 +321,7 @@ mod tests {
             model: None,
             api_key: None,
             ignore_eos: false,
-            request_timeout: std::time::Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
         }
     }
 
