@@ -18,14 +18,15 @@ pub mod load;
 pub mod plot;
 pub mod probe;
 pub mod replay;
-pub mod search;
 pub mod report;
+pub mod search;
 pub mod slo;
 pub mod stats;
 pub mod trace;
 pub mod workload;
 
-pub use replay::{replay, ReplayError, ReplayOptions, ReplayReport, RequestRecord};
+pub use load::{run, Api, LoadError, Run, RunEvent, RunPlan, Target};
+pub use replay::{replay, ReplayOptions, ReplayReport};
 pub use trace::{
     ideal_hit_rate, load_trace, read_trace, sample_conversations, scale_trace, Pacing, ScaleConfig,
     ScaledRequest, TraceError, TraceRecord, TraceSource,

@@ -1,10 +1,28 @@
 //! The load generator's driver: sends a [`Workload`](crate::workload::Workload) to an
 //! OpenAI-compatible endpoint under a [`LoadShape`], streaming every response, and records one
 //! [`RequestOutcome`](crate::slo::RequestOutcome) per request.
+//!
+//! - [`run`] (in `driver`) offers the load: a closed loop, an open-loop schedule or the
+//!   workload's own arrival times, with follow-up turns held for the turn they follow and a
+//!   cap on requests in flight.
+//! - `client` sends one request over a kept-alive HTTP/1.1 connection; [`meter`] measures its
+//!   stream (sans-IO, fed SSE events and times).
+//! - [`csv`] writes outcomes one line each; [`scripted`] is an OpenAI-compatible server with
+//!   scripted timings, to benchmark the generator itself.
 
+mod client;
+pub mod csv;
+mod driver;
+pub mod meter;
+pub mod scripted;
+mod sse;
+
+use std::fmt;
 use std::time::Duration;
 
 use crate::arrivals::LoadShape;
+
+pub use driver::{run, Run, RunEvent};
 
 /// Which endpoint requests go to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -14,6 +32,15 @@ pub enum Api {
     Completions,
     /// `POST /v1/chat/completions`.
     Chat,
+}
+
+impl fmt::Display for Api {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Api::Completions => "completions",
+            Api::Chat => "chat",
+        })
+    }
 }
 
 /// Where and how requests are sent.
@@ -47,4 +74,33 @@ pub struct RunPlan {
     pub max_in_flight: usize,
     /// Send a follow-up turn no earlier than the end of the turn it follows.
     pub follow_turns: bool,
+}
+
+/// Why a run could not start. Failures of single requests are not errors: they are outcomes.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("bad base URL {url:?}: {reason}")]
+    BadUrl { url: String, reason: String },
+    #[error("the API key cannot be sent in an HTTP header")]
+    BadApiKey,
+    #[error("workload item {item}: {prompt} cannot be sent to the {api} API")]
+    PromptForApi {
+        item: usize,
+        prompt: String,
+        api: Api,
+    },
+    #[error("the workload {0:?} has no requests")]
+    EmptyWorkload(String),
+    #[error("the run has no end: `{0}` goes on until a request count or a duration stops it")]
+    NoEnd(String),
+    #[error("max_requests must be at least 1")]
+    NoRequests,
+    #[error("max_in_flight must be at least 1")]
+    NoInFlight,
+    #[error("request_timeout must be positive")]
+    NoTimeout,
+    #[error(
+        "a trace-timed load needs arrival times; item {item} of the workload {workload:?} has none"
+    )]
+    NoArrivalTimes { workload: String, item: usize },
 }

@@ -6,9 +6,10 @@
 use crate::model_args::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvmesh_bench::load::csv;
 use kvmesh_bench::{
     load_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions, ReplayReport,
-    RequestRecord, ScaleConfig, TraceSource,
+    ScaleConfig, TraceSource,
 };
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
@@ -124,13 +125,14 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
 }
 
 fn write_requests_csv(path: &std::path::Path, reports: &[(String, ReplayReport)]) -> Result<()> {
-    let mut csv = format!("policy,{}\n", RequestRecord::CSV_HEADER);
+    let mut text = csv::header("policy") + "\n";
     for (policy, report) in reports {
-        for r in &report.per_request {
-            csv.push_str(&format!("{policy},{}\n", r.csv_row()));
+        for outcome in &report.per_request {
+            text.push_str(&csv::row(policy, outcome));
+            text.push('\n');
         }
     }
-    Ok(std::fs::write(path, csv)?)
+    Ok(std::fs::write(path, text)?)
 }
 
 /// etcd, two prefill, two decode nodes and a router with `policy`; stopped on drop.

@@ -2,6 +2,7 @@
 
 mod admission_args;
 mod bench_engine;
+mod bench_scripted;
 mod bench_trace;
 mod bench_transfer;
 mod bench_ttft;
@@ -66,6 +67,9 @@ enum BenchCommand {
     /// Internal: the prefill process of `bench transfer`.
     #[command(hide = true)]
     PrefillNode(bench_ttft::PrefillNodeArgs),
+    /// An OpenAI-compatible server streaming on a fixed script, to benchmark the generator.
+    #[command(hide = true)]
+    ScriptedServer(bench_scripted::ScriptedServerArgs),
 }
 
 fn main() -> Result<()> {
@@ -97,6 +101,7 @@ fn main() -> Result<()> {
         Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),
         Command::Bench(BenchCommand::Trace(args)) => bench_trace::run(&args),
         Command::Bench(BenchCommand::PrefillNode(args)) => bench_ttft::prefill_node(&args),
+        Command::Bench(BenchCommand::ScriptedServer(args)) => bench_scripted::run(&args),
     }
 }
 

@@ -6,24 +6,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::client::{Failure, Measured};
+use crate::load::Run;
+use crate::slo::{Class, RequestOutcome};
 use crate::stats::{percentile, sorted};
-
-/// One request's fate.
-#[derive(Debug)]
-pub(crate) struct Outcome {
-    /// Its place in the schedule (0 = sent first).
-    pub(crate) index: usize,
-    /// When it was sent (after its previous turn ended), from the start of the replay.
-    pub(crate) sent: Duration,
-    /// It was due before the previous turn of its conversation had ended, and waited.
-    pub(crate) held: bool,
-    /// It found the concurrency cap full.
-    pub(crate) waited: bool,
-    /// When it ended, from the start of the replay.
-    pub(crate) finished: Duration,
-    pub(crate) result: Result<Measured, Failure>,
-}
 
 /// The client's view of a replay. Times are in seconds; a percentile is `null` when no
 /// request completed.
@@ -33,7 +18,7 @@ pub struct ReplayReport {
     pub requests: usize,
     /// Requests whose stream ended with `[DONE]`.
     pub completed: usize,
-    /// Failed requests by cause: an HTTP status (`"429"`), or `connect`, `http`,
+    /// Failed requests by cause: an HTTP status (`http_429`), or `connect`, `http`,
     /// `timeout`, `stream_error` (an error event mid-stream), `bad_event`, `truncated`.
     pub errors: BTreeMap<String, usize>,
     /// The first message seen for each cause in `errors`.
@@ -71,67 +56,12 @@ pub struct ReplayReport {
     pub request_rate: f64,
     /// The schedule's rate: (requests - 1) / (last send time - first send time).
     pub offered_rate: f64,
-    /// From the start to the end of the last request.
+    /// From the first send to the end of the last request.
     pub duration_s: f64,
-    /// Every request, in schedule order (for `--requests-csv`; not in the JSON summary).
+    /// Every request, in the order it was sent (for `--requests-csv`; not in the JSON
+    /// summary).
     #[serde(skip)]
-    pub per_request: Vec<RequestRecord>,
-}
-
-/// One request as the client saw it; times in seconds.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RequestRecord {
-    pub index: usize,
-    /// When it was sent, from the start of the replay.
-    pub sent_s: f64,
-    /// `(prompt_tokens, cached_tokens)` as the router reported them.
-    pub usage: Option<(u64, u64)>,
-    pub ttft_s: Option<f64>,
-    /// End to end, for a completed request.
-    pub e2e_s: Option<f64>,
-    pub output_tokens: u64,
-    /// The failure's label (`429`, `timeout`, ...) for one that did not complete.
-    pub error: Option<String>,
-}
-
-impl RequestRecord {
-    pub const CSV_HEADER: &'static str =
-        "index,sent_s,prompt_tokens,cached_tokens,ttft_s,e2e_s,output_tokens,error";
-
-    fn from_outcome(o: &Outcome) -> RequestRecord {
-        let (m, error) = match &o.result {
-            Ok(m) => (m.clone(), None),
-            Err(f) => (Measured::default(), Some(f.label.clone())),
-        };
-        RequestRecord {
-            index: o.index,
-            sent_s: o.sent.as_secs_f64(),
-            usage: m.usage,
-            ttft_s: m.ttft.map(|t| t.as_secs_f64()),
-            e2e_s: error.is_none().then_some(m.e2e.as_secs_f64()),
-            output_tokens: m.output_tokens,
-            error,
-        }
-    }
-
-    /// One line matching [`Self::CSV_HEADER`]; a missing value is an empty field.
-    pub fn csv_row(&self) -> String {
-        fn opt<T: ToString>(v: Option<T>) -> String {
-            v.map_or_else(String::new, |v| v.to_string())
-        }
-        // Labels are HTTP statuses or fixed words: nothing to quote.
-        format!(
-            "{},{:.3},{},{},{},{},{},{}",
-            self.index,
-            self.sent_s,
-            opt(self.usage.map(|u| u.0)),
-            opt(self.usage.map(|u| u.1)),
-            opt(self.ttft_s.map(|t| format!("{t:.4}"))),
-            opt(self.e2e_s.map(|t| format!("{t:.4}"))),
-            self.output_tokens,
-            self.error.as_deref().unwrap_or(""),
-        )
-    }
+    pub per_request: Vec<RequestOutcome>,
 }
 
 fn ratio(a: f64, b: f64) -> f64 {
@@ -142,65 +72,53 @@ fn ratio(a: f64, b: f64) -> f64 {
     }
 }
 
-pub(crate) fn summarize(
-    outcomes: &[Outcome],
-    ideal_hit_rate: f64,
-    offered_span: Duration,
-    max_lateness: Duration,
-) -> ReplayReport {
+/// The report of `run`, whose requests' blocks allow `ideal_hit_rate` and whose schedule
+/// spans `offered_span` from its first send to its last.
+pub(crate) fn summarize(run: Run, ideal_hit_rate: f64, offered_span: Duration) -> ReplayReport {
     let mut errors = BTreeMap::new();
-    let mut error_examples = BTreeMap::new();
     let (mut prompt_tokens, mut cached_tokens, mut output_tokens) = (0, 0, 0);
     let (mut ttfts, mut e2es) = (Vec::new(), Vec::new());
     let (mut hit_ttfts, mut miss_ttfts) = (Vec::new(), Vec::new());
-    for o in outcomes {
-        match &o.result {
-            Ok(m) => {
-                ttfts.extend(m.ttft.map(|t| t.as_secs_f64()));
-                if let (Some(t), Some((prompt, cached))) = (m.ttft, m.usage) {
-                    let group = if 2 * cached >= prompt && prompt > 0 {
-                        &mut hit_ttfts
-                    } else {
-                        &mut miss_ttfts
-                    };
-                    group.push(t.as_secs_f64());
-                }
-                e2es.push(m.e2e.as_secs_f64());
-                output_tokens += m.output_tokens;
-                if let Some((prompt, cached)) = m.usage {
-                    prompt_tokens += prompt;
-                    cached_tokens += cached.min(prompt);
-                }
-            }
-            Err(f) => {
-                *errors.entry(f.label.clone()).or_insert(0) += 1;
-                error_examples
-                    .entry(f.label.clone())
-                    .or_insert_with(|| f.message.clone());
-            }
+    for o in &run.outcomes {
+        if o.class() != Class::Ok {
+            let kind = o.error.clone().unwrap_or_else(|| "unknown".into());
+            *errors.entry(kind).or_insert(0) += 1;
+            continue;
+        }
+        let usage = o
+            .prompt_tokens
+            .map(|p| (p, o.cached_tokens.unwrap_or(0).min(p)));
+        ttfts.extend(o.ttft.map(|t| t.as_secs_f64()));
+        if let (Some(t), Some((prompt, cached))) = (o.ttft, usage) {
+            let group = if 2 * cached >= prompt && prompt > 0 {
+                &mut hit_ttfts
+            } else {
+                &mut miss_ttfts
+            };
+            group.push(t.as_secs_f64());
+        }
+        e2es.extend(o.e2e.map(|t| t.as_secs_f64()));
+        output_tokens += o.output_tokens;
+        if let Some((prompt, cached)) = usage {
+            prompt_tokens += prompt;
+            cached_tokens += cached;
         }
     }
     let completed = e2es.len();
-    let duration = outcomes
-        .iter()
-        .map(|o| o.finished)
-        .max()
-        .unwrap_or_default()
-        .as_secs_f64();
+    let duration = run.duration.as_secs_f64();
     let ttft_mean_s = (!ttfts.is_empty()).then(|| ttfts.iter().sum::<f64>() / ttfts.len() as f64);
     let (hits, misses) = (hit_ttfts.len(), miss_ttfts.len());
     let (ttfts, e2es) = (sorted(ttfts), sorted(e2es));
-    let mut per_request: Vec<RequestRecord> =
-        outcomes.iter().map(RequestRecord::from_outcome).collect();
-    per_request.sort_by_key(|r| r.index);
+    let mut error_examples = run.error_examples;
+    error_examples.retain(|kind, _| errors.contains_key(kind));
     ReplayReport {
-        requests: outcomes.len(),
+        requests: run.outcomes.len(),
         completed,
         errors,
         error_examples,
-        waited_for_concurrency: outcomes.iter().filter(|o| o.waited).count(),
-        held_for_previous_turn: outcomes.iter().filter(|o| o.held).count(),
-        max_send_lateness_s: max_lateness.as_secs_f64(),
+        waited_for_concurrency: run.waited,
+        held_for_previous_turn: run.held,
+        max_send_lateness_s: run.max_lateness.as_secs_f64(),
         prompt_tokens,
         cached_tokens,
         output_tokens,
@@ -219,11 +137,11 @@ pub(crate) fn summarize(
         output_tokens_per_s: ratio(output_tokens as f64, duration),
         request_rate: ratio(completed as f64, duration),
         offered_rate: ratio(
-            outcomes.len().saturating_sub(1) as f64,
+            run.outcomes.len().saturating_sub(1) as f64,
             offered_span.as_secs_f64(),
         ),
         duration_s: duration,
-        per_request,
+        per_request: run.outcomes,
     }
 }
 
@@ -335,51 +253,64 @@ impl fmt::Display for ReplayReport {
 mod tests {
     use super::*;
 
-    fn ok(ttft_ms: u64, e2e_ms: u64, out: u64, usage: Option<(u64, u64)>) -> Outcome {
-        Outcome {
-            index: 0,
-            sent: Duration::ZERO,
-            held: false,
-            waited: false,
-            finished: Duration::from_millis(e2e_ms),
-            result: Ok(Measured {
-                ttft: Some(Duration::from_millis(ttft_ms)),
-                e2e: Duration::from_millis(e2e_ms),
-                output_tokens: out,
-                usage,
-            }),
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn ok(ttft_ms: u64, e2e_ms: u64, out: u64, usage: Option<(u64, u64)>) -> RequestOutcome {
+        RequestOutcome {
+            ended: MS(e2e_ms),
+            status: Some(200),
+            ttft: Some(MS(ttft_ms)),
+            e2e: Some(MS(e2e_ms)),
+            output_tokens: out,
+            prompt_tokens: usage.map(|u| u.0),
+            cached_tokens: usage.map(|u| u.1),
+            ..RequestOutcome::default()
+        }
+    }
+
+    fn shed(item: usize, sent_ms: u64) -> RequestOutcome {
+        RequestOutcome {
+            item,
+            sent: MS(sent_ms),
+            ended: MS(sent_ms + 5),
+            status: Some(429),
+            error: Some("http_429".into()),
+            ..RequestOutcome::default()
         }
     }
 
     #[test]
     fn summarizes_successes_and_failures() {
-        let outcomes = vec![
-            ok(100, 1000, 10, Some((100, 50))),
-            ok(300, 2000, 30, Some((100, 0))),
-            ok(200, 500, 20, None),
-            Outcome {
-                index: 4,
-                sent: Duration::from_millis(5),
-                held: true,
-                waited: true,
-                finished: Duration::from_millis(10),
-                result: Err(Failure::new("429", "busy")),
-            },
-            Outcome {
-                index: 3,
-                sent: Duration::from_millis(3),
-                held: false,
-                waited: false,
-                finished: Duration::from_millis(20),
-                result: Err(Failure::new("429", "still busy")),
-            },
-        ];
-        let r = summarize(&outcomes, 0.25, Duration::from_secs(2), Duration::ZERO);
+        let run = Run {
+            outcomes: vec![
+                ok(100, 1000, 10, Some((100, 50))),
+                ok(300, 2000, 30, Some((100, 0))),
+                ok(200, 500, 20, None),
+                shed(3, 3),
+                shed(4, 5),
+            ],
+            duration: MS(2000),
+            max_lateness: MS(1),
+            waited: 1,
+            held: 1,
+            error_examples: BTreeMap::from([
+                ("http_429".to_string(), "busy".to_string()),
+                (
+                    "timeout".to_string(),
+                    "not in this run's errors".to_string(),
+                ),
+            ]),
+        };
+        let r = summarize(run, 0.25, Duration::from_secs(2));
         assert_eq!((r.requests, r.completed, r.failed()), (5, 3, 2));
-        assert_eq!(r.errors, BTreeMap::from([("429".to_string(), 2)]));
-        assert_eq!(r.error_examples["429"], "busy");
+        assert_eq!(r.errors, BTreeMap::from([("http_429".to_string(), 2)]));
+        assert_eq!(
+            r.error_examples,
+            BTreeMap::from([("http_429".to_string(), "busy".to_string())])
+        );
         assert_eq!(r.waited_for_concurrency, 1);
         assert_eq!(r.held_for_previous_turn, 1);
+        assert_eq!(r.max_send_lateness_s, 0.001);
         assert_eq!(
             (r.prompt_tokens, r.cached_tokens, r.output_tokens),
             (200, 50, 60)
@@ -398,26 +329,19 @@ mod tests {
         assert_eq!(r.offered_rate, 2.0);
         let table = r.to_string();
         assert!(table.contains("25.0% (50 of 200"), "{table}");
-        assert!(table.contains("error 429"), "{table}");
+        assert!(table.contains("error http_429 "), "{table}");
+        assert!(table.contains(" 2  busy"), "{table}");
         let json = serde_json::to_value(&r).unwrap();
-        assert_eq!(json["errors"]["429"], 2);
+        assert_eq!(json["errors"]["http_429"], 2);
         assert!(json.get("per_request").is_none());
-        // Every request, failures too, in schedule order.
-        let rows: Vec<String> = r.per_request.iter().map(RequestRecord::csv_row).collect();
-        assert_eq!(rows.len(), 5);
-        assert!(
-            rows[0].starts_with("0,0.000,100,50,0.1000,1.0000,10,"),
-            "{rows:?}"
-        );
-        assert_eq!(rows[3], "3,0.003,,,,,0,429");
-        assert_eq!(rows[4], "4,0.005,,,,,0,429");
-        let header_fields = RequestRecord::CSV_HEADER.split(',').count();
-        assert!(rows.iter().all(|r| r.split(',').count() == header_fields));
+        // Every request, failures too.
+        assert_eq!(r.per_request.len(), 5);
+        assert_eq!(r.per_request[4].item, 4);
     }
 
     #[test]
     fn nothing_completed() {
-        let r = summarize(&[], 0.0, Duration::ZERO, Duration::ZERO);
+        let r = summarize(Run::default(), 0.0, Duration::ZERO);
         assert_eq!(r.ttft_p99_s, None);
         assert_eq!(
             (r.prefix_hit_rate, r.request_rate, r.offered_rate),
