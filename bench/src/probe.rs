@@ -145,7 +145,7 @@ impl Bench {
         arrivals: Arrivals,
         observer: &mut Observer<'_>,
     ) -> Result<Search, SearchError> {
-        let criteria = config.criteria.clone();
+        let criteria = config.criteria;
         let axis = config.axis;
         let mut search = MaxGoodputSearch::new(config)?;
         let mut points: Vec<Measured> = Vec::new();
