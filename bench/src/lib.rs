@@ -1,15 +1,20 @@
-//! Load generation and trace replay.
+//! The load generator of kvmesh (`kvmesh bench serve`, `kvmesh tune`, `kvmesh bench trace`),
+//! for any OpenAI-compatible endpoint.
 //!
-//! The load generator's pure cores: [`arrivals`] turns a load shape (closed loop at a
-//! concurrency, open loop at a rate with Poisson or gamma arrivals, steps, ramps, a compressed
-//! day, trace-timed) into send times from a seed; [`slo`] judges request outcomes against
-//! `--slo` objectives and reports attainment and goodput with a Wilson interval.
+//! Pure cores: [`arrivals`] turns a load shape (closed loop at a concurrency, open loop at a
+//! rate with Poisson or gamma arrivals, steps, ramps, a compressed day, trace-timed) into send
+//! times from a seed; [`workload`] builds the requests (synthetic lengths, JSONL, ShareGPT, the
+//! Mooncake and Azure traces); [`slo`] judges request outcomes against `--slo` objectives with
+//! a Wilson interval; [`search`] is GuideLLM's max-goodput search and the `--sweep` grammar;
+//! [`report`] and [`plot`] turn measured points into the versioned JSON report, the terminal
+//! table, comparisons and plots.
 //!
-//! Trace replay: [`trace`] reads a Mooncake trace and scales it to a small model;
-//! [`replay::replay`] sends the requests to a running router, open loop, and reports TTFT,
-//! latency, throughput and the prefix-cache hit rate against the trace's ideal.
+//! Drivers: [`load`] streams a workload to an endpoint under a shape (and holds the scripted
+//! server that benchmarks the generator itself); [`probe`] measures points over it (one load, a
+//! sweep, a search) with the generator's own CPU use ([`cpu`]); [`replay`] replays a scaled
+//! Mooncake trace against a router and reports the prefix-cache hit rate against the ideal.
 //!
-//! The engine benchmark (`kvmesh bench engine`) lives in the CLI for now; the comparison with
+//! The engine benchmark (`kvmesh bench engine`) lives in the CLI; the comparison with
 //! llama.cpp is `bench/engine_vs_llamacpp.sh`.
 
 pub mod arrivals;
