@@ -13,6 +13,7 @@
 //! `steps:2@30s,8@30s`, `ramp:1..10@2m`, `day:1..10@10m` (the three profiles take an optional
 //! `,burstiness=K`), `trace`, `trace:speedup=4`, `trace:rate=2`.
 
+use crate::grammar::ParseError;
 use std::fmt;
 use std::iter::FusedIterator;
 use std::num::NonZeroUsize;
@@ -270,27 +271,16 @@ fn gamma(rng: &mut StdRng, k: f64) -> f64 {
     }
 }
 
-/// Why a load shape did not parse: the part at fault and what is wrong with it.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("load shape: `{part}`: {problem}")]
-pub struct ParseLoadError {
-    pub part: String,
-    pub problem: String,
-}
-
-fn bad(part: &str, problem: impl Into<String>) -> ParseLoadError {
-    ParseLoadError {
-        part: part.to_owned(),
-        problem: problem.into(),
-    }
+fn bad(part: &str, problem: impl Into<String>) -> ParseError {
+    ParseError::new("load shape", part, problem)
 }
 
 const KINDS: &str = "concurrency, poisson, constant, gamma, steps, ramp, day, trace";
 
 impl FromStr for LoadShape {
-    type Err = ParseLoadError;
+    type Err = ParseError;
 
-    fn from_str(s: &str) -> Result<Self, ParseLoadError> {
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         let s = s.trim();
         let (kind, params) = s.split_once(':').unwrap_or((s, ""));
         let (kind, params) = (kind.trim(), params.trim());
@@ -337,7 +327,7 @@ impl FromStr for LoadShape {
                                     duration: duration(d)?,
                                 })
                             })
-                            .collect::<Result<Vec<_>, ParseLoadError>>()?;
+                            .collect::<Result<Vec<_>, ParseError>>()?;
                         if steps.iter().all(|s| s.rate == 0.0) {
                             return Err(bad(s, "every step has rate 0"));
                         }
@@ -396,7 +386,7 @@ fn keys<'a>(
     params: &'a str,
     allowed: &[&str],
     required: &[&str],
-) -> Result<Vec<Option<&'a str>>, ParseLoadError> {
+) -> Result<Vec<Option<&'a str>>, ParseError> {
     let mut values = vec![None; allowed.len()];
     for item in params.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let (k, v) = item
@@ -421,7 +411,7 @@ fn keys<'a>(
 }
 
 /// A profile's phases and its arrivals (Poisson unless `burstiness=K` is given).
-fn profile_options(params: &str) -> Result<(Vec<&str>, Arrivals), ParseLoadError> {
+fn profile_options(params: &str) -> Result<(Vec<&str>, Arrivals), ParseError> {
     let mut phases = Vec::new();
     let mut arrivals = Arrivals::Poisson;
     for item in params.split(',').map(str::trim).filter(|i| !i.is_empty()) {
@@ -439,21 +429,21 @@ fn profile_options(params: &str) -> Result<(Vec<&str>, Arrivals), ParseLoadError
     Ok((phases, arrivals))
 }
 
-fn at(phase: &str) -> Result<(&str, &str), ParseLoadError> {
+fn at(phase: &str) -> Result<(&str, &str), ParseError> {
     phase
         .split_once('@')
         .map(|(a, b)| (a.trim(), b.trim()))
         .ok_or_else(|| bad(phase, "expected RATE@DURATION"))
 }
 
-fn non_negative(s: &str) -> Result<f64, ParseLoadError> {
+fn non_negative(s: &str) -> Result<f64, ParseError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
         _ => Err(bad(s, "expected a non-negative number")),
     }
 }
 
-fn positive(s: &str) -> Result<f64, ParseLoadError> {
+fn positive(s: &str) -> Result<f64, ParseError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         _ => Err(bad(s, "expected a positive number")),
@@ -461,7 +451,7 @@ fn positive(s: &str) -> Result<f64, ParseLoadError> {
 }
 
 /// `500ms`, `30s`, `1.5m`, `1h`: a unit is required (a bare number is ambiguous).
-fn duration(s: &str) -> Result<Duration, ParseLoadError> {
+fn duration(s: &str) -> Result<Duration, ParseError> {
     let split = s
         .find(|c: char| c.is_ascii_alphabetic())
         .ok_or_else(|| bad(s, "a duration needs a unit (ms, s, m, h)"))?;

@@ -19,6 +19,7 @@
 
 pub mod arrivals;
 pub mod cpu;
+pub mod grammar;
 pub mod load;
 pub mod plot;
 pub mod probe;

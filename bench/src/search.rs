@@ -30,7 +30,7 @@ use crate::arrivals::{Arrivals, LoadShape, OpenLoop, RateProfile};
 use crate::slo::SloReport;
 
 pub use judge::{judge, Criteria, Verdict, Why};
-pub use sweep::{parse_sweep, ParseSweepError, Sweep};
+pub use sweep::{parse_sweep, Sweep};
 
 /// What the search varies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -74,7 +74,7 @@ pub mod text;
 
 pub use azure::{parse_azure, AzureRecord, BUNDLED_AZURE_TRACE, BUNDLED_AZURE_TRACE_PATH};
 pub use files::CHARS_PER_TOKEN;
-pub use spec::{Length, ParseWorkloadError, SyntheticSpec, WorkloadSpec, DEFAULT_MOONCAKE_SCALE};
+pub use spec::{Length, SyntheticSpec, WorkloadSpec, DEFAULT_MOONCAKE_SCALE};
 pub use text::ONE_TOKEN_WORDS;
 
 /// One request's input.
@@ -161,7 +161,7 @@ impl WorkloadOptions {
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
     #[error(transparent)]
-    Spec(#[from] ParseWorkloadError),
+    Spec(#[from] crate::grammar::ParseError),
     #[error("opening {path}: {error}")]
     Open {
         path: PathBuf,

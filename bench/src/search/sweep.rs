@@ -9,6 +9,7 @@
 //! Examples: `rate=1,2,4`, `rate=0.5..8x2;arrivals=constant`, `concurrency=1..32x2`,
 //! `concurrency=1,4,16`.
 
+use crate::grammar::ParseError;
 use std::fmt;
 use std::str::FromStr;
 
@@ -38,30 +39,19 @@ impl Sweep {
     }
 }
 
-/// Why a sweep did not parse: the part at fault and what is wrong with it.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("sweep: `{part}`: {problem}")]
-pub struct ParseSweepError {
-    pub part: String,
-    pub problem: String,
-}
-
-fn bad(part: &str, problem: impl Into<String>) -> ParseSweepError {
-    ParseSweepError {
-        part: part.to_owned(),
-        problem: problem.into(),
-    }
+fn bad(part: &str, problem: impl Into<String>) -> ParseError {
+    ParseError::new("sweep", part, problem)
 }
 
 /// `--sweep` straight to its load shapes.
-pub fn parse_sweep(s: &str) -> Result<Vec<LoadShape>, ParseSweepError> {
+pub fn parse_sweep(s: &str) -> Result<Vec<LoadShape>, ParseError> {
     Ok(s.parse::<Sweep>()?.shapes())
 }
 
 impl FromStr for Sweep {
-    type Err = ParseSweepError;
+    type Err = ParseError;
 
-    fn from_str(s: &str) -> Result<Self, ParseSweepError> {
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         let mut parts = s.trim().split(';').map(str::trim);
         let head = parts.next().unwrap_or_default();
         let (axis, items) = head
@@ -132,7 +122,7 @@ impl FromStr for Sweep {
 }
 
 /// Appends the loads of one item: a number or a range.
-fn expand(item: &str, loads: &mut Vec<f64>) -> Result<(), ParseSweepError> {
+fn expand(item: &str, loads: &mut Vec<f64>) -> Result<(), ParseError> {
     let Some((from, rest)) = item.split_once("..") else {
         loads.push(positive(item)?);
         return check_len(item, loads);
@@ -173,14 +163,14 @@ fn expand(item: &str, loads: &mut Vec<f64>) -> Result<(), ParseSweepError> {
     Ok(())
 }
 
-fn check_len(item: &str, loads: &[f64]) -> Result<(), ParseSweepError> {
+fn check_len(item: &str, loads: &[f64]) -> Result<(), ParseError> {
     if loads.len() > MAX_POINTS {
         return Err(bad(item, format!("more than {MAX_POINTS} loads")));
     }
     Ok(())
 }
 
-fn positive(s: &str) -> Result<f64, ParseSweepError> {
+fn positive(s: &str) -> Result<f64, ParseError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         _ => Err(bad(s, "expected a positive number")),

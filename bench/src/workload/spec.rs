@@ -1,6 +1,7 @@
 //! The workload grammar: [`WorkloadSpec`]'s `FromStr` and its `Display` (which parses back to
 //! the same spec, so a report names its workload in a form that can be rerun).
 
+use crate::grammar::ParseError;
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -70,27 +71,16 @@ pub enum Length {
     Azure,
 }
 
-/// Why a workload spec did not parse: the part at fault and what is wrong with it.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("workload: `{part}`: {problem}")]
-pub struct ParseWorkloadError {
-    pub part: String,
-    pub problem: String,
-}
-
-fn bad(part: &str, problem: impl Into<String>) -> ParseWorkloadError {
-    ParseWorkloadError {
-        part: part.to_owned(),
-        problem: problem.into(),
-    }
+fn bad(part: &str, problem: impl Into<String>) -> ParseError {
+    ParseError::new("workload", part, problem)
 }
 
 const KINDS: &str = "synthetic, jsonl, sharegpt, mooncake, azure";
 
 impl FromStr for WorkloadSpec {
-    type Err = ParseWorkloadError;
+    type Err = ParseError;
 
-    fn from_str(s: &str) -> Result<Self, ParseWorkloadError> {
+    fn from_str(s: &str) -> Result<Self, ParseError> {
         let s = s.trim();
         // The kind ends at the first `:` (a path or parameters follow) or `,` (parameters).
         let end = s.find([':', ',']).unwrap_or(s.len());
@@ -149,7 +139,7 @@ impl FromStr for WorkloadSpec {
     }
 }
 
-fn synthetic(params: &str) -> Result<SyntheticSpec, ParseWorkloadError> {
+fn synthetic(params: &str) -> Result<SyntheticSpec, ParseError> {
     const KEYS: [&str; 6] = [
         "input",
         "output",
@@ -159,7 +149,7 @@ fn synthetic(params: &str) -> Result<SyntheticSpec, ParseWorkloadError> {
         "max_output",
     ];
     let kv = keys(params, &KEYS)?;
-    let length = |i: usize| -> Result<Length, ParseWorkloadError> {
+    let length = |i: usize| -> Result<Length, ParseError> {
         kv[i]
             .ok_or_else(|| bad(params, format!("missing {}=", KEYS[i])))
             .and_then(Length::parse)
@@ -183,7 +173,7 @@ fn synthetic(params: &str) -> Result<SyntheticSpec, ParseWorkloadError> {
 }
 
 impl Length {
-    fn parse(s: &str) -> Result<Length, ParseWorkloadError> {
+    fn parse(s: &str) -> Result<Length, ParseError> {
         let s = s.trim();
         if s == "azure" {
             return Ok(Length::Azure);
@@ -265,7 +255,7 @@ fn top_level_items(params: &str) -> Vec<&str> {
 }
 
 /// The values of `allowed` keys in `key=value,...`, refusing unknown and repeated ones.
-fn keys<'a>(params: &'a str, allowed: &[&str]) -> Result<Vec<Option<&'a str>>, ParseWorkloadError> {
+fn keys<'a>(params: &'a str, allowed: &[&str]) -> Result<Vec<Option<&'a str>>, ParseError> {
     let mut values = vec![None; allowed.len()];
     for item in top_level_items(params) {
         let (k, v) = item
@@ -284,14 +274,14 @@ fn keys<'a>(params: &'a str, allowed: &[&str]) -> Result<Vec<Option<&'a str>>, P
     Ok(values)
 }
 
-fn whole(s: &str) -> Result<u32, ParseWorkloadError> {
+fn whole(s: &str) -> Result<u32, ParseError> {
     match s.trim().parse::<u32>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(bad(s, "expected a whole number, at least 1")),
     }
 }
 
-fn positive(s: &str) -> Result<f64, ParseWorkloadError> {
+fn positive(s: &str) -> Result<f64, ParseError> {
     match s.trim().parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         _ => Err(bad(s, "expected a positive number")),
