@@ -61,7 +61,7 @@ enum Command {
 enum BenchCommand {
     /// Load-test an OpenAI-compatible server: one load, a sweep, or the most goodput within
     /// an SLO; writes report.json, requests.csv and plots.
-    Serve(bench_serve::BenchServeArgs),
+    Serve(Box<bench_serve::BenchServeArgs>),
     /// Compare two reports of `bench serve`, point by point (ratios B/A).
     Compare(bench_serve::BenchCompareArgs),
     /// Redraw a `bench serve` report's plots.
