@@ -150,6 +150,24 @@ async fn a_ttft_objective_below_the_scripts_fails_at_the_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inconclusive_probe_is_retried_twice_as_long_under_its_own_label() {
+    let url = server(script(MS(1))).await;
+    // 10 of 10 met: the Wilson interval [0.72, 1] holds 0.95, and so does 20 of 20's.
+    let bench = bench(&url, "ttft=10s", 10);
+    let found = bench
+        .max_goodput(search(1.0), Arrivals::Poisson, &mut |_| {})
+        .await
+        .unwrap();
+    let points: Vec<(&str, usize)> = found
+        .points
+        .iter()
+        .map(|m| (m.point.label.as_str(), m.point.slo.requests))
+        .collect();
+    assert_eq!(points, [("concurrency:1", 10), ("concurrency:1 retry", 20)]);
+    assert_eq!(found.found, None, "a second inconclusive counts as a fail");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn injected_429s_are_shed_and_fail_the_judge_on_the_shed_share() {
     let url = server(Script {
         inject: Some(Injection {

@@ -103,8 +103,15 @@ impl Live {
                     Class::Shed => self.counts.shed += 1,
                     Class::Failed => self.counts.failed += 1,
                 }
-                self.bar.set_position(self.counts.ended() as u64);
-                self.maybe_draw();
+                let ended = self.counts.ended();
+                self.bar.set_position(ended as u64);
+                // Nothing in flight (as at a point's end): the counts as they stand, not
+                // the last throttled ones.
+                if ended == self.counts.sent {
+                    self.draw();
+                } else {
+                    self.maybe_draw();
+                }
             }
         }
     }
