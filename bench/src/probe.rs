@@ -96,7 +96,12 @@ impl Bench {
         length: u32,
         observer: &mut Observer<'_>,
     ) -> Result<Measured, LoadError> {
-        let label = shape.to_string();
+        // Labels are unique in a report (compare matches points by them): a search's retry
+        // of an inconclusive probe runs the same shape again.
+        let label = match length {
+            1 => shape.to_string(),
+            _ => format!("{shape} retry"),
+        };
         observer(Progress::Point {
             index,
             label: &label,

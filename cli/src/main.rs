@@ -3,6 +3,7 @@
 mod admission_args;
 mod bench_engine;
 mod bench_scripted;
+mod bench_serve;
 mod bench_trace;
 mod bench_transfer;
 mod bench_ttft;
@@ -58,6 +59,13 @@ enum Command {
 
 #[derive(Subcommand)]
 enum BenchCommand {
+    /// Load-test an OpenAI-compatible server: one load, a sweep, or the most goodput within
+    /// an SLO; writes report.json, requests.csv and plots.
+    Serve(Box<bench_serve::BenchServeArgs>),
+    /// Compare two reports of `bench serve`, point by point (ratios B/A).
+    Compare(bench_serve::BenchCompareArgs),
+    /// Redraw a `bench serve` report's plots.
+    Plot(bench_serve::BenchPlotArgs),
     /// Prefill and decode throughput of the engine on the real model.
     Engine(bench_engine::BenchEngineArgs),
     /// KV transfer rates (QUIC, TCP, memcpy) and disaggregated vs local TTFT.
@@ -97,6 +105,9 @@ fn main() -> Result<()> {
         Command::Decode(args) => config::run(&args, &env, node::decode::run),
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),
+        Command::Bench(BenchCommand::Compare(args)) => bench_serve::run_compare(&args),
+        Command::Bench(BenchCommand::Plot(args)) => bench_serve::run_plot(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),
         Command::Bench(BenchCommand::Trace(args)) => bench_trace::run(&args),
