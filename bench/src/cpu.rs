@@ -70,6 +70,9 @@ impl GeneratorUse {
     /// The share of one core past which the event loop is taken to be near saturation (see the
     /// module's documentation).
     pub const SATURATION: f64 = 0.8;
+    /// Runs shorter than this are not judged: their CPU time is mostly start-up (building
+    /// bodies, the first connections), not the event loop keeping pace.
+    pub const MIN_JUDGED_WALL_S: f64 = 1.0;
 
     pub fn new(cpu: Duration, wall: Duration, cores_available: usize) -> GeneratorUse {
         let (cpu_s, wall_s) = (cpu.as_secs_f64(), wall.as_secs_f64());
@@ -83,7 +86,7 @@ impl GeneratorUse {
 
     /// Whether the generator was busy enough to distort what it measured.
     pub fn near_saturation(&self) -> bool {
-        self.cores_busy > Self::SATURATION
+        self.wall_s >= Self::MIN_JUDGED_WALL_S && self.cores_busy > Self::SATURATION
     }
 
     /// A warning to print beside the results, where [`Self::near_saturation`].
@@ -119,6 +122,8 @@ mod tests {
         assert!(!at.near_saturation(), "the threshold itself is not past it");
         let busy = GeneratorUse::new(s(9), s(10), 8);
         assert!(busy.near_saturation());
+        let blip = GeneratorUse::new(Duration::from_millis(97), Duration::from_millis(100), 8);
+        assert!(!blip.near_saturation(), "too short a run to judge");
         let w = busy.warning().unwrap();
         assert!(w.contains("0.90 cores") && w.contains("past 80%"), "{w}");
         assert_eq!(GeneratorUse::new(s(1), Duration::ZERO, 1).cores_busy, 0.0);
