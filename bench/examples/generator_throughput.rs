@@ -126,6 +126,7 @@ fn main() {
         duration: None,
         max_in_flight: args.concurrency.max(1),
         follow_turns: false,
+        first_item: 0,
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -74,6 +74,11 @@ pub struct RunPlan {
     pub max_in_flight: usize,
     /// Send a follow-up turn no earlier than the end of the turn it follows.
     pub follow_turns: bool,
+    /// Where in the workload a closed- or open-loop run starts (wrapping): successive points
+    /// of one measurement start past each other's items, so no point re-sends prompts an
+    /// earlier one left in the server's prefix cache. A trace-timed run always starts at its
+    /// first arrival.
+    pub first_item: usize,
 }
 
 /// Why a run could not start. Failures of single requests are not errors: they are outcomes.

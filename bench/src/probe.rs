@@ -78,7 +78,7 @@ type Observer<'o> = dyn FnMut(Progress<'_>) + Send + 'o;
 impl Bench {
     /// The plan of one point at `shape`, `length` times the configured length (a search
     /// re-runs an inconclusive probe longer).
-    fn plan(&self, shape: &LoadShape, length: u32) -> RunPlan {
+    fn plan(&self, shape: &LoadShape, length: u32, first_item: usize) -> RunPlan {
         RunPlan {
             shape: shape.clone(),
             seed: self.seed,
@@ -86,12 +86,15 @@ impl Bench {
             duration: self.duration.map(|d| d * length),
             max_in_flight: self.max_in_flight,
             follow_turns: self.follow_turns,
+            first_item,
         }
     }
 
+    /// Point `index`, its first request the workload's item `first_item` (the requests sent
+    /// before it, so that it sends fresh prompts).
     async fn measure(
         &self,
-        index: usize,
+        (index, first_item): (usize, usize),
         shape: &LoadShape,
         length: u32,
         observer: &mut Observer<'_>,
@@ -111,7 +114,7 @@ impl Bench {
         let run = load::run(
             &self.target,
             &self.workload,
-            &self.plan(shape, length),
+            &self.plan(shape, length, first_item),
             &mut |event| observer(Progress::Request(event)),
         )
         .await?;
@@ -126,7 +129,7 @@ impl Bench {
         shape: &LoadShape,
         observer: &mut Observer<'_>,
     ) -> Result<Measured, LoadError> {
-        self.measure(0, shape, 1, observer).await
+        self.measure((0, 0), shape, 1, observer).await
     }
 
     /// One point per shape, in order.
@@ -135,9 +138,12 @@ impl Bench {
         shapes: &[LoadShape],
         observer: &mut Observer<'_>,
     ) -> Result<Vec<Measured>, LoadError> {
-        let mut points = Vec::with_capacity(shapes.len());
+        let mut points: Vec<Measured> = Vec::with_capacity(shapes.len());
         for (index, shape) in shapes.iter().enumerate() {
-            points.push(self.measure(index, shape, 1, observer).await?);
+            let measured = self
+                .measure((index, sent(&points)), shape, 1, observer)
+                .await?;
+            points.push(measured);
         }
         Ok(points)
     }
@@ -159,7 +165,12 @@ impl Bench {
                 .shape(request.load, arrivals)
                 .ok_or(SearchError::BadLoad(request.load))?;
             let measured = self
-                .measure(points.len(), &shape, request.length, observer)
+                .measure(
+                    (points.len(), sent(&points)),
+                    &shape,
+                    request.length,
+                    observer,
+                )
                 .await?;
             let probe = Probe::judged(request, &measured.point.slo, &criteria);
             points.push(measured);
@@ -181,4 +192,9 @@ impl Bench {
             max_goodput,
         })
     }
+}
+
+/// Requests sent by `points`: where the next point starts in the workload.
+fn sent(points: &[Measured]) -> usize {
+    points.iter().map(|m| m.run.outcomes.len()).sum()
 }

@@ -90,6 +90,7 @@ pub async fn replay(
         duration: None,
         max_in_flight: opts.max_concurrency,
         follow_turns: opts.follow_turns,
+        first_item: 0,
     };
     let run = load::run(&target, &workload(requests), &plan, &mut |_| {}).await?;
     let mut order: Vec<&ScaledRequest> = requests.iter().collect();

@@ -65,6 +65,7 @@ fn plan(shape: LoadShape) -> RunPlan {
         duration: None,
         max_in_flight: 1024,
         follow_turns: true,
+        first_item: 0,
     }
 }
 
@@ -121,6 +122,26 @@ async fn a_closed_loop_keeps_n_in_flight_and_cycles_the_workload() {
     let last = run.outcomes.iter().map(|o| o.ended).max().unwrap();
     assert_eq!(run.duration, last - first);
     assert_eq!((run.waited, run.held), (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_starts_at_its_first_item_and_wraps() {
+    let url = server(Script::default()).await;
+    let plan = RunPlan {
+        max_requests: Some(5),
+        first_item: 4,
+        ..plan(closed(1))
+    };
+    let run = load::run(
+        &target(&url, Api::Completions),
+        &text_workload(3, 2),
+        &plan,
+        &mut |_| {},
+    )
+    .await
+    .unwrap();
+    let items: Vec<usize> = run.outcomes.iter().map(|o| o.item).collect();
+    assert_eq!(items, [1, 2, 0, 1, 2], "4 wraps to item 1 of 3");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

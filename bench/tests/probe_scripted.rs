@@ -76,7 +76,13 @@ fn search(max: f64) -> SearchConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_gives_one_labelled_point_per_load_with_its_requests() {
     let url = server(script(MS(2))).await;
-    let bench = bench(&url, "ttft=10s", 12);
+    let mut bench = bench(&url, "ttft=10s", 12);
+    // Room for both points: the second starts where the first stopped.
+    bench.workload = "synthetic:input=8,output=4"
+        .parse::<WorkloadSpec>()
+        .unwrap()
+        .load(&WorkloadOptions::new(Api::Completions, 24))
+        .unwrap();
     let mut starts = Vec::new();
     let (mut sent, mut ended) = (0, 0);
     let mut observer = |p: Progress<'_>| match p {
@@ -102,6 +108,17 @@ async fn a_sweep_gives_one_labelled_point_per_load_with_its_requests() {
         assert_eq!(m.run.outcomes.len(), 12);
         assert!(m.point.generator.is_some());
     }
+    let items = |m: &kvmesh_bench::probe::Measured| {
+        let mut v: Vec<usize> = m.run.outcomes.iter().map(|o| o.item).collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(items(&points[0]), (0..12).collect::<Vec<_>>());
+    assert_eq!(
+        items(&points[1]),
+        (12..24).collect::<Vec<_>>(),
+        "the second point sends fresh prompts"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

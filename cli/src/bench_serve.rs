@@ -252,14 +252,15 @@ pub fn run_serve(args: &BenchServeArgs) -> Result<()> {
         bail!("--requests must be at least 1");
     }
     let mode = args.mode();
-    // A search retries an inconclusive probe at twice the length: size a synthetic workload
-    // for that, so a retry sends fresh prompts rather than repeats the server has cached.
-    let longest = match mode {
-        Mode::MaxGoodput(_) => 2,
-        Mode::Points(_) => 1,
+    // Every point sends fresh prompts (each starts where the last stopped in the workload), so
+    // no point is served from what an earlier one left in the prefix cache: size a synthetic
+    // workload for all of them (a search's retry runs twice as long).
+    let points = match &mode {
+        Mode::MaxGoodput(search) => search.max_probes.saturating_mul(2),
+        Mode::Points(shapes) => shapes.len(),
     };
     let size = match (&args.workload, requests) {
-        (_, Some(n)) => n.saturating_mul(longest),
+        (_, Some(n)) => n.saturating_mul(points),
         (WorkloadSpec::Synthetic(_), None) => DURATION_ONLY_SYNTHETIC,
         (_, None) => usize::MAX,
     };

@@ -104,6 +104,8 @@ pub async fn run(
 struct Offers {
     shape: Shape,
     items: usize,
+    /// The item a closed or open loop offers first ([`RunPlan::first_item`]).
+    offset: usize,
     /// Requests offered so far.
     next: usize,
     limit: Option<usize>,
@@ -148,7 +150,9 @@ impl Offers {
         }
         let bounded = plan.max_requests.is_some() || plan.duration.is_some();
         let no_end = || LoadError::NoEnd(plan.shape.to_string());
-        let mut position: Vec<usize> = (0..items).collect();
+        // Closed and open loops offer items in order from `first_item`, wrapping.
+        let offset = plan.first_item % items;
+        let mut position: Vec<usize> = (0..items).map(|i| (i + items - offset) % items).collect();
         let shape = match &plan.shape {
             LoadShape::Concurrency(n) if bounded => Shape::Closed {
                 concurrency: n.get(),
@@ -183,6 +187,7 @@ impl Offers {
         Ok(Offers {
             shape,
             items,
+            offset,
             next: 0,
             limit: plan.max_requests,
             position,
@@ -221,8 +226,8 @@ impl Offers {
         }
         let n = self.next;
         let (item, due) = match &mut self.shape {
-            Shape::Closed { .. } => (n % self.items, None),
-            Shape::Open { peeked, .. } => (n % self.items, peeked.take().flatten()),
+            Shape::Closed { .. } => ((self.offset + n) % self.items, None),
+            Shape::Open { peeked, .. } => ((self.offset + n) % self.items, peeked.take().flatten()),
             Shape::Trace { order, offsets } => (order[n], Some(offsets[order[n]])),
         };
         self.next += 1;
