@@ -3,28 +3,39 @@
 //! every request ends as a [`RequestOutcome`], bench's own type, so a simulated run reports
 //! as a real one does ([`MeshRun::point`]).
 //!
-//! Built so far: aggregated nodes (each prefills and decodes its own requests). The prefix
+//! Nodes are decode nodes (which prefill locally when the router says so) and, optionally,
+//! prefill nodes. A request the disaggregation rule sends to a prefill node is queued on its
+//! decode node as a remote prefill; when the decode node admits it (reserving the blocks the
+//! KV will fill) the prefill node computes the prompt, then the KV the decode node lacks
+//! crosses the [`Link`] between them (FIFO per ordered node pair), and the decode node
+//! completes the prefill with the prefill node's first token and decodes. The prefix
 //! index is the router's [`InMemoryPrefixIndex`], fed with each node's KV events after every
 //! step, as the nodes' publishers feed it in the real mesh. Load reports are refreshed at every
 //! step boundary and submission, so they are fresher than the real mesh's periodic reports;
 //! the router's own in-flight counts (its [`Tracked`] guards) are kept exactly as in the
-//! router. Not built yet: prefill nodes and the KV transfer to decode nodes over
-//! [`crate::link`], report lag, multi-turn ordering (`previous_turn`).
+//! router. The first token reaches the client when the decode node has the KV (it streams the
+//! response), so TTFT includes the transfer. Simplifications, not built yet: the KV moves
+//! after the whole prefill (the real prefill worker pushes blocks after each step, overlapping
+//! the two), transfers never fail (no `fail_remote_prefill` path), no pull of cached prefixes
+//! from another node, no report lag, no multi-turn ordering (`previous_turn`).
 
 use crate::events::EventQueue;
-use crate::node::{NodeConfig, NodeError, SimNode};
+use crate::link::{Link, LinkClass};
+use crate::node::{Finished, NodeConfig, NodeError, SimNode};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::report::Point;
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
 use kvmesh_common::{NodeId, NodeInfo, NodeRole, TokenId};
+use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
 use kvmesh_router::policy::{DisaggConfig, KvAwareConfig, RoutingConfig};
 use kvmesh_router::routing::{Routing, Tracked};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -63,12 +74,27 @@ impl SimRequest {
 
 #[derive(Clone, Debug)]
 pub struct MeshConfig {
-    /// Aggregated nodes, each prefilling and decoding.
+    /// Decode nodes (each prefills what the router keeps local).
     pub nodes: usize,
     pub node: NodeConfig,
     pub routing: RoutingConfig,
+    /// Prefill nodes and how KV reaches the decode nodes; `None`: aggregated serving.
+    pub prefill: Option<PrefillPool>,
     /// Seeds every random choice (the policies' generators where the config names none).
     pub seed: u64,
+}
+
+/// Prefill nodes, with the link that carries their KV to decode nodes.
+#[derive(Clone, Debug)]
+pub struct PrefillPool {
+    pub nodes: usize,
+    pub node: NodeConfig,
+    pub disaggregation: DisaggConfig,
+    /// Between every prefill node and every decode node.
+    pub link: LinkClass,
+    /// K and V bytes of one token over all layers (what a block of the model holds, divided
+    /// by the block size).
+    pub kv_bytes_per_token: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +105,8 @@ pub enum MeshError {
     TextPrompt,
     #[error("requests must come in arrival order (request {0} is earlier than the one before)")]
     Unordered(usize),
+    #[error("prefill and decode nodes must share the KV block size and model")]
+    MismatchedPools,
     #[error(transparent)]
     Node(#[from] NodeError),
 }
@@ -87,6 +115,7 @@ pub enum MeshError {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct NodeSummary {
     pub node: u64,
+    pub role: &'static str,
     pub requests: u64,
     pub steps: u64,
     pub busy_s: f64,
@@ -104,6 +133,10 @@ pub struct MeshRun {
     /// From the start to the last request's end.
     pub duration: Duration,
     pub nodes: Vec<NodeSummary>,
+    /// KV bytes moved from prefill to decode nodes.
+    pub kv_bytes_transferred: u64,
+    /// Requests prefilled on a prefill node.
+    pub remote_prefills: u64,
 }
 
 /// A run's report: bench's point plus the simulated nodes' totals.
@@ -111,6 +144,8 @@ pub struct MeshRun {
 pub struct SimReport {
     pub point: Point,
     pub nodes: Vec<NodeSummary>,
+    pub kv_bytes_transferred: u64,
+    pub remote_prefills: u64,
 }
 
 impl MeshRun {
@@ -123,6 +158,8 @@ impl MeshRun {
         SimReport {
             point: self.point(label, shape, slo),
             nodes: self.nodes.clone(),
+            kv_bytes_transferred: self.kv_bytes_transferred,
+            remote_prefills: self.remote_prefills,
         }
     }
 }
@@ -131,13 +168,20 @@ impl MeshRun {
 enum Event {
     Arrive(usize),
     StepDone(usize),
+    /// Request `.0`'s KV has reached its decode node.
+    KvArrived(usize),
 }
 
 /// A request from arrival to its end.
 struct Live {
+    /// Its decode node.
     node: usize,
+    /// Its prefill node, while the prefill is remote and not yet complete.
+    prefill: Option<usize>,
+    /// KV blocks the transfer fills on the decode node.
+    transfer_blocks: usize,
     tokens: Vec<Duration>,
-    _tracked: Tracked,
+    tracked: Tracked,
 }
 
 /// The policy's own generator seeded from the run's seed when its config names no seed, so
@@ -157,14 +201,37 @@ fn seeded(routing: &RoutingConfig, rng: &mut StdRng) -> RoutingConfig {
 
 struct Mesh<'a> {
     requests: &'a [SimRequest],
+    /// Decode nodes `0..decode`, then prefill nodes; a node's id is its index.
     nodes: Vec<SimNode>,
     entries: Vec<NodeEntry>,
+    decode: usize,
     routing: Routing,
     index: Arc<InMemoryPrefixIndex>,
     queue: EventQueue<Event>,
     live: Vec<Option<Live>>,
     outcomes: Vec<Option<RequestOutcome>>,
     routed: Vec<u64>,
+    /// One per (prefill node, decode node) that has carried KV.
+    links: BTreeMap<(usize, usize), Link>,
+    prefill: Option<PrefillPool>,
+    vocab_size: usize,
+    remote_prefills: u64,
+}
+
+fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
+    let sched = &config.scheduler;
+    NodeEntry {
+        info: NodeInfo {
+            node_id: NodeId(i as u64),
+            role,
+            address: format!("sim-{i}"),
+            transfer_address: String::new(),
+            model_fingerprint: sched.hasher.fingerprint,
+            block_size: sched.block_size,
+            kv_blocks_total: sched.num_blocks,
+        },
+        load: Default::default(),
+    }
 }
 
 /// Runs `requests` (in arrival order) through the mesh until every one has ended.
@@ -175,33 +242,41 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
     if let Some(i) = (1..requests.len()).find(|&i| requests[i].at < requests[i - 1].at) {
         return Err(MeshError::Unordered(i));
     }
-    let mut rng = StdRng::seed_from_u64(config.seed);
     let sched = &config.node.scheduler;
+    if let Some(p) = &config.prefill {
+        let ps = &p.node.scheduler;
+        if ps.block_size != sched.block_size || ps.hasher.fingerprint != sched.hasher.fingerprint {
+            return Err(MeshError::MismatchedPools);
+        }
+    }
+    let mut rng = StdRng::seed_from_u64(config.seed);
     let index = Arc::new(InMemoryPrefixIndex::new());
+    let disaggregation = config
+        .prefill
+        .as_ref()
+        .map(|p| p.disaggregation.clone())
+        .unwrap_or_default();
     let routing = Routing::new(
         seeded(&config.routing, &mut rng).build(),
-        DisaggConfig::default(),
+        disaggregation,
         index.clone(),
         sched.hasher.fingerprint,
     );
-    let mut nodes = Vec::with_capacity(config.nodes);
-    let mut entries = Vec::with_capacity(config.nodes);
-    for i in 0..config.nodes {
-        let mut node = SimNode::new(config.node.clone())?;
-        node.set_record_kv_events(sched.enable_prefix_caching);
+    let roles = (0..config.nodes)
+        .map(|_| (NodeRole::Decode, &config.node))
+        .chain(
+            config
+                .prefill
+                .iter()
+                .flat_map(|p| (0..p.nodes).map(|_| (NodeRole::Prefill, &p.node))),
+        );
+    let mut nodes = Vec::new();
+    let mut entries = Vec::new();
+    for (i, (role, node_config)) in roles.enumerate() {
+        let mut node = SimNode::new(node_config.clone())?;
+        node.set_record_kv_events(node_config.scheduler.enable_prefix_caching);
         nodes.push(node);
-        entries.push(NodeEntry {
-            info: NodeInfo {
-                node_id: NodeId(i as u64),
-                role: NodeRole::Decode,
-                address: format!("sim-{i}"),
-                transfer_address: String::new(),
-                model_fingerprint: sched.hasher.fingerprint,
-                block_size: sched.block_size,
-                kv_blocks_total: sched.num_blocks,
-            },
-            load: Default::default(),
-        });
+        entries.push(entry(i, role, node_config));
     }
     let mut queue = EventQueue::new();
     for (i, r) in requests.iter().enumerate() {
@@ -209,19 +284,25 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
     }
     let mut mesh = Mesh {
         requests,
+        routed: vec![0; nodes.len()],
         nodes,
         entries,
+        decode: config.nodes,
         routing,
         index,
         queue,
         live: (0..requests.len()).map(|_| None).collect(),
         outcomes: vec![None; requests.len()],
-        routed: vec![0; config.nodes],
+        links: BTreeMap::new(),
+        prefill: config.prefill.clone(),
+        vocab_size: config.node.vocab_size,
+        remote_prefills: 0,
     };
     while let Some((now, event)) = mesh.queue.pop() {
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
             Event::StepDone(n) => mesh.step_done(n, now)?,
+            Event::KvArrived(i) => mesh.kv_arrived(i, now)?,
         }
     }
     Ok(mesh.finish())
@@ -230,32 +311,55 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
 impl Mesh<'_> {
     fn arrive(&mut self, i: usize, now: Duration) {
         let r = &self.requests[i];
-        let Some(route) = self.routing.route(&r.prompt, &self.entries, &[]) else {
-            unreachable!("every node serves the model");
+        let (decode, prefill) = self.entries.split_at(self.decode);
+        let Some(route) = self.routing.route(&r.prompt, decode, prefill) else {
+            unreachable!("every decode node serves the model");
         };
-        let n = route.decode.0 as usize;
-        let tracked = self.routing.track_route(route.decode, None);
-        match self.nodes[n].submit(i as u64, r.prompt.clone(), r.max_tokens) {
+        let d = route.decode.0 as usize;
+        let p = route.prefill.map(|p| p.0 as usize);
+        let tracked = self.routing.track_route(route.decode, route.prefill);
+        let submitted = match p {
+            Some(_) => self.nodes[d].submit_remote(i as u64, r.prompt.clone(), r.max_tokens),
+            None => self.nodes[d].submit(i as u64, r.prompt.clone(), r.max_tokens),
+        };
+        match submitted {
             Ok(()) => {
-                self.routed[n] += 1;
+                self.routed[d] += 1;
                 self.live[i] = Some(Live {
-                    node: n,
+                    node: d,
+                    prefill: p,
+                    transfer_blocks: 0,
                     tokens: Vec::new(),
-                    _tracked: tracked,
+                    tracked,
                 });
-                self.kick(n, now);
+                self.kick(d, now);
             }
             // The node refuses it as the real engine would (a 400 from the server).
             Err(e) => self.end_failed(i, now, Some(400), e.to_string()),
         }
     }
 
-    /// Starts a step on `n` if it is idle and has work.
+    /// Starts a step on `n` if it is idle and has work; starts the prefills of the remote
+    /// sequences it admitted.
     fn kick(&mut self, n: usize, now: Duration) {
         if let Some(end) = self.nodes[n].start_step(now) {
             self.queue.push_at(end, Event::StepDone(n));
         }
         self.publish(n);
+        for a in self.nodes[n].take_remote_admissions() {
+            let i = a.seq_id as usize;
+            let live = self.live[i].as_mut().expect("an admitted request is live");
+            let p = live.prefill.expect("a remote admission has a prefill node");
+            live.transfer_blocks = a.blocks.len();
+            let r = &self.requests[i];
+            // The prefill node computes the prompt and samples the first token.
+            self.nodes[p]
+                .submit(a.seq_id, r.prompt.clone(), 1)
+                .expect("the decode node accepted the same prompt");
+            self.routed[p] += 1;
+            self.remote_prefills += 1;
+            self.kick(p, now);
+        }
     }
 
     /// What a real node announces: its KV events to the index, its load to discovery.
@@ -269,33 +373,77 @@ impl Mesh<'_> {
 
     fn step_done(&mut self, n: usize, now: Duration) -> Result<(), MeshError> {
         let report = self.nodes[n].finish_step()?;
-        for (seq, _) in &report.tokens {
-            if let Some(live) = self.live[*seq as usize].as_mut() {
-                live.tokens.push(now);
+        if n >= self.decode {
+            // A prefill node's token is the first token, delivered with the KV.
+            for f in &report.finished {
+                self.send_kv(f.seq_id as usize, n, now);
             }
-        }
-        for f in &report.finished {
-            let i = f.seq_id as usize;
-            let live = self.live[i].take().expect("a finished request was live");
-            let sent = self.requests[i].at;
-            let first = live.tokens[0];
-            self.outcomes[i] = Some(RequestOutcome {
-                item: i,
-                sent,
-                ended: now,
-                status: Some(200),
-                error: None,
-                ttft: Some(first - sent),
-                gaps: live.tokens.windows(2).map(|w| w[1] - w[0]).collect(),
-                e2e: Some(now - sent),
-                prompt_tokens: Some(self.requests[i].prompt.len() as u64),
-                cached_tokens: Some(f.cached_tokens as u64),
-                output_tokens: f.output_tokens as u64,
-            });
-            // Dropping `live` ends the router's in-flight count, as the stream's end does.
+        } else {
+            for (seq, _) in &report.tokens {
+                if let Some(live) = self.live[*seq as usize].as_mut() {
+                    live.tokens.push(now);
+                }
+            }
+            for f in &report.finished {
+                self.end_ok(f, now);
+            }
         }
         self.kick(n, now);
         Ok(())
+    }
+
+    /// Queues the KV of request `i`'s prompt from prefill node `p` to its decode node.
+    fn send_kv(&mut self, i: usize, p: usize, now: Duration) {
+        let pool = self.prefill.as_ref().expect("prefill nodes exist");
+        let live = self.live[i].as_ref().expect("a prefilling request is live");
+        let block_size = self.nodes[live.node].scheduler().config().block_size;
+        let bytes = (live.transfer_blocks * block_size) as u64 * pool.kv_bytes_per_token;
+        let model = pool.link.model();
+        let link = self
+            .links
+            .entry((p, live.node))
+            .or_insert_with(|| Link::new(model));
+        let transfer = link.enqueue(now, bytes);
+        self.queue.push_at(transfer.done, Event::KvArrived(i));
+    }
+
+    fn kv_arrived(&mut self, i: usize, now: Duration) -> Result<(), MeshError> {
+        let prompt = &self.requests[i].prompt;
+        let last = *prompt.last().expect("prompts are never empty");
+        let first = MockRunner::favoured_token(last, prompt.len(), self.vocab_size);
+        let live = self.live[i]
+            .as_mut()
+            .expect("a transferring request is live");
+        live.prefill = None;
+        live.tracked.prefilled();
+        live.tokens.push(now);
+        let d = live.node;
+        if let Some(f) = self.nodes[d].complete_remote(i as u64, first)? {
+            self.end_ok(&f, now);
+        }
+        self.kick(d, now);
+        Ok(())
+    }
+
+    fn end_ok(&mut self, f: &Finished, now: Duration) {
+        let i = f.seq_id as usize;
+        // Dropping `live` ends the router's in-flight count, as the stream's end does.
+        let live = self.live[i].take().expect("a finished request was live");
+        let sent = self.requests[i].at;
+        let first = live.tokens[0];
+        self.outcomes[i] = Some(RequestOutcome {
+            item: i,
+            sent,
+            ended: now,
+            status: Some(200),
+            error: None,
+            ttft: Some(first - sent),
+            gaps: live.tokens.windows(2).map(|w| w[1] - w[0]).collect(),
+            e2e: Some(now - sent),
+            prompt_tokens: Some(self.requests[i].prompt.len() as u64),
+            cached_tokens: Some(f.cached_tokens as u64),
+            output_tokens: f.output_tokens as u64,
+        });
     }
 
     fn end_failed(&mut self, i: usize, now: Duration, status: Option<u16>, error: String) {
@@ -333,6 +481,7 @@ impl Mesh<'_> {
             .enumerate()
             .map(|(i, n)| NodeSummary {
                 node: i as u64,
+                role: self.entries[i].info.role.as_str(),
                 requests: self.routed[i],
                 steps: n.steps(),
                 busy_s: n.busy_time().as_secs_f64(),
@@ -345,6 +494,8 @@ impl Mesh<'_> {
             outcomes,
             duration,
             nodes,
+            kv_bytes_transferred: self.links.values().map(Link::bytes_sent).sum(),
+            remote_prefills: self.remote_prefills,
         }
     }
 }

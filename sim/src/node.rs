@@ -16,7 +16,9 @@ use kvmesh_common::{LoadReport, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_engine::runner::SeqId;
-use kvmesh_engine::scheduler::{Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput};
+use kvmesh_engine::scheduler::{
+    RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
+};
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
@@ -93,6 +95,8 @@ pub struct SimNode {
     in_flight: Option<InFlight>,
     /// Ordered, so nothing about a run depends on hash iteration order.
     requests: BTreeMap<SeqId, Tracking>,
+    /// Remote prefills admitted (blocks reserved) whose transfer the driver must start.
+    remote_admitted: Vec<RemoteAdmission>,
     busy: Duration,
     steps: u64,
 }
@@ -110,6 +114,7 @@ impl SimNode {
             vocab_size: config.vocab_size,
             in_flight: None,
             requests: BTreeMap::new(),
+            remote_admitted: Vec::new(),
             busy: Duration::ZERO,
             steps: 0,
         })
@@ -137,20 +142,90 @@ impl SimNode {
         Ok(())
     }
 
+    /// Queues a request whose prompt KV another node computes (disaggregated prefill): once
+    /// admitted it is listed by [`SimNode::take_remote_admissions`], and
+    /// [`SimNode::complete_remote`] ends its prefill when the KV is in.
+    pub fn submit_remote(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        max_tokens: usize,
+    ) -> Result<(), NodeError> {
+        if max_tokens == 0 {
+            return Err(NodeError::NoTokensWanted);
+        }
+        self.scheduler.add_remote_sequence(seq_id, prompt)?;
+        self.requests.insert(
+            seq_id,
+            Tracking {
+                max_tokens,
+                generated: 0,
+                cached_tokens: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Remote prefills admitted since the last call: their blocks are reserved, start their
+    /// transfers.
+    pub fn take_remote_admissions(&mut self) -> Vec<RemoteAdmission> {
+        std::mem::take(&mut self.remote_admitted)
+    }
+
+    /// The KV of remote prefill `seq_id` has arrived with its `first_token` (sampled by the
+    /// prefill node): the sequence decodes from the next step. Returns it when that token
+    /// already ends it.
+    pub fn complete_remote(
+        &mut self,
+        seq_id: SeqId,
+        first_token: TokenId,
+    ) -> Result<Option<Finished>, NodeError> {
+        let outcome = self
+            .scheduler
+            .complete_remote_prefill(seq_id, first_token)?;
+        let Some(t) = self.requests.get_mut(&seq_id) else {
+            return Ok(None);
+        };
+        t.generated += 1;
+        let reason = if outcome.context_full.contains(&seq_id) {
+            Finish::Length
+        } else if t.generated >= t.max_tokens {
+            self.scheduler.finish(seq_id);
+            Finish::MaxTokens
+        } else {
+            return Ok(None);
+        };
+        let t = self.requests.remove(&seq_id).expect("tracked above");
+        Ok(Some(Finished {
+            seq_id,
+            reason,
+            output_tokens: t.generated,
+            cached_tokens: t.cached_tokens.unwrap_or(0),
+        }))
+    }
+
     /// Plans a step at `now` when the node is idle and has work, and returns when it ends;
     /// `None` when it is busy or nothing can run (the node then waits for a submission).
     pub fn start_step(&mut self, now: Duration) -> Option<Duration> {
         if self.in_flight.is_some() || !self.scheduler.has_work() {
             return None;
         }
-        let output = self.scheduler.schedule();
-        for a in output.admitted.iter().filter(|a| !a.resumed) {
-            if let Some(t) = self.requests.get_mut(&a.seq_id) {
-                t.cached_tokens.get_or_insert(a.num_cached_tokens);
+        let mut output = self.scheduler.schedule();
+        let first_admissions = output.admitted.iter().filter(|a| !a.resumed);
+        let remote = output.remote_admitted.iter();
+        for (seq_id, cached) in first_admissions
+            .map(|a| (a.seq_id, a.num_cached_tokens))
+            .chain(remote.map(|a| (a.seq_id, a.num_cached_tokens)))
+        {
+            if let Some(t) = self.requests.get_mut(&seq_id) {
+                t.cached_tokens.get_or_insert(cached);
             }
         }
+        self.remote_admitted
+            .append(&mut std::mem::take(&mut output.remote_admitted));
         if output.is_empty() {
-            // Nothing fit: end the (empty) step at once and wait for the next submission.
+            // Nothing to compute: end the (empty) step at once and wait for the next
+            // submission or arrived KV. Remote admissions stand (abort undoes no admission).
             self.scheduler.abort_step(output);
             return None;
         }
@@ -335,6 +410,32 @@ mod tests {
         let steps = drain(&mut node);
         // Two of the three full blocks are reused (the last prompt token is always computed).
         assert_eq!(steps[0].1.finished[0].cached_tokens, 8);
+    }
+
+    #[test]
+    fn a_remote_prefill_waits_for_its_kv_then_decodes() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        node.submit_remote(7, (1..=10).collect(), 3).unwrap();
+        // Admission reserves blocks for the whole prompt but computes nothing.
+        assert_eq!(node.start_step(Duration::ZERO), None);
+        let admitted = node.take_remote_admissions();
+        assert_eq!(admitted.len(), 1);
+        assert_eq!(admitted[0].blocks.len(), 3);
+        assert_eq!(node.pool().num_used(), 3);
+        assert_eq!(
+            node.start_step(Duration::ZERO),
+            None,
+            "still waiting for KV"
+        );
+        assert_eq!(node.complete_remote(7, 5).unwrap(), None);
+        let steps = drain(&mut node);
+        assert_eq!(steps.len(), 2, "the first token came with the KV");
+        assert_eq!(steps[1].1.finished[0].output_tokens, 3);
+        assert_eq!(node.pool().num_free(), node.pool().num_blocks());
+        assert!(matches!(
+            node.complete_remote(7, 5),
+            Err(NodeError::Scheduler(SchedulerError::NotAwaitingKv(7)))
+        ));
     }
 
     #[test]

@@ -5,8 +5,9 @@ use kvmesh_bench::slo::{Class, SloSpec};
 use kvmesh_bench::trace::block_token_ids;
 use kvmesh_common::{BlockHasher, ModelFingerprint};
 use kvmesh_engine::scheduler::SchedulerConfig;
-use kvmesh_router::policy::RoutingConfig;
-use kvmesh_sim::mesh::{simulate, MeshConfig, MeshRun, SimRequest};
+use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_sim::link::LinkClass;
+use kvmesh_sim::mesh::{simulate, MeshConfig, MeshRun, PrefillPool, SimRequest};
 use kvmesh_sim::node::NodeConfig;
 use kvmesh_sim::timing::TimingProfile;
 use rand::rngs::StdRng;
@@ -45,6 +46,7 @@ fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
             vocab_size: 32_000,
         },
         routing,
+        prefill: None,
         seed,
     }
 }
@@ -99,6 +101,16 @@ fn the_same_seed_gives_the_same_report_byte_for_byte() {
     let v: serde_json::Value = serde_json::from_str(&a).unwrap();
     assert_eq!(v["point"]["label"], "sim");
     assert!(v["point"]["slo"].is_object());
+
+    // With prefill nodes and KV transfers too.
+    let disagg = |seed| {
+        let requests = workload(seed, 1_000, 200.0, 4);
+        let run = simulate(&disaggregated(LinkClass::Rdma50, seed), &requests).unwrap();
+        assert!(run.remote_prefills > 0);
+        report_json(&run, 200.0)
+    };
+    assert_eq!(disagg(21), disagg(21));
+    assert_ne!(disagg(21), disagg(22));
 }
 
 fn assert_conserved(run: &MeshRun, requests: &[SimRequest]) {
@@ -111,7 +123,12 @@ fn assert_conserved(run: &MeshRun, requests: &[SimRequest]) {
         assert!(o.ttft.unwrap() > Duration::ZERO);
         assert_eq!(o.ended, o.sent + o.e2e.unwrap());
     }
-    let routed: u64 = run.nodes.iter().map(|n| n.requests).sum();
+    let routed: u64 = run
+        .nodes
+        .iter()
+        .filter(|n| n.role == "decode")
+        .map(|n| n.requests)
+        .sum();
     assert_eq!(routed as usize, requests.len());
     for n in &run.nodes {
         assert_eq!(n.free_blocks, n.num_blocks, "node {} leaked blocks", n.node);
@@ -199,6 +216,7 @@ fn one_fixed_time_server_matches_md1() {
                 vocab_size: 100,
             },
             routing: "round_robin".parse().unwrap(),
+            prefill: None,
             seed: 1,
         };
         let run = simulate(&config, &requests).unwrap();
@@ -218,4 +236,56 @@ fn one_fixed_time_server_matches_md1() {
             error * 100.0
         );
     }
+}
+
+fn disaggregated(link: LinkClass, seed: u64) -> MeshConfig {
+    let mut config = mesh(8, "kv_aware".parse().unwrap(), seed);
+    config.prefill = Some(PrefillPool {
+        nodes: 4,
+        node: config.node.clone(),
+        disaggregation: DisaggConfig {
+            // Every prompt here has at least five blocks: all but well-cached ones go remote.
+            local_prefill_max_tokens: 64,
+            ..DisaggConfig::default()
+        },
+        link,
+        // Llama 3.1 8B: 32 layers, 8 KV heads of 128, f16 K and V.
+        kv_bytes_per_token: 2 * 32 * 8 * 128 * 2,
+    });
+    config
+}
+
+#[test]
+fn disaggregated_prefill_moves_kv_and_conserves() {
+    let requests = workload(13, 1_000, 200.0, 4);
+    let run = simulate(&disaggregated(LinkClass::Rdma100, 13), &requests).unwrap();
+    assert_conserved(&run, &requests);
+    assert!(run.remote_prefills > 100, "{} remote", run.remote_prefills);
+    let prefill_served: u64 = run
+        .nodes
+        .iter()
+        .filter(|n| n.role == "prefill")
+        .map(|n| n.requests)
+        .sum();
+    assert_eq!(prefill_served, run.remote_prefills);
+    // Every remote prefill sent at least one block of 16 tokens at 128 KiB a token.
+    assert!(run.kv_bytes_transferred >= run.remote_prefills * 16 * 128 * 1024);
+}
+
+#[test]
+fn a_slower_link_delays_the_first_token() {
+    let requests = workload(17, 600, 100.0, 4);
+    let mean_ttft = |link| {
+        let run = simulate(&disaggregated(link, 17), &requests).unwrap();
+        assert_conserved(&run, &requests);
+        let sum: f64 = run
+            .outcomes
+            .iter()
+            .map(|o| o.ttft.unwrap().as_secs_f64())
+            .sum();
+        sum / requests.len() as f64
+    };
+    let (fast, slow) = (mean_ttft(LinkClass::Rdma400), mean_ttft(LinkClass::Tcp));
+    // About 1 MiB a request: ~0.3 ms over 400 Gb/s RDMA, ~0.6 ms more over 25 Gb/s TCP.
+    assert!(slow > fast + 0.000_3, "tcp {slow}s, rdma400 {fast}s");
 }
