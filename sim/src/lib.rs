@@ -13,3 +13,4 @@ pub mod link;
 pub mod mesh;
 pub mod node;
 pub mod timing;
+pub mod workload;

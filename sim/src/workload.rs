@@ -1,0 +1,135 @@
+//! Bench's workloads as simulator input: a [`Workload`] (from any `WorkloadSpec`, a
+//! Mooncake trace with its hash ids included) and a [`LoadShape`] become timed
+//! [`SimRequest`]s, with the same arrival offsets the load generator would send them at.
+
+use crate::mesh::{MeshError, SimRequest};
+use kvmesh_bench::arrivals::LoadShape;
+use kvmesh_bench::trace::paced_offsets;
+use kvmesh_bench::workload::Workload;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("closed-loop loads (concurrency) are not simulated yet; use an open-loop rate or trace pacing")]
+    ClosedLoop,
+    #[error("request {0} has no trace time, which trace pacing needs")]
+    NoTraceTime(usize),
+    #[error("request {item}: {source}")]
+    Item { item: usize, source: MeshError },
+}
+
+/// The workload's requests at their send offsets under `shape` (open-loop offsets drawn from
+/// `seed`, as bench draws them), sorted by arrival. An open loop whose profile ends before
+/// the workload does takes the requests that fit.
+///
+/// Multi-turn order (`previous_turn`: a turn is not sent before the previous one ended) is not
+/// enforced yet: turns arrive at their offsets regardless.
+pub fn requests(
+    workload: &Workload,
+    shape: &LoadShape,
+    seed: u64,
+) -> Result<Vec<SimRequest>, WorkloadError> {
+    let offsets: Vec<_> = match shape {
+        LoadShape::Concurrency(_) => return Err(WorkloadError::ClosedLoop),
+        LoadShape::Open(open) => open.schedule(seed).take(workload.items.len()).collect(),
+        LoadShape::Trace(pacing) => {
+            let ms = workload
+                .items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| {
+                    item.at
+                        .map(|at| at.as_millis() as u64)
+                        .ok_or(WorkloadError::NoTraceTime(i))
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            paced_offsets(&ms, *pacing)
+        }
+    };
+    let mut out = workload
+        .items
+        .iter()
+        .zip(offsets)
+        .enumerate()
+        .map(|(item, (w, at))| {
+            SimRequest::from_work_item(w, at).map_err(|source| WorkloadError::Item { item, source })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    out.sort_by_key(|r| r.at);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_bench::arrivals::{Arrivals, OpenLoop, RateProfile};
+    use kvmesh_bench::trace::Pacing;
+    use kvmesh_bench::workload::{Prompt, WorkItem};
+    use std::num::NonZeroUsize;
+    use std::time::Duration;
+
+    fn item(prompt: Prompt, at_ms: Option<u64>) -> WorkItem {
+        WorkItem {
+            prompt,
+            max_tokens: 4,
+            at: at_ms.map(Duration::from_millis),
+            previous_turn: None,
+            hash_ids: vec![],
+        }
+    }
+
+    fn tokens(at_ms: u64) -> WorkItem {
+        item(Prompt::Tokens(vec![1, 2, 3]), Some(at_ms))
+    }
+
+    fn workload(items: Vec<WorkItem>) -> Workload {
+        Workload {
+            name: "test".into(),
+            items,
+        }
+    }
+
+    #[test]
+    fn trace_pacing_keeps_the_traces_gaps_scaled() {
+        let w = workload(vec![tokens(1000), tokens(1100), tokens(1500)]);
+        let r = requests(&w, &LoadShape::Trace(Pacing::Speedup(2.0)), 0).unwrap();
+        let at: Vec<_> = r.iter().map(|r| r.at).collect();
+        assert_eq!(at, [0, 50, 250].map(Duration::from_millis));
+        assert_eq!(r[0].max_tokens, 4);
+        assert_eq!(r[0].prompt, [1, 2, 3]);
+    }
+
+    #[test]
+    fn open_loop_offsets_are_benchs_for_the_seed() {
+        let open = OpenLoop {
+            profile: RateProfile::Fixed(10.0),
+            arrivals: Arrivals::Poisson,
+        };
+        let w = workload((0..5).map(|_| tokens(0)).collect());
+        let r = requests(&w, &LoadShape::Open(open.clone()), 3).unwrap();
+        let expected: Vec<_> = open.schedule(3).take(5).collect();
+        assert_eq!(r.iter().map(|r| r.at).collect::<Vec<_>>(), expected);
+    }
+
+    #[test]
+    fn unsupported_input_is_a_clear_error() {
+        let w = workload(vec![item(Prompt::Text("hi".into()), Some(0))]);
+        let err = requests(&w, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap_err();
+        assert!(matches!(
+            err,
+            WorkloadError::Item {
+                item: 0,
+                source: MeshError::TextPrompt
+            }
+        ));
+        let closed = LoadShape::Concurrency(NonZeroUsize::new(4).unwrap());
+        assert!(matches!(
+            requests(&w, &closed, 0),
+            Err(WorkloadError::ClosedLoop)
+        ));
+        let untimed = workload(vec![tokens(0), item(Prompt::Tokens(vec![1]), None)]);
+        assert!(matches!(
+            requests(&untimed, &LoadShape::Trace(Pacing::Speedup(1.0)), 0),
+            Err(WorkloadError::NoTraceTime(1))
+        ));
+    }
+}
