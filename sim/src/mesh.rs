@@ -13,11 +13,12 @@
 //! step, as the nodes' publishers feed it in the real mesh. Load reports are refreshed at every
 //! step boundary and submission, so they are fresher than the real mesh's periodic reports;
 //! the router's own in-flight counts (its [`Tracked`] guards) are kept exactly as in the
-//! router. The first token reaches the client when the decode node has the KV (it streams the
+//! router. With `report_interval` set, load reports arrive periodically instead, so the
+//! router sees stale load as it does in the real mesh. The first token reaches the client when the decode node has the KV (it streams the
 //! response), so TTFT includes the transfer. Simplifications, not built yet: the KV moves
 //! after the whole prefill (the real prefill worker pushes blocks after each step, overlapping
 //! the two), transfers never fail (no `fail_remote_prefill` path), no pull of cached prefixes
-//! from another node, no report lag, no multi-turn ordering (`previous_turn`).
+//! from another node, no multi-turn ordering (`previous_turn`).
 
 use crate::events::EventQueue;
 use crate::link::{Link, LinkClass};
@@ -36,6 +37,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -80,6 +82,9 @@ pub struct MeshConfig {
     pub routing: RoutingConfig,
     /// Prefill nodes and how KV reaches the decode nodes; `None`: aggregated serving.
     pub prefill: Option<PrefillPool>,
+    /// How often nodes report their load to the router (all at once, every interval);
+    /// `None`: a node's report is refreshed at every step boundary and submission.
+    pub report_interval: Option<Duration>,
     /// Seeds every random choice (the policies' generators where the config names none).
     pub seed: u64,
 }
@@ -105,6 +110,8 @@ pub enum MeshError {
     TextPrompt,
     #[error("requests must come in arrival order (request {0} is earlier than the one before)")]
     Unordered(usize),
+    #[error("report_interval must be positive")]
+    ZeroReportInterval,
     #[error("prefill and decode nodes must share the KV block size and model")]
     MismatchedPools,
     #[error(transparent)]
@@ -170,6 +177,8 @@ enum Event {
     StepDone(usize),
     /// Request `.0`'s KV has reached its decode node.
     KvArrived(usize),
+    /// Every node reports its load.
+    Report,
 }
 
 /// A request from arrival to its end.
@@ -216,6 +225,11 @@ struct Mesh<'a> {
     prefill: Option<PrefillPool>,
     vocab_size: usize,
     remote_prefills: u64,
+    /// When each request arrived (its `at`, or when a closed loop sent it).
+    sent: Vec<Duration>,
+    /// Closed loop: the next request to send when one ends.
+    next_closed: Option<usize>,
+    report_interval: Option<Duration>,
 }
 
 fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
@@ -234,13 +248,35 @@ fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
     }
 }
 
-/// Runs `requests` (in arrival order) through the mesh until every one has ended.
+/// Runs `requests` (in arrival order) through the mesh until every one has ended: an open
+/// loop, each request arriving at its `at`.
 pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun, MeshError> {
+    if let Some(i) = (1..requests.len()).find(|&i| requests[i].at < requests[i - 1].at) {
+        return Err(MeshError::Unordered(i));
+    }
+    run(config, requests, None)
+}
+
+/// Runs `requests` as a closed loop: `concurrency` of them in flight from the start, each of
+/// the rest sent when one ends (bench's `concurrency=N`); their `at` is ignored.
+pub fn simulate_closed(
+    config: &MeshConfig,
+    requests: &[SimRequest],
+    concurrency: NonZeroUsize,
+) -> Result<MeshRun, MeshError> {
+    run(config, requests, Some(concurrency.get()))
+}
+
+fn run(
+    config: &MeshConfig,
+    requests: &[SimRequest],
+    concurrency: Option<usize>,
+) -> Result<MeshRun, MeshError> {
     if config.nodes == 0 {
         return Err(MeshError::NoNodes);
     }
-    if let Some(i) = (1..requests.len()).find(|&i| requests[i].at < requests[i - 1].at) {
-        return Err(MeshError::Unordered(i));
+    if config.report_interval == Some(Duration::ZERO) {
+        return Err(MeshError::ZeroReportInterval);
     }
     let sched = &config.node.scheduler;
     if let Some(p) = &config.prefill {
@@ -279,8 +315,23 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
         entries.push(entry(i, role, node_config));
     }
     let mut queue = EventQueue::new();
-    for (i, r) in requests.iter().enumerate() {
-        queue.push_at(r.at, Event::Arrive(i));
+    let first_sent = match concurrency {
+        None => {
+            for (i, r) in requests.iter().enumerate() {
+                queue.push_at(r.at, Event::Arrive(i));
+            }
+            None
+        }
+        Some(c) => {
+            let c = c.min(requests.len());
+            for i in 0..c {
+                queue.push_at(Duration::ZERO, Event::Arrive(i));
+            }
+            Some(c)
+        }
+    };
+    if let Some(interval) = config.report_interval {
+        queue.push_at(interval, Event::Report);
     }
     let mut mesh = Mesh {
         requests,
@@ -297,12 +348,16 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
         prefill: config.prefill.clone(),
         vocab_size: config.node.vocab_size,
         remote_prefills: 0,
+        sent: vec![Duration::ZERO; requests.len()],
+        next_closed: first_sent,
+        report_interval: config.report_interval,
     };
     while let Some((now, event)) = mesh.queue.pop() {
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
             Event::StepDone(n) => mesh.step_done(n, now)?,
             Event::KvArrived(i) => mesh.kv_arrived(i, now)?,
+            Event::Report => mesh.report_loads(),
         }
     }
     Ok(mesh.finish())
@@ -310,6 +365,7 @@ pub fn simulate(config: &MeshConfig, requests: &[SimRequest]) -> Result<MeshRun,
 
 impl Mesh<'_> {
     fn arrive(&mut self, i: usize, now: Duration) {
+        self.sent[i] = now;
         let r = &self.requests[i];
         let (decode, prefill) = self.entries.split_at(self.decode);
         let Some(route) = self.routing.route(&r.prompt, decode, prefill) else {
@@ -368,7 +424,28 @@ impl Mesh<'_> {
         if !events.is_empty() {
             self.index.apply(NodeId(n as u64), &events);
         }
-        self.entries[n].load = self.nodes[n].load();
+        if self.report_interval.is_none() {
+            self.entries[n].load = self.nodes[n].load();
+        }
+    }
+
+    /// The periodic load reports; the next is due only while something else can still
+    /// happen (otherwise reports alone would keep the run going for ever).
+    fn report_loads(&mut self) {
+        for (entry, node) in self.entries.iter_mut().zip(&self.nodes) {
+            entry.load = node.load();
+        }
+        if let (false, Some(interval)) = (self.queue.is_empty(), self.report_interval) {
+            self.queue.push_in(interval, Event::Report);
+        }
+    }
+
+    /// Request `i` has ended: a closed loop sends the next one.
+    fn ended(&mut self, now: Duration) {
+        if let Some(next) = self.next_closed.filter(|&n| n < self.requests.len()) {
+            self.queue.push_at(now, Event::Arrive(next));
+            self.next_closed = Some(next + 1);
+        }
     }
 
     fn step_done(&mut self, n: usize, now: Duration) -> Result<(), MeshError> {
@@ -429,7 +506,7 @@ impl Mesh<'_> {
         let i = f.seq_id as usize;
         // Dropping `live` ends the router's in-flight count, as the stream's end does.
         let live = self.live[i].take().expect("a finished request was live");
-        let sent = self.requests[i].at;
+        let sent = self.sent[i];
         let first = live.tokens[0];
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
@@ -444,19 +521,21 @@ impl Mesh<'_> {
             cached_tokens: Some(f.cached_tokens as u64),
             output_tokens: f.output_tokens as u64,
         });
+        self.ended(now);
     }
 
     fn end_failed(&mut self, i: usize, now: Duration, status: Option<u16>, error: String) {
         self.live[i] = None;
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
-            sent: self.requests[i].at,
+            sent: self.sent[i],
             ended: now,
             status,
             error: Some(error),
             prompt_tokens: Some(self.requests[i].prompt.len() as u64),
             ..RequestOutcome::default()
         });
+        self.ended(now);
     }
 
     fn finish(mut self) -> MeshRun {
@@ -467,6 +546,13 @@ impl Mesh<'_> {
             if let Some(live) = &self.live[i] {
                 let node = live.node;
                 self.end_failed(i, end, None, format!("stranded on node {node}"));
+            }
+        }
+        // A closed loop behind stranded requests never sent the rest.
+        for i in 0..self.outcomes.len() {
+            if self.outcomes[i].is_none() {
+                self.sent[i] = end;
+                self.end_failed(i, end, None, "never sent".into());
             }
         }
         let outcomes: Vec<RequestOutcome> = self

@@ -2,24 +2,26 @@
 //! Mooncake trace with its hash ids included) and a [`LoadShape`] become timed
 //! [`SimRequest`]s, with the same arrival offsets the load generator would send them at.
 
-use crate::mesh::{MeshError, SimRequest};
+use crate::mesh::{simulate, simulate_closed, MeshConfig, MeshError, MeshRun, SimRequest};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::trace::paced_offsets;
 use kvmesh_bench::workload::Workload;
+use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
-    #[error("closed-loop loads (concurrency) are not simulated yet; use an open-loop rate or trace pacing")]
-    ClosedLoop,
     #[error("request {0} has no trace time, which trace pacing needs")]
     NoTraceTime(usize),
+    #[error(transparent)]
+    Mesh(MeshError),
     #[error("request {item}: {source}")]
     Item { item: usize, source: MeshError },
 }
 
 /// The workload's requests at their send offsets under `shape` (open-loop offsets drawn from
 /// `seed`, as bench draws them), sorted by arrival. An open loop whose profile ends before
-/// the workload does takes the requests that fit.
+/// the workload does takes the requests that fit. A closed loop has no offsets: every
+/// request is at zero, in workload order, for [`simulate_closed`].
 ///
 /// Multi-turn order (`previous_turn`: a turn is not sent before the previous one ended) is not
 /// enforced yet: turns arrive at their offsets regardless.
@@ -29,7 +31,7 @@ pub fn requests(
     seed: u64,
 ) -> Result<Vec<SimRequest>, WorkloadError> {
     let offsets: Vec<_> = match shape {
-        LoadShape::Concurrency(_) => return Err(WorkloadError::ClosedLoop),
+        LoadShape::Concurrency(_) => vec![Duration::ZERO; workload.items.len()],
         LoadShape::Open(open) => open.schedule(seed).take(workload.items.len()).collect(),
         LoadShape::Trace(pacing) => {
             let ms = workload
@@ -58,6 +60,21 @@ pub fn requests(
     Ok(out)
 }
 
+/// Runs `workload` under `shape` through the mesh `config` describes.
+pub fn simulate_workload(
+    config: &MeshConfig,
+    workload: &Workload,
+    shape: &LoadShape,
+    seed: u64,
+) -> Result<MeshRun, WorkloadError> {
+    let reqs = requests(workload, shape, seed)?;
+    let run = match shape {
+        LoadShape::Concurrency(n) => simulate_closed(config, &reqs, *n),
+        _ => simulate(config, &reqs),
+    };
+    run.map_err(WorkloadError::Mesh)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -65,7 +82,6 @@ mod tests {
     use kvmesh_bench::trace::Pacing;
     use kvmesh_bench::workload::{Prompt, WorkItem};
     use std::num::NonZeroUsize;
-    use std::time::Duration;
 
     fn item(prompt: Prompt, at_ms: Option<u64>) -> WorkItem {
         WorkItem {
@@ -122,9 +138,12 @@ mod tests {
             }
         ));
         let closed = LoadShape::Concurrency(NonZeroUsize::new(4).unwrap());
+        let timed = workload(vec![tokens(5), tokens(9)]);
+        let r = requests(&timed, &closed, 0).unwrap();
+        assert!(r.iter().all(|r| r.at == Duration::ZERO));
         assert!(matches!(
             requests(&w, &closed, 0),
-            Err(WorkloadError::ClosedLoop)
+            Err(WorkloadError::Item { item: 0, .. })
         ));
         let untimed = workload(vec![tokens(0), item(Prompt::Tokens(vec![1]), None)]);
         assert!(matches!(

@@ -7,11 +7,12 @@ use kvmesh_common::{BlockHasher, ModelFingerprint};
 use kvmesh_engine::scheduler::SchedulerConfig;
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_sim::link::LinkClass;
-use kvmesh_sim::mesh::{simulate, MeshConfig, MeshRun, PrefillPool, SimRequest};
+use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
 use kvmesh_sim::node::NodeConfig;
 use kvmesh_sim::timing::TimingProfile;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::num::NonZeroUsize;
 use std::time::Duration;
 
 const BLOCK: usize = 16;
@@ -47,6 +48,7 @@ fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
         },
         routing,
         prefill: None,
+        report_interval: None,
         seed,
     }
 }
@@ -217,6 +219,7 @@ fn one_fixed_time_server_matches_md1() {
             },
             routing: "round_robin".parse().unwrap(),
             prefill: None,
+            report_interval: None,
             seed: 1,
         };
         let run = simulate(&config, &requests).unwrap();
@@ -288,4 +291,71 @@ fn a_slower_link_delays_the_first_token() {
     let (fast, slow) = (mean_ttft(LinkClass::Rdma400), mean_ttft(LinkClass::Tcp));
     // About 1 MiB a request: ~0.3 ms over 400 Gb/s RDMA, ~0.6 ms more over 25 Gb/s TCP.
     assert!(slow > fast + 0.000_3, "tcp {slow}s, rdma400 {fast}s");
+}
+
+fn one_fixed_node(service: Duration) -> MeshConfig {
+    MeshConfig {
+        nodes: 1,
+        node: NodeConfig {
+            scheduler: scheduler(64, 1, false),
+            timing: TimingProfile::fixed(service),
+            vocab_size: 100,
+        },
+        routing: "round_robin".parse().unwrap(),
+        prefill: None,
+        report_interval: None,
+        seed: 1,
+    }
+}
+
+#[test]
+fn a_closed_loop_sends_each_request_when_one_ends() {
+    let service = Duration::from_millis(10);
+    let requests: Vec<SimRequest> = (0..20)
+        .map(|_| SimRequest {
+            at: Duration::from_secs(999),
+            prompt: vec![1, 2, 3],
+            max_tokens: 1,
+        })
+        .collect();
+    let config = one_fixed_node(service);
+    // One at a time: back to back, never waiting.
+    let one = simulate_closed(&config, &requests, NonZeroUsize::new(1).unwrap()).unwrap();
+    assert_conserved(&one, &requests);
+    for (i, o) in one.outcomes.iter().enumerate() {
+        assert_eq!(o.sent, service * i as u32);
+        assert_eq!(o.ttft, Some(service));
+    }
+    // Four in flight on a server of one: after the start each waits for the three ahead.
+    let four = simulate_closed(&config, &requests, NonZeroUsize::new(4).unwrap()).unwrap();
+    assert_conserved(&four, &requests);
+    assert_eq!(four.duration, service * 20);
+    assert!(four.outcomes[4..]
+        .iter()
+        .all(|o| o.ttft == Some(service * 4)));
+}
+
+#[test]
+fn periodic_load_reports_are_stale_and_change_decisions() {
+    let requests = workload(23, 1_500, 400.0, 6);
+    let run = |interval| {
+        let mut config = mesh(12, "least_loaded".parse().unwrap(), 23);
+        config.report_interval = interval;
+        let run = simulate(&config, &requests).unwrap();
+        assert_conserved(&run, &requests);
+        run.nodes.iter().map(|n| n.requests).collect::<Vec<_>>()
+    };
+    let fresh = run(None);
+    assert_eq!(fresh, run(None));
+    assert_ne!(fresh, run(Some(Duration::from_millis(500))));
+    assert!(matches!(
+        simulate(
+            &MeshConfig {
+                report_interval: Some(Duration::ZERO),
+                ..mesh(1, "least_loaded".parse().unwrap(), 1)
+            },
+            &requests
+        ),
+        Err(kvmesh_sim::mesh::MeshError::ZeroReportInterval)
+    ));
 }

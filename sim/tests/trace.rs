@@ -39,6 +39,7 @@ fn mesh(policy: &str) -> MeshConfig {
         },
         routing: policy.parse().unwrap(),
         prefill: None,
+        report_interval: None,
         seed: 1,
     }
 }
