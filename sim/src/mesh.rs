@@ -18,7 +18,7 @@
 //! response), so TTFT includes the transfer. Simplifications, not built yet: the KV moves
 //! after the whole prefill (the real prefill worker pushes blocks after each step, overlapping
 //! the two), transfers never fail (no `fail_remote_prefill` path), no pull of cached prefixes
-//! from another node, no multi-turn ordering (`previous_turn`).
+//! from another node.
 
 use crate::events::EventQueue;
 use crate::link::{Link, LinkClass};
@@ -48,6 +48,9 @@ pub struct SimRequest {
     pub at: Duration,
     pub prompt: Vec<TokenId>,
     pub max_tokens: usize,
+    /// The previous turn of its conversation (an earlier request): this one is not sent
+    /// before that one has ended, as bench does not send it.
+    pub after: Option<usize>,
 }
 
 impl SimRequest {
@@ -57,6 +60,7 @@ impl SimRequest {
             at: r.at,
             prompt: r.prompt_tokens.clone(),
             max_tokens: r.max_tokens as usize,
+            after: r.previous_turn,
         }
     }
 
@@ -68,6 +72,7 @@ impl SimRequest {
                 at,
                 prompt: ids.clone(),
                 max_tokens: item.max_tokens as usize,
+                after: item.previous_turn,
             }),
             _ => Err(MeshError::TextPrompt),
         }
@@ -108,6 +113,8 @@ pub enum MeshError {
     NoNodes,
     #[error("text prompts need a tokenizer; give the simulator token-id prompts")]
     TextPrompt,
+    #[error("request {0} follows a request that is not before it")]
+    BadPreviousTurn(usize),
     #[error("requests must come in arrival order (request {0} is earlier than the one before)")]
     Unordered(usize),
     #[error("report_interval must be positive")]
@@ -230,6 +237,8 @@ struct Mesh<'a> {
     /// Closed loop: the next request to send when one ends.
     next_closed: Option<usize>,
     report_interval: Option<Duration>,
+    /// Requests due but held until the request they follow has ended, by that request.
+    held: BTreeMap<usize, Vec<usize>>,
 }
 
 fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
@@ -274,6 +283,9 @@ fn run(
 ) -> Result<MeshRun, MeshError> {
     if config.nodes == 0 {
         return Err(MeshError::NoNodes);
+    }
+    if let Some(i) = (0..requests.len()).find(|&i| requests[i].after.is_some_and(|p| p >= i)) {
+        return Err(MeshError::BadPreviousTurn(i));
     }
     if config.report_interval == Some(Duration::ZERO) {
         return Err(MeshError::ZeroReportInterval);
@@ -351,6 +363,7 @@ fn run(
         sent: vec![Duration::ZERO; requests.len()],
         next_closed: first_sent,
         report_interval: config.report_interval,
+        held: BTreeMap::new(),
     };
     while let Some((now, event)) = mesh.queue.pop() {
         match event {
@@ -365,6 +378,13 @@ fn run(
 
 impl Mesh<'_> {
     fn arrive(&mut self, i: usize, now: Duration) {
+        if let Some(p) = self.requests[i]
+            .after
+            .filter(|&p| self.outcomes[p].is_none())
+        {
+            self.held.entry(p).or_default().push(i);
+            return;
+        }
         self.sent[i] = now;
         let r = &self.requests[i];
         let (decode, prefill) = self.entries.split_at(self.decode);
@@ -440,8 +460,12 @@ impl Mesh<'_> {
         }
     }
 
-    /// Request `i` has ended: a closed loop sends the next one.
-    fn ended(&mut self, now: Duration) {
+    /// Request `i` has ended: the turns following it are sent, and a closed loop sends the
+    /// next request.
+    fn ended(&mut self, i: usize, now: Duration) {
+        for next in self.held.remove(&i).unwrap_or_default() {
+            self.queue.push_at(now, Event::Arrive(next));
+        }
         if let Some(next) = self.next_closed.filter(|&n| n < self.requests.len()) {
             self.queue.push_at(now, Event::Arrive(next));
             self.next_closed = Some(next + 1);
@@ -521,7 +545,7 @@ impl Mesh<'_> {
             cached_tokens: Some(f.cached_tokens as u64),
             output_tokens: f.output_tokens as u64,
         });
-        self.ended(now);
+        self.ended(i, now);
     }
 
     fn end_failed(&mut self, i: usize, now: Duration, status: Option<u16>, error: String) {
@@ -535,7 +559,7 @@ impl Mesh<'_> {
             prompt_tokens: Some(self.requests[i].prompt.len() as u64),
             ..RequestOutcome::default()
         });
-        self.ended(now);
+        self.ended(i, now);
     }
 
     fn finish(mut self) -> MeshRun {

@@ -23,8 +23,8 @@ pub enum WorkloadError {
 /// the workload does takes the requests that fit. A closed loop has no offsets: every
 /// request is at zero, in workload order, for [`simulate_closed`].
 ///
-/// Multi-turn order (`previous_turn`: a turn is not sent before the previous one ended) is not
-/// enforced yet: turns arrive at their offsets regardless.
+/// A turn's `previous_turn` becomes its [`SimRequest::after`]: the mesh holds it until the
+/// previous turn has ended.
 pub fn requests(
     workload: &Workload,
     shape: &LoadShape,
@@ -47,7 +47,7 @@ pub fn requests(
             paced_offsets(&ms, *pacing)
         }
     };
-    let mut out = workload
+    let out = workload
         .items
         .iter()
         .zip(offsets)
@@ -56,8 +56,18 @@ pub fn requests(
             SimRequest::from_work_item(w, at).map_err(|source| WorkloadError::Item { item, source })
         })
         .collect::<Result<Vec<_>, _>>()?;
-    out.sort_by_key(|r| r.at);
-    Ok(out)
+    // Arrival order, renumbering the turns each request follows.
+    let mut order: Vec<usize> = (0..out.len()).collect();
+    order.sort_by_key(|&i| out[i].at);
+    let mut position = vec![0; out.len()];
+    for (new, &old) in order.iter().enumerate() {
+        position[old] = new;
+    }
+    let mut sorted: Vec<SimRequest> = order.iter().map(|&i| out[i].clone()).collect();
+    for r in &mut sorted {
+        r.after = r.after.and_then(|p| position.get(p).copied());
+    }
+    Ok(sorted)
 }
 
 /// Runs `workload` under `shape` through the mesh `config` describes.
@@ -112,6 +122,20 @@ mod tests {
         assert_eq!(at, [0, 50, 250].map(Duration::from_millis));
         assert_eq!(r[0].max_tokens, 4);
         assert_eq!(r[0].prompt, [1, 2, 3]);
+    }
+
+    #[test]
+    fn sorting_by_arrival_renumbers_previous_turns() {
+        let mut follows = tokens(60);
+        follows.previous_turn = Some(0);
+        let w = workload(vec![tokens(50), tokens(0), follows]);
+        let r = requests(&w, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap();
+        let at: Vec<_> = r.iter().map(|r| r.at).collect();
+        assert_eq!(at, [0, 50, 60].map(Duration::from_millis));
+        assert_eq!(
+            r.iter().map(|r| r.after).collect::<Vec<_>>(),
+            [None, None, Some(1)]
+        );
     }
 
     #[test]

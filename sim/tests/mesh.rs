@@ -76,6 +76,7 @@ fn workload(seed: u64, n: usize, rate: f64, prefixes: u64) -> Vec<SimRequest> {
                 at,
                 prompt,
                 max_tokens: rng.gen_range(1..64),
+                after: None,
             }
         })
         .collect()
@@ -208,6 +209,7 @@ fn one_fixed_time_server_matches_md1() {
                 at,
                 prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
                 max_tokens: 1,
+                after: None,
             })
             .collect();
         let config = MeshConfig {
@@ -316,6 +318,7 @@ fn a_closed_loop_sends_each_request_when_one_ends() {
             at: Duration::from_secs(999),
             prompt: vec![1, 2, 3],
             max_tokens: 1,
+            after: None,
         })
         .collect();
     let config = one_fixed_node(service);
@@ -357,5 +360,31 @@ fn periodic_load_reports_are_stale_and_change_decisions() {
             &requests
         ),
         Err(kvmesh_sim::mesh::MeshError::ZeroReportInterval)
+    ));
+}
+
+#[test]
+fn a_turn_waits_for_the_turn_it_follows() {
+    let service = Duration::from_millis(10);
+    let ms = Duration::from_millis;
+    let turn = |at, after| SimRequest {
+        at,
+        prompt: vec![1, 2, 3],
+        max_tokens: 3,
+        after,
+    };
+    // Request 1 is due at 5 ms but follows request 0, which ends at 30 ms.
+    let requests = [turn(ms(0), None), turn(ms(5), Some(0)), turn(ms(6), None)];
+    let mut config = one_fixed_node(service);
+    config.node.scheduler.max_num_seqs = 4;
+    let run = simulate(&config, &requests).unwrap();
+    assert_conserved(&run, &requests);
+    assert_eq!(run.outcomes[0].ended, ms(30));
+    assert_eq!(run.outcomes[1].sent, ms(30));
+    assert_eq!(run.outcomes[2].sent, ms(6));
+    let bad = [turn(ms(0), Some(0))];
+    assert!(matches!(
+        simulate(&config, &bad),
+        Err(kvmesh_sim::mesh::MeshError::BadPreviousTurn(0))
     ));
 }
