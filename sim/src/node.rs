@@ -1,0 +1,457 @@
+//! One simulated node: the engine's real [`Scheduler`] (and its `BlockPool` and prefix cache)
+//! stepped in virtual time, with a [`TimingProfile`] in place of the forward pass.
+//!
+//! The node is driven the way `LlmEngine` drives a runner: `schedule`, execute,
+//! `update_from_output`, stop checks. Execution is replaced by pricing the step with the
+//! timing model: [`SimNode::start_step`] plans a step and says when it ends,
+//! [`SimNode::finish_step`] (called by the event loop at that time) samples a token for every
+//! chunk that ends a sequence and absorbs the step. Tokens are the `MockRunner`'s greedy
+//! choice ([`MockRunner::favoured_token`]), so outputs are deterministic and independent of
+//! batching. No logits are materialised: at a thousand nodes a vocabulary-sized vector per
+//! sequence per step would dominate the simulation's cost and decide nothing.
+
+use crate::timing::{StepShape, TimingProfile};
+use kvmesh_common::kv_tier::TieredKvEvent;
+use kvmesh_common::{LoadReport, TokenId};
+use kvmesh_engine::block_pool::BlockPool;
+use kvmesh_engine::mock_runner::MockRunner;
+use kvmesh_engine::runner::SeqId;
+use kvmesh_engine::scheduler::{
+    RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
+};
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub scheduler: SchedulerConfig,
+    pub timing: TimingProfile,
+    /// Tokens are drawn from `0..vocab_size`.
+    pub vocab_size: usize,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Scheduler(#[from] SchedulerError),
+    #[error(transparent)]
+    Timing(#[from] crate::timing::TimingError),
+    #[error("vocab_size must be positive")]
+    EmptyVocab,
+    #[error("max_tokens must be at least 1")]
+    NoTokensWanted,
+    #[error("finish_step called with no step in flight")]
+    NoStepInFlight,
+}
+
+/// Why a sequence ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// It generated the tokens it asked for.
+    MaxTokens,
+    /// It filled the context (`max_model_len` or the whole KV pool).
+    Length,
+}
+
+/// A sequence that ended in a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Finished {
+    pub seq_id: SeqId,
+    pub reason: Finish,
+    pub output_tokens: usize,
+    /// Prompt tokens served from the prefix cache at its first admission.
+    pub cached_tokens: usize,
+}
+
+/// What one step produced, at the step's end time.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepReport {
+    /// Sequences that got a token this step, with the token's index in their output (0: the
+    /// first token).
+    pub tokens: Vec<(SeqId, usize)>,
+    pub finished: Vec<Finished>,
+    pub preempted: usize,
+}
+
+#[derive(Debug)]
+struct Tracking {
+    max_tokens: usize,
+    generated: usize,
+    cached_tokens: Option<usize>,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    output: SchedulerOutput,
+    ends_at: Duration,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct SimNode {
+    scheduler: Scheduler,
+    timing: TimingProfile,
+    vocab_size: usize,
+    in_flight: Option<InFlight>,
+    /// Ordered, so nothing about a run depends on hash iteration order.
+    requests: BTreeMap<SeqId, Tracking>,
+    /// Remote prefills admitted (blocks reserved) whose transfer the driver must start.
+    remote_admitted: Vec<RemoteAdmission>,
+    busy: Duration,
+    steps: u64,
+}
+
+impl SimNode {
+    pub fn new(config: NodeConfig) -> Result<SimNode, NodeError> {
+        config.scheduler.validate()?;
+        config.timing.validate()?;
+        if config.vocab_size == 0 {
+            return Err(NodeError::EmptyVocab);
+        }
+        Ok(SimNode {
+            scheduler: Scheduler::new(config.scheduler),
+            timing: config.timing,
+            vocab_size: config.vocab_size,
+            in_flight: None,
+            requests: BTreeMap::new(),
+            remote_admitted: Vec::new(),
+            busy: Duration::ZERO,
+            steps: 0,
+        })
+    }
+
+    /// Queues a request for `max_tokens` output tokens; a later step admits it.
+    pub fn submit(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        max_tokens: usize,
+    ) -> Result<(), NodeError> {
+        if max_tokens == 0 {
+            return Err(NodeError::NoTokensWanted);
+        }
+        self.scheduler.add_sequence(seq_id, prompt)?;
+        self.requests.insert(
+            seq_id,
+            Tracking {
+                max_tokens,
+                generated: 0,
+                cached_tokens: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Queues a request whose prompt KV another node computes (disaggregated prefill): once
+    /// admitted it is listed by [`SimNode::take_remote_admissions`], and
+    /// [`SimNode::complete_remote`] ends its prefill when the KV is in.
+    pub fn submit_remote(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        max_tokens: usize,
+    ) -> Result<(), NodeError> {
+        if max_tokens == 0 {
+            return Err(NodeError::NoTokensWanted);
+        }
+        self.scheduler.add_remote_sequence(seq_id, prompt)?;
+        self.requests.insert(
+            seq_id,
+            Tracking {
+                max_tokens,
+                generated: 0,
+                cached_tokens: None,
+            },
+        );
+        Ok(())
+    }
+
+    /// Remote prefills admitted since the last call: their blocks are reserved, start their
+    /// transfers.
+    pub fn take_remote_admissions(&mut self) -> Vec<RemoteAdmission> {
+        std::mem::take(&mut self.remote_admitted)
+    }
+
+    /// The KV of remote prefill `seq_id` has arrived with its `first_token` (sampled by the
+    /// prefill node): the sequence decodes from the next step. Returns it when that token
+    /// already ends it.
+    pub fn complete_remote(
+        &mut self,
+        seq_id: SeqId,
+        first_token: TokenId,
+    ) -> Result<Option<Finished>, NodeError> {
+        let outcome = self
+            .scheduler
+            .complete_remote_prefill(seq_id, first_token)?;
+        let Some(t) = self.requests.get_mut(&seq_id) else {
+            return Ok(None);
+        };
+        t.generated += 1;
+        let reason = if outcome.context_full.contains(&seq_id) {
+            Finish::Length
+        } else if t.generated >= t.max_tokens {
+            self.scheduler.finish(seq_id);
+            Finish::MaxTokens
+        } else {
+            return Ok(None);
+        };
+        let t = self.requests.remove(&seq_id).expect("tracked above");
+        Ok(Some(Finished {
+            seq_id,
+            reason,
+            output_tokens: t.generated,
+            cached_tokens: t.cached_tokens.unwrap_or(0),
+        }))
+    }
+
+    /// Plans a step at `now` when the node is idle and has work, and returns when it ends;
+    /// `None` when it is busy or nothing can run (the node then waits for a submission).
+    pub fn start_step(&mut self, now: Duration) -> Option<Duration> {
+        if self.in_flight.is_some() || !self.scheduler.has_work() {
+            return None;
+        }
+        let mut output = self.scheduler.schedule();
+        let first_admissions = output.admitted.iter().filter(|a| !a.resumed);
+        let remote = output.remote_admitted.iter();
+        for (seq_id, cached) in first_admissions
+            .map(|a| (a.seq_id, a.num_cached_tokens))
+            .chain(remote.map(|a| (a.seq_id, a.num_cached_tokens)))
+        {
+            if let Some(t) = self.requests.get_mut(&seq_id) {
+                t.cached_tokens.get_or_insert(cached);
+            }
+        }
+        self.remote_admitted
+            .append(&mut std::mem::take(&mut output.remote_admitted));
+        if output.is_empty() {
+            // Nothing to compute: end the (empty) step at once and wait for the next
+            // submission or arrived KV. Remote admissions stand (abort undoes no admission).
+            self.scheduler.abort_step(output);
+            return None;
+        }
+        let time = self.timing.step_time(&StepShape::of(&output.step));
+        self.busy += time;
+        self.steps += 1;
+        let ends_at = now + time;
+        self.in_flight = Some(InFlight { output, ends_at });
+        Some(ends_at)
+    }
+
+    /// When the step in flight ends, if one is.
+    pub fn step_ends_at(&self) -> Option<Duration> {
+        self.in_flight.as_ref().map(|f| f.ends_at)
+    }
+
+    /// Ends the step in flight: one token for each sequence whose chunk ended its known
+    /// tokens, and finishes those that are done.
+    pub fn finish_step(&mut self) -> Result<StepReport, NodeError> {
+        let InFlight { output, .. } = self.in_flight.take().ok_or(NodeError::NoStepInFlight)?;
+        let sampled: Vec<(SeqId, TokenId)> = output
+            .step
+            .chunks
+            .iter()
+            .filter(|c| c.want_logits)
+            .map(|c| {
+                let last = *c.tokens.last().expect("chunks are never empty");
+                let pos = c.start_pos + c.tokens.len();
+                (
+                    c.seq_id,
+                    MockRunner::favoured_token(last, pos, self.vocab_size),
+                )
+            })
+            .collect();
+        let preempted = output.preempted.len();
+        let outcome = self.scheduler.update_from_output(output, &sampled)?;
+        let context_full: HashSet<SeqId> = outcome.context_full.into_iter().collect();
+
+        let mut report = StepReport {
+            preempted,
+            ..StepReport::default()
+        };
+        for &(seq_id, _) in &sampled {
+            let Some(t) = self.requests.get_mut(&seq_id) else {
+                continue;
+            };
+            report.tokens.push((seq_id, t.generated));
+            t.generated += 1;
+            let reason = if context_full.contains(&seq_id) {
+                Some(Finish::Length)
+            } else if t.generated >= t.max_tokens {
+                self.scheduler.finish(seq_id);
+                Some(Finish::MaxTokens)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                let t = self.requests.remove(&seq_id).expect("tracked above");
+                report.finished.push(Finished {
+                    seq_id,
+                    reason,
+                    output_tokens: t.generated,
+                    cached_tokens: t.cached_tokens.unwrap_or(0),
+                });
+            }
+        }
+        Ok(report)
+    }
+
+    /// Whether anything is queued, running or in flight.
+    pub fn has_work(&self) -> bool {
+        self.in_flight.is_some() || self.scheduler.has_work()
+    }
+
+    /// Requests submitted and not finished.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The load report a real node would send.
+    pub fn load(&self) -> LoadReport {
+        LoadReport {
+            running: self.scheduler.num_running(),
+            waiting: self.scheduler.num_waiting(),
+            kv_blocks_used: self.scheduler.pool().num_used(),
+        }
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        self.scheduler.pool()
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// Record prefix-cache events (blocks stored and evicted) for the router's index.
+    pub fn set_record_kv_events(&mut self, on: bool) {
+        self.scheduler.set_record_kv_events(on);
+    }
+
+    pub fn drain_kv_events(&mut self) -> Vec<TieredKvEvent> {
+        self.scheduler.drain_kv_events()
+    }
+
+    /// Total modelled step time so far.
+    pub fn busy_time(&self) -> Duration {
+        self.busy
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_common::{BlockHasher, ModelFingerprint};
+
+    const MS: Duration = Duration::from_millis(1);
+
+    pub(crate) fn config(timing: TimingProfile) -> NodeConfig {
+        NodeConfig {
+            scheduler: SchedulerConfig {
+                block_size: 4,
+                num_blocks: 64,
+                max_num_batched_tokens: 64,
+                max_num_seqs: 8,
+                max_model_len: 128,
+                enable_prefix_caching: true,
+                host_tier_blocks: 0,
+                disk_tier_blocks: 0,
+                hasher: BlockHasher::new(ModelFingerprint(1), 4),
+            },
+            timing,
+            vocab_size: 1000,
+        }
+    }
+
+    /// Runs the node alone until it has no work, returning each step's end and report.
+    fn drain(node: &mut SimNode) -> Vec<(Duration, StepReport)> {
+        let mut now = Duration::ZERO;
+        let mut out = Vec::new();
+        while let Some(end) = node.start_step(now) {
+            now = end;
+            out.push((now, node.finish_step().unwrap()));
+        }
+        out
+    }
+
+    #[test]
+    fn prefill_then_decodes_each_priced_by_the_model() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(10 * MS))).unwrap();
+        node.submit(1, (1..=10).collect(), 3).unwrap();
+        let steps = drain(&mut node);
+        // One prefill step (first token) and two decode steps.
+        let times: Vec<_> = steps.iter().map(|(t, _)| *t).collect();
+        assert_eq!(times, [10 * MS, 20 * MS, 30 * MS]);
+        assert_eq!(steps[0].1.tokens, [(1, 0)]);
+        assert_eq!(steps[2].1.tokens, [(1, 2)]);
+        assert_eq!(
+            steps[2].1.finished,
+            [Finished {
+                seq_id: 1,
+                reason: Finish::MaxTokens,
+                output_tokens: 3,
+                cached_tokens: 0
+            }]
+        );
+        assert!(!node.has_work());
+        assert_eq!(node.pool().num_free(), node.pool().num_blocks());
+        assert_eq!(node.busy_time(), 30 * MS);
+    }
+
+    #[test]
+    fn a_repeated_prompt_hits_the_prefix_cache() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        node.submit(1, (1..=12).collect(), 1).unwrap();
+        drain(&mut node);
+        node.submit(2, (1..=12).collect(), 1).unwrap();
+        let steps = drain(&mut node);
+        // Two of the three full blocks are reused (the last prompt token is always computed).
+        assert_eq!(steps[0].1.finished[0].cached_tokens, 8);
+    }
+
+    #[test]
+    fn a_remote_prefill_waits_for_its_kv_then_decodes() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        node.submit_remote(7, (1..=10).collect(), 3).unwrap();
+        // Admission reserves blocks for the whole prompt but computes nothing.
+        assert_eq!(node.start_step(Duration::ZERO), None);
+        let admitted = node.take_remote_admissions();
+        assert_eq!(admitted.len(), 1);
+        assert_eq!(admitted[0].blocks.len(), 3);
+        assert_eq!(node.pool().num_used(), 3);
+        assert_eq!(
+            node.start_step(Duration::ZERO),
+            None,
+            "still waiting for KV"
+        );
+        assert_eq!(node.complete_remote(7, 5).unwrap(), None);
+        let steps = drain(&mut node);
+        assert_eq!(steps.len(), 2, "the first token came with the KV");
+        assert_eq!(steps[1].1.finished[0].output_tokens, 3);
+        assert_eq!(node.pool().num_free(), node.pool().num_blocks());
+        assert!(matches!(
+            node.complete_remote(7, 5),
+            Err(NodeError::Scheduler(SchedulerError::NotAwaitingKv(7)))
+        ));
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        assert!(matches!(
+            node.submit(1, vec![1], 0),
+            Err(NodeError::NoTokensWanted)
+        ));
+        assert!(matches!(
+            node.submit(1, vec![], 1),
+            Err(NodeError::Scheduler(SchedulerError::EmptyPrompt))
+        ));
+        assert!(matches!(node.finish_step(), Err(NodeError::NoStepInFlight)));
+        let mut c = config(TimingProfile::fixed(MS));
+        c.vocab_size = 0;
+        assert!(matches!(SimNode::new(c), Err(NodeError::EmptyVocab)));
+    }
+}

@@ -1,0 +1,355 @@
+//! Timing models: how long one engine step takes, in place of the forward pass.
+//!
+//! A step is a batch of chunks (the scheduler's `StepInput`); the model reduces it to a
+//! [`StepShape`] and prices it with an affine model whose coefficients are data:
+//!
+//! ```text
+//! step = step_overhead                                   (any non-empty step)
+//!      + prefill_per_token      * new prefill tokens     (compute-bound matmuls)
+//!      + prefill_per_cached_token * cached context of prefill chunks (reading their KV)
+//!      + decode_per_seq         * decode sequences       (their share of the matmuls)
+//!      + decode_per_context_token * context of decode sequences (attention reads KV)
+//! ```
+//!
+//! So prefill time is a function of (new tokens, cached tokens) and decode time of (batch
+//! size, total context), as the simulator's callers need. A [`TimingProfile`] is plain JSON
+//! (a later `kvmesh profile` fits one against a real node); [`TimingProfile::named`] gives
+//! built-in profiles for common GPU/model pairs.
+
+use kvmesh_engine::runner::StepInput;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use std::time::Duration;
+
+/// What a step's time depends on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Tokens computed by prefill chunks (chunks of more than one token).
+    pub prefill_tokens: u64,
+    /// Tokens whose KV prefill chunks read but do not compute (their `start_pos`).
+    pub prefill_cached_tokens: u64,
+    /// One-token chunks.
+    pub decode_seqs: u64,
+    /// Context (positions, including the new token) of the decode chunks.
+    pub decode_context_tokens: u64,
+}
+
+impl StepShape {
+    /// The shape of a scheduler step. A one-token chunk counts as a decode even when it ends
+    /// a prefill (a prompt whose last token was left over), as the real runner treats it.
+    pub fn of(step: &StepInput) -> StepShape {
+        let mut s = StepShape::default();
+        for c in &step.chunks {
+            let n = c.tokens.len() as u64;
+            if n == 1 {
+                s.decode_seqs += 1;
+                s.decode_context_tokens += c.start_pos as u64 + 1;
+            } else {
+                s.prefill_tokens += n;
+                s.prefill_cached_tokens += c.start_pos as u64;
+            }
+        }
+        s
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.prefill_tokens == 0 && self.decode_seqs == 0
+    }
+}
+
+/// An affine step-time model; every coefficient in microseconds (fractions allowed).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TimingProfile {
+    /// What it models (`h200-llama8b`, or what `kvmesh profile` measured).
+    pub name: String,
+    /// Where the numbers come from.
+    #[serde(default)]
+    pub source: String,
+    pub step_overhead_us: f64,
+    pub prefill_per_token_us: f64,
+    pub prefill_per_cached_token_us: f64,
+    pub decode_per_seq_us: f64,
+    pub decode_per_context_token_us: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TimingError {
+    #[error("reading timing profile {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("parsing timing profile: {0}")]
+    Parse(#[from] serde_json::Error),
+    #[error("timing profile `{name}`: {field} must be finite and non-negative, got {value}")]
+    Invalid {
+        name: String,
+        field: &'static str,
+        value: f64,
+    },
+    #[error("unknown timing profile `{0}` (built in: {names})", names = TimingProfile::NAMES.join(", "))]
+    Unknown(String),
+}
+
+// Peak figures from NVIDIA's H100 and H200 datasheets: H100 SXM 3.35 TB/s HBM3, H200 SXM
+// 4.8 TB/s HBM3e, both 989 TFLOP/s dense BF16 tensor throughput. No published per-step
+// profile (DistServe, Splitwise, vLLM or Dynamo figures) was found in the reference corpora
+// available when these were written, so the built-in profiles are rooflines from those peaks
+// with two stated assumptions, not measurements: 70% of peak memory bandwidth is achieved
+// when streaming weights and KV, and 50% of peak FLOP/s (MFU) in prefill. Replace them with
+// a profile measured on the real node where one exists.
+const H100_HBM_BYTES_PER_S: f64 = 3.35e12;
+const H200_HBM_BYTES_PER_S: f64 = 4.8e12;
+const BF16_DENSE_FLOPS: f64 = 989e12;
+const ASSUMED_BANDWIDTH_EFFICIENCY: f64 = 0.7;
+const ASSUMED_MFU: f64 = 0.5;
+
+/// A dense decoder served in BF16, split tensor-parallel over `gpus` GPUs.
+struct Roofline {
+    params: f64,
+    /// K and V bytes per token over all layers (`2 * layers * kv_heads * head_dim * 2`).
+    kv_bytes_per_token: f64,
+    gpus: f64,
+    hbm_bytes_per_s: f64,
+}
+
+impl Roofline {
+    fn profile(&self, name: &str, source: &str) -> TimingProfile {
+        let bw = self.hbm_bytes_per_s * ASSUMED_BANDWIDTH_EFFICIENCY;
+        let flops = BF16_DENSE_FLOPS * ASSUMED_MFU * self.gpus;
+        // A token through the matmuls costs 2 FLOPs per parameter.
+        let per_token_us = 2.0 * self.params / flops * 1e6;
+        // Each GPU streams its share of the weights once per step, and of the KV per token.
+        let weights_us = 2.0 * self.params / self.gpus / bw * 1e6;
+        let kv_us = self.kv_bytes_per_token / self.gpus / bw * 1e6;
+        TimingProfile {
+            name: name.into(),
+            source: source.into(),
+            step_overhead_us: weights_us,
+            prefill_per_token_us: per_token_us,
+            prefill_per_cached_token_us: kv_us,
+            decode_per_seq_us: per_token_us,
+            decode_per_context_token_us: kv_us,
+        }
+    }
+}
+
+impl TimingProfile {
+    /// The built-in profiles' names.
+    pub const NAMES: &'static [&'static str] = &["h200-llama8b", "h100-llama8b", "h100x4-llama70b"];
+
+    /// A built-in profile (see the roofline note above for where its numbers come from).
+    pub fn named(name: &str) -> Result<TimingProfile, TimingError> {
+        // Llama 3.1 8B: 8.03e9 parameters; 32 layers, 8 KV heads of 128: 128 KiB of KV a token.
+        let llama8b = |hbm| Roofline {
+            params: 8.03e9,
+            kv_bytes_per_token: (2 * 32 * 8 * 128 * 2) as f64,
+            gpus: 1.0,
+            hbm_bytes_per_s: hbm,
+        };
+        // Llama 3.1 70B: 70.6e9 parameters; 80 layers, 8 KV heads of 128: 320 KiB a token.
+        // 141 GB of BF16 weights need at least two 80 GB H100s; four leave room for KV.
+        // Tensor-parallel all-reduce time is not modelled.
+        let llama70b_tp4 = Roofline {
+            params: 70.6e9,
+            kv_bytes_per_token: (2 * 80 * 8 * 128 * 2) as f64,
+            gpus: 4.0,
+            hbm_bytes_per_s: H100_HBM_BYTES_PER_S,
+        };
+        let source = "roofline from NVIDIA datasheet peaks (70% HBM bandwidth, 50% MFU assumed)";
+        match name {
+            "h200-llama8b" => Ok(llama8b(H200_HBM_BYTES_PER_S).profile(name, source)),
+            "h100-llama8b" => Ok(llama8b(H100_HBM_BYTES_PER_S).profile(name, source)),
+            "h100x4-llama70b" => Ok(llama70b_tp4.profile(name, source)),
+            _ => Err(TimingError::Unknown(name.into())),
+        }
+    }
+
+    /// Every step costs `service`, whatever it holds: a deterministic server, for queueing
+    /// checks (M/D/1) and tests.
+    pub fn fixed(service: Duration) -> TimingProfile {
+        TimingProfile {
+            name: "fixed".into(),
+            source: "constant service time".into(),
+            step_overhead_us: service.as_nanos() as f64 / 1e3,
+            prefill_per_token_us: 0.0,
+            prefill_per_cached_token_us: 0.0,
+            decode_per_seq_us: 0.0,
+            decode_per_context_token_us: 0.0,
+        }
+    }
+
+    /// Parses and validates a profile in JSON.
+    pub fn from_json(json: &str) -> Result<TimingProfile, TimingError> {
+        let p: TimingProfile = serde_json::from_str(json)?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    pub fn load(path: &Path) -> Result<TimingProfile, TimingError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TimingError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::from_json(&text)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a profile always serializes")
+    }
+
+    pub fn validate(&self) -> Result<(), TimingError> {
+        let fields = [
+            ("step_overhead_us", self.step_overhead_us),
+            ("prefill_per_token_us", self.prefill_per_token_us),
+            (
+                "prefill_per_cached_token_us",
+                self.prefill_per_cached_token_us,
+            ),
+            ("decode_per_seq_us", self.decode_per_seq_us),
+            (
+                "decode_per_context_token_us",
+                self.decode_per_context_token_us,
+            ),
+        ];
+        match fields.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
+            Some(&(field, value)) => Err(TimingError::Invalid {
+                name: self.name.clone(),
+                field,
+                value,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// How long a step of `shape` takes; zero for an empty step.
+    pub fn step_time(&self, shape: &StepShape) -> Duration {
+        if shape.is_empty() {
+            return Duration::ZERO;
+        }
+        let us = self.step_overhead_us
+            + self.prefill_per_token_us * shape.prefill_tokens as f64
+            + self.prefill_per_cached_token_us * shape.prefill_cached_tokens as f64
+            + self.decode_per_seq_us * shape.decode_seqs as f64
+            + self.decode_per_context_token_us * shape.decode_context_tokens as f64;
+        // Rounded to whole nanoseconds so the same shape always costs the same time.
+        Duration::from_nanos((us * 1e3).round() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_engine::runner::SeqChunk;
+
+    fn chunk(start_pos: usize, n: usize) -> SeqChunk {
+        SeqChunk {
+            seq_id: 0,
+            tokens: vec![1; n],
+            start_pos,
+            block_table: vec![],
+            want_logits: true,
+        }
+    }
+
+    #[test]
+    fn shape_splits_prefill_from_decode() {
+        let step = StepInput {
+            chunks: vec![chunk(32, 100), chunk(9, 1), chunk(19, 1)],
+        };
+        let s = StepShape::of(&step);
+        assert_eq!(
+            s,
+            StepShape {
+                prefill_tokens: 100,
+                prefill_cached_tokens: 32,
+                decode_seqs: 2,
+                decode_context_tokens: 30,
+            }
+        );
+    }
+
+    #[test]
+    fn affine_in_every_term() {
+        let p = TimingProfile {
+            name: "t".into(),
+            source: String::new(),
+            step_overhead_us: 1000.0,
+            prefill_per_token_us: 10.0,
+            prefill_per_cached_token_us: 1.0,
+            decode_per_seq_us: 20.0,
+            decode_per_context_token_us: 0.5,
+        };
+        let s = StepShape {
+            prefill_tokens: 100,
+            prefill_cached_tokens: 32,
+            decode_seqs: 2,
+            decode_context_tokens: 30,
+        };
+        assert_eq!(
+            p.step_time(&s),
+            Duration::from_micros(1000 + 1000 + 32 + 40 + 15)
+        );
+        assert_eq!(p.step_time(&StepShape::default()), Duration::ZERO);
+    }
+
+    #[test]
+    fn built_in_profiles_are_plausible_and_ordered() {
+        let h200 = TimingProfile::named("h200-llama8b").unwrap();
+        let h100 = TimingProfile::named("h100-llama8b").unwrap();
+        // 16 GB of weights at 70% of 4.8 TB/s: about 4.8 ms a decode step.
+        assert!(
+            (4000.0..6000.0).contains(&h200.step_overhead_us),
+            "{h200:?}"
+        );
+        assert!(h100.step_overhead_us > h200.step_overhead_us);
+        assert_eq!(h100.prefill_per_token_us, h200.prefill_per_token_us);
+        let l70 = TimingProfile::named("h100x4-llama70b").unwrap();
+        assert!(l70.step_overhead_us > h100.step_overhead_us);
+        for name in TimingProfile::NAMES {
+            TimingProfile::named(name).unwrap().validate().unwrap();
+        }
+        assert!(matches!(
+            TimingProfile::named("tpu-llama8b"),
+            Err(TimingError::Unknown(_))
+        ));
+    }
+
+    #[test]
+    fn json_round_trips_and_rejects_bad_numbers() {
+        let p = TimingProfile::named("h200-llama8b").unwrap();
+        assert_eq!(TimingProfile::from_json(&p.to_json()).unwrap(), p);
+        let bad = p.to_json().replace(
+            &format!("\"decode_per_seq_us\": {}", p.decode_per_seq_us),
+            "\"decode_per_seq_us\": -1.0",
+        );
+        assert!(matches!(
+            TimingProfile::from_json(&bad),
+            Err(TimingError::Invalid {
+                field: "decode_per_seq_us",
+                ..
+            })
+        ));
+        assert!(matches!(
+            TimingProfile::from_json("{\"name\": 3}"),
+            Err(TimingError::Parse(_))
+        ));
+    }
+
+    #[test]
+    fn fixed_costs_the_same_for_any_step() {
+        let p = TimingProfile::fixed(Duration::from_millis(7));
+        let big = StepShape {
+            prefill_tokens: 4096,
+            decode_seqs: 64,
+            ..StepShape::default()
+        };
+        let one = StepShape {
+            decode_seqs: 1,
+            ..StepShape::default()
+        };
+        assert_eq!(p.step_time(&big), Duration::from_millis(7));
+        assert_eq!(p.step_time(&one), Duration::from_millis(7));
+    }
+}

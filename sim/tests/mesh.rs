@@ -1,0 +1,390 @@
+//! The mesh end to end: determinism, conservation, and a queueing-theory check.
+
+use kvmesh_bench::arrivals::{Arrivals, LoadShape, OpenLoop, RateProfile};
+use kvmesh_bench::slo::{Class, SloSpec};
+use kvmesh_bench::trace::block_token_ids;
+use kvmesh_common::{BlockHasher, ModelFingerprint};
+use kvmesh_engine::scheduler::SchedulerConfig;
+use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_sim::link::LinkClass;
+use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
+use kvmesh_sim::node::NodeConfig;
+use kvmesh_sim::timing::TimingProfile;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+const BLOCK: usize = 16;
+
+fn shape(rate: f64) -> LoadShape {
+    LoadShape::Open(OpenLoop {
+        profile: RateProfile::Fixed(rate),
+        arrivals: Arrivals::Poisson,
+    })
+}
+
+fn scheduler(num_blocks: usize, max_num_seqs: usize, caching: bool) -> SchedulerConfig {
+    SchedulerConfig {
+        block_size: BLOCK,
+        num_blocks,
+        max_num_batched_tokens: 2048,
+        max_num_seqs,
+        max_model_len: 4096,
+        enable_prefix_caching: caching,
+        host_tier_blocks: 0,
+        disk_tier_blocks: 0,
+        hasher: BlockHasher::new(ModelFingerprint(42), BLOCK),
+    }
+}
+
+fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
+    MeshConfig {
+        nodes,
+        node: NodeConfig {
+            scheduler: scheduler(2048, 64, true),
+            timing: TimingProfile::named("h200-llama8b").unwrap(),
+            vocab_size: 32_000,
+        },
+        routing,
+        prefill: None,
+        report_interval: None,
+        seed,
+    }
+}
+
+/// Poisson arrivals at `rate`; each prompt is one of `prefixes` shared system prompts (four
+/// blocks) followed by its own blocks, as in a Mooncake trace's hash ids.
+fn workload(seed: u64, n: usize, rate: f64, prefixes: u64) -> Vec<SimRequest> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    let LoadShape::Open(open) = shape(rate) else {
+        unreachable!()
+    };
+    open.schedule(seed)
+        .take(n)
+        .enumerate()
+        .map(|(i, at)| {
+            let shared = rng.gen_range(0..prefixes);
+            let own = rng.gen_range(1..8u64);
+            let mut hash_ids: Vec<u64> = (0..4).map(|b| shared * 100 + b).collect();
+            hash_ids.extend((0..own).map(|b| 1_000_000 + i as u64 * 10 + b));
+            let prompt = hash_ids
+                .iter()
+                .flat_map(|&h| block_token_ids(h, BLOCK, &(1..32_000)))
+                .collect();
+            SimRequest {
+                at,
+                prompt,
+                max_tokens: rng.gen_range(1..64),
+                after: None,
+            }
+        })
+        .collect()
+}
+
+fn slo() -> SloSpec {
+    "ttft=500ms,itl=50ms".parse().unwrap()
+}
+
+fn report_json(run: &MeshRun, rate: f64) -> String {
+    serde_json::to_string(&run.report("sim", &shape(rate), &slo())).unwrap()
+}
+
+#[test]
+fn the_same_seed_gives_the_same_report_byte_for_byte() {
+    let run = |seed| {
+        let requests = workload(seed, 2_000, 400.0, 8);
+        let config = mesh(16, "kv_aware".parse().unwrap(), seed);
+        report_json(&simulate(&config, &requests).unwrap(), 400.0)
+    };
+    let a = run(7);
+    assert_eq!(a, run(7));
+    assert_ne!(a, run(8));
+    // The report is bench's: it parses back as a Point's JSON would.
+    let v: serde_json::Value = serde_json::from_str(&a).unwrap();
+    assert_eq!(v["point"]["label"], "sim");
+    assert!(v["point"]["slo"].is_object());
+
+    // With prefill nodes and KV transfers too.
+    let disagg = |seed| {
+        let requests = workload(seed, 1_000, 200.0, 4);
+        let run = simulate(&disaggregated(LinkClass::Rdma50, seed), &requests).unwrap();
+        assert!(run.remote_prefills > 0);
+        report_json(&run, 200.0)
+    };
+    assert_eq!(disagg(21), disagg(21));
+    assert_ne!(disagg(21), disagg(22));
+}
+
+fn assert_conserved(run: &MeshRun, requests: &[SimRequest]) {
+    assert_eq!(run.outcomes.len(), requests.len());
+    for (i, o) in run.outcomes.iter().enumerate() {
+        assert_eq!(o.item, i, "outcomes come one per request, in order");
+        assert_eq!(o.class(), Class::Ok, "request {i}: {o:?}");
+        assert_eq!(o.output_tokens as usize, requests[i].max_tokens);
+        assert_eq!(o.gaps.len() + 1, requests[i].max_tokens);
+        assert!(o.ttft.unwrap() > Duration::ZERO);
+        assert_eq!(o.ended, o.sent + o.e2e.unwrap());
+    }
+    let routed: u64 = run
+        .nodes
+        .iter()
+        .filter(|n| n.role == "decode")
+        .map(|n| n.requests)
+        .sum();
+    assert_eq!(routed as usize, requests.len());
+    for n in &run.nodes {
+        assert_eq!(n.free_blocks, n.num_blocks, "node {} leaked blocks", n.node);
+    }
+}
+
+#[test]
+fn every_request_ends_once_and_no_block_leaks_under_every_policy() {
+    let requests = workload(3, 1_500, 300.0, 6);
+    for policy in RoutingConfig::NAMES {
+        let config = mesh(12, policy.parse().unwrap(), 3);
+        let run = simulate(&config, &requests).unwrap();
+        assert_conserved(&run, &requests);
+        let busy = run.nodes.iter().filter(|n| n.requests > 0).count();
+        assert!(busy > 1, "{policy}: only {busy} node served");
+    }
+}
+
+#[test]
+fn memory_pressure_preempts_and_still_conserves() {
+    // 96 blocks a node: a few long requests fill it, so the scheduler preempts.
+    let requests = workload(5, 400, 200.0, 4);
+    let mut config = mesh(2, "round_robin".parse().unwrap(), 5);
+    config.node.scheduler = scheduler(96, 64, true);
+    let run = simulate(&config, &requests).unwrap();
+    assert_conserved(&run, &requests);
+    assert!(
+        run.nodes.iter().any(|n| n.preemptions > 0),
+        "{:?}",
+        run.nodes
+    );
+}
+
+#[test]
+fn kv_aware_routing_finds_more_cache_than_round_robin() {
+    let requests = workload(9, 3_000, 300.0, 8);
+    let cached = |policy: &str| {
+        let run = simulate(&mesh(16, policy.parse().unwrap(), 9), &requests).unwrap();
+        assert_conserved(&run, &requests);
+        run.outcomes
+            .iter()
+            .map(|o| o.cached_tokens.unwrap())
+            .sum::<u64>()
+    };
+    let (kv, rr) = (cached("kv_aware"), cached("round_robin"));
+    assert!(kv > rr, "kv_aware {kv} cached tokens, round_robin {rr}");
+}
+
+#[test]
+fn a_thousand_nodes() {
+    let requests = workload(11, 20_000, 20_000.0, 64);
+    let run = simulate(&mesh(1_000, "kv_aware".parse().unwrap(), 11), &requests).unwrap();
+    assert_conserved(&run, &requests);
+    let used = run.nodes.iter().filter(|n| n.requests > 0).count();
+    assert!(used > 900, "only {used} of 1000 nodes served");
+}
+
+/// One node serving one request at a time in a fixed time, Poisson arrivals: an M/D/1 queue,
+/// whose mean wait is `W = rho / (2 mu (1 - rho))` (Pollaczek–Khinchine with zero service
+/// variance).
+#[test]
+fn one_fixed_time_server_matches_md1() {
+    let service = Duration::from_millis(10);
+    let mu = 1.0 / service.as_secs_f64();
+    for rho in [0.5, 0.7] {
+        let lambda = rho * mu;
+        let n = 200_000;
+        let LoadShape::Open(open) = shape(lambda) else {
+            unreachable!()
+        };
+        let requests: Vec<SimRequest> = open
+            .schedule(1)
+            .take(n)
+            .map(|at| SimRequest {
+                at,
+                prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
+                max_tokens: 1,
+                after: None,
+            })
+            .collect();
+        let config = MeshConfig {
+            nodes: 1,
+            node: NodeConfig {
+                scheduler: scheduler(64, 1, false),
+                timing: TimingProfile::fixed(service),
+                vocab_size: 100,
+            },
+            routing: "round_robin".parse().unwrap(),
+            prefill: None,
+            report_interval: None,
+            seed: 1,
+        };
+        let run = simulate(&config, &requests).unwrap();
+        assert_conserved(&run, &requests);
+        // The wait is the time to the first (only) token less the service itself.
+        let mean_wait = run
+            .outcomes
+            .iter()
+            .map(|o| (o.ttft.unwrap() - service).as_secs_f64())
+            .sum::<f64>()
+            / n as f64;
+        let expected = rho / (2.0 * mu * (1.0 - rho));
+        let error = (mean_wait - expected).abs() / expected;
+        assert!(
+            error < 0.05,
+            "rho {rho}: mean wait {mean_wait:.6}s, M/D/1 {expected:.6}s ({:.1}% off)",
+            error * 100.0
+        );
+    }
+}
+
+fn disaggregated(link: LinkClass, seed: u64) -> MeshConfig {
+    let mut config = mesh(8, "kv_aware".parse().unwrap(), seed);
+    config.prefill = Some(PrefillPool {
+        nodes: 4,
+        node: config.node.clone(),
+        disaggregation: DisaggConfig {
+            // Every prompt here has at least five blocks: all but well-cached ones go remote.
+            local_prefill_max_tokens: 64,
+            ..DisaggConfig::default()
+        },
+        link,
+        // Llama 3.1 8B: 32 layers, 8 KV heads of 128, f16 K and V.
+        kv_bytes_per_token: 2 * 32 * 8 * 128 * 2,
+    });
+    config
+}
+
+#[test]
+fn disaggregated_prefill_moves_kv_and_conserves() {
+    let requests = workload(13, 1_000, 200.0, 4);
+    let run = simulate(&disaggregated(LinkClass::Rdma100, 13), &requests).unwrap();
+    assert_conserved(&run, &requests);
+    assert!(run.remote_prefills > 100, "{} remote", run.remote_prefills);
+    let prefill_served: u64 = run
+        .nodes
+        .iter()
+        .filter(|n| n.role == "prefill")
+        .map(|n| n.requests)
+        .sum();
+    assert_eq!(prefill_served, run.remote_prefills);
+    // Every remote prefill sent at least one block of 16 tokens at 128 KiB a token.
+    assert!(run.kv_bytes_transferred >= run.remote_prefills * 16 * 128 * 1024);
+}
+
+#[test]
+fn a_slower_link_delays_the_first_token() {
+    let requests = workload(17, 600, 100.0, 4);
+    let mean_ttft = |link| {
+        let run = simulate(&disaggregated(link, 17), &requests).unwrap();
+        assert_conserved(&run, &requests);
+        let sum: f64 = run
+            .outcomes
+            .iter()
+            .map(|o| o.ttft.unwrap().as_secs_f64())
+            .sum();
+        sum / requests.len() as f64
+    };
+    let (fast, slow) = (mean_ttft(LinkClass::Rdma400), mean_ttft(LinkClass::Tcp));
+    // About 1 MiB a request: ~0.3 ms over 400 Gb/s RDMA, ~0.6 ms more over 25 Gb/s TCP.
+    assert!(slow > fast + 0.000_3, "tcp {slow}s, rdma400 {fast}s");
+}
+
+fn one_fixed_node(service: Duration) -> MeshConfig {
+    MeshConfig {
+        nodes: 1,
+        node: NodeConfig {
+            scheduler: scheduler(64, 1, false),
+            timing: TimingProfile::fixed(service),
+            vocab_size: 100,
+        },
+        routing: "round_robin".parse().unwrap(),
+        prefill: None,
+        report_interval: None,
+        seed: 1,
+    }
+}
+
+#[test]
+fn a_closed_loop_sends_each_request_when_one_ends() {
+    let service = Duration::from_millis(10);
+    let requests: Vec<SimRequest> = (0..20)
+        .map(|_| SimRequest {
+            at: Duration::from_secs(999),
+            prompt: vec![1, 2, 3],
+            max_tokens: 1,
+            after: None,
+        })
+        .collect();
+    let config = one_fixed_node(service);
+    // One at a time: back to back, never waiting.
+    let one = simulate_closed(&config, &requests, NonZeroUsize::new(1).unwrap()).unwrap();
+    assert_conserved(&one, &requests);
+    for (i, o) in one.outcomes.iter().enumerate() {
+        assert_eq!(o.sent, service * i as u32);
+        assert_eq!(o.ttft, Some(service));
+    }
+    // Four in flight on a server of one: after the start each waits for the three ahead.
+    let four = simulate_closed(&config, &requests, NonZeroUsize::new(4).unwrap()).unwrap();
+    assert_conserved(&four, &requests);
+    assert_eq!(four.duration, service * 20);
+    assert!(four.outcomes[4..]
+        .iter()
+        .all(|o| o.ttft == Some(service * 4)));
+}
+
+#[test]
+fn periodic_load_reports_are_stale_and_change_decisions() {
+    let requests = workload(23, 1_500, 400.0, 6);
+    let run = |interval| {
+        let mut config = mesh(12, "least_loaded".parse().unwrap(), 23);
+        config.report_interval = interval;
+        let run = simulate(&config, &requests).unwrap();
+        assert_conserved(&run, &requests);
+        run.nodes.iter().map(|n| n.requests).collect::<Vec<_>>()
+    };
+    let fresh = run(None);
+    assert_eq!(fresh, run(None));
+    assert_ne!(fresh, run(Some(Duration::from_millis(500))));
+    assert!(matches!(
+        simulate(
+            &MeshConfig {
+                report_interval: Some(Duration::ZERO),
+                ..mesh(1, "least_loaded".parse().unwrap(), 1)
+            },
+            &requests
+        ),
+        Err(kvmesh_sim::mesh::MeshError::ZeroReportInterval)
+    ));
+}
+
+#[test]
+fn a_turn_waits_for_the_turn_it_follows() {
+    let service = Duration::from_millis(10);
+    let ms = Duration::from_millis;
+    let turn = |at, after| SimRequest {
+        at,
+        prompt: vec![1, 2, 3],
+        max_tokens: 3,
+        after,
+    };
+    // Request 1 is due at 5 ms but follows request 0, which ends at 30 ms.
+    let requests = [turn(ms(0), None), turn(ms(5), Some(0)), turn(ms(6), None)];
+    let mut config = one_fixed_node(service);
+    config.node.scheduler.max_num_seqs = 4;
+    let run = simulate(&config, &requests).unwrap();
+    assert_conserved(&run, &requests);
+    assert_eq!(run.outcomes[0].ended, ms(30));
+    assert_eq!(run.outcomes[1].sent, ms(30));
+    assert_eq!(run.outcomes[2].sent, ms(6));
+    let bad = [turn(ms(0), Some(0))];
+    assert!(matches!(
+        simulate(&config, &bad),
+        Err(kvmesh_sim::mesh::MeshError::BadPreviousTurn(0))
+    ));
+}
