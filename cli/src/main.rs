@@ -9,11 +9,10 @@ mod bench_ttft;
 mod certs;
 mod config;
 mod generate;
+mod local_cluster;
 mod model_args;
 mod node;
 mod serve;
-// Pure cores only so far: compiled for their tests until the subcommand's driver lands.
-#[cfg(test)]
 mod tune;
 
 use anyhow::Result;
@@ -54,6 +53,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Search configurations for the most goodput within an SLO on a node budget.
+    Tune(tune::TuneArgs),
 }
 
 #[derive(Subcommand)]
@@ -97,6 +98,7 @@ fn main() -> Result<()> {
         Command::Decode(args) => config::run(&args, &env, node::decode::run),
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
+        Command::Tune(args) => tune::run(&args),
         Command::Bench(BenchCommand::Engine(args)) => bench_engine::run(&args),
         Command::Bench(BenchCommand::Transfer(args)) => bench_ttft::run(&args),
         Command::Bench(BenchCommand::Trace(args)) => bench_trace::run(&args),
