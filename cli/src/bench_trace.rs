@@ -3,6 +3,7 @@
 //! on loopback addresses), once per routing policy, each on a fresh cluster so no policy
 //! inherits another's warm caches. With `--url`, replays against that router instead.
 
+use crate::local_cluster::{ChildOptions, Cluster, MeshSpec, START_TIMEOUT};
 use crate::model_args::ModelArgs;
 use anyhow::{Context, Result};
 use clap::Args;
@@ -11,7 +12,6 @@ use kvmesh_bench::{
     load_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions, ReplayReport,
     ScaleConfig, TraceSource,
 };
-use crate::local_cluster::{ChildOptions, Cluster, MeshSpec, START_TIMEOUT};
 use std::path::PathBuf;
 
 #[derive(Args, Debug)]

@@ -219,7 +219,12 @@ impl Cluster {
         let etcd = EtcdServer::start().context("starting etcd")?;
         let mut children = Children::for_options(options);
         // Each node on its own loopback address: its UDP transfer port beside the TCP one.
-        let mut spawn = |role: &str, name: String, ip: String, config: &Option<PathBuf>, extra: &[String]| -> Result<SocketAddr> {
+        let mut spawn = |role: &str,
+                         name: String,
+                         ip: String,
+                         config: &Option<PathBuf>,
+                         extra: &[String]|
+         -> Result<SocketAddr> {
             let addr = free_addr(&ip)?;
             let mut cmd = command(role, addr, options)?;
             cmd.args(["--etcd", &etcd.endpoint(), "--cluster", CLUSTER]);
@@ -231,11 +236,23 @@ impl Cluster {
             Ok(addr)
         };
         for i in 0..spec.prefill_nodes {
-            spawn("prefill", format!("prefill-{i}"), format!("127.0.0.{}", 3 + i), &spec.prefill_config, &[])?;
+            spawn(
+                "prefill",
+                format!("prefill-{i}"),
+                format!("127.0.0.{}", 3 + i),
+                &spec.prefill_config,
+                &[],
+            )?;
         }
         for i in 0..spec.decode_nodes {
             let ip = format!("127.0.0.{}", 3 + spec.prefill_nodes + i);
-            spawn("decode", format!("decode-{i}"), ip, &spec.decode_config, &spec.decode_args)?;
+            spawn(
+                "decode",
+                format!("decode-{i}"),
+                ip,
+                &spec.decode_config,
+                &spec.decode_args,
+            )?;
         }
         let router = spawn(
             "router",

@@ -272,7 +272,13 @@ pub fn run(args: &TuneArgs) -> Result<()> {
     }
     let elapsed = started.elapsed();
     println!("{}", table::results(&candidates, &rows));
-    let Some(winner) = schedule.winner().filter(|w| w.score.is_finite() && w.score > 0.0) else {
+    for path in write_pareto(&args.out, &candidates, &rows, &args.slo)? {
+        println!("wrote {}", path.display());
+    }
+    let Some(winner) = schedule
+        .winner()
+        .filter(|w| w.score.is_finite() && w.score > 0.0)
+    else {
         bail!("no candidate carried any load within the SLO {}", args.slo);
     };
     let best = &candidates[winner.measurement.candidate];
@@ -290,17 +296,17 @@ pub fn run(args: &TuneArgs) -> Result<()> {
         args.max_tokens
     );
     let files = write_rendered(&dirs.best, best, &header)?;
-    println!("best: #{} {best}\n{}", winner.measurement.candidate, best_row.summary());
+    println!(
+        "best: #{} {best}\n{}",
+        winner.measurement.candidate,
+        best_row.summary()
+    );
     for path in &files {
         println!(
             "== {}\n{}",
             path.display(),
             std::fs::read_to_string(path).context("reading back the best configuration")?
         );
-    }
-    let plots = write_pareto(&args.out, &candidates, &rows, &args.slo)?;
-    for path in plots {
-        println!("wrote {}", path.display());
     }
     let why = match schedule.finished() {
         Some(halving::Finish::BudgetSpent) => "the budget ran out before the last rung",
@@ -389,9 +395,9 @@ impl Deployment {
     ) -> Result<Deployment> {
         let files = write_rendered(dir, c, "")?;
         match c.topology {
-            Topology::Serve { .. } => Ok(Deployment::Serve(ServeProcess::start(
-                &files[0], options,
-            )?)),
+            Topology::Serve { .. } => {
+                Ok(Deployment::Serve(ServeProcess::start(&files[0], options)?))
+            }
             Topology::Mesh {
                 prefill_nodes,
                 decode_nodes,
@@ -464,11 +470,8 @@ fn measure(
     let t0 = Instant::now();
     let deployment = Deployment::start(c, dir, &options, runtime)?;
     let startup = t0.elapsed();
-    let (probe, max_probes) = probe_plan(
-        budget.saturating_sub(startup),
-        args.min_probe,
-        args.probes,
-    );
+    let (probe, max_probes) =
+        probe_plan(budget.saturating_sub(startup), args.min_probe, args.probes);
     let bench = Bench {
         target: Target {
             url: deployment.url(),

@@ -102,7 +102,10 @@ mod tests {
         assert_eq!(s.len(), 4);
         assert_eq!(s[0].points, [(100.0, 2.0), (250.0, 4.0)]);
         assert_eq!(s[0].style, LineStyle::Dashed);
-        assert_eq!((s[1].name.as_str(), s[2].name.as_str()), ("#0 fast", "#2 big"));
+        assert_eq!(
+            (s[1].name.as_str(), s[2].name.as_str()),
+            ("#0 fast", "#2 big")
+        );
         assert_eq!(s[3].name, "dominated (1)");
         assert_eq!(s[3].points, [(300.0, 1.0)]);
         assert!(f.title.contains("ttft=1s"));
@@ -128,7 +131,10 @@ mod tests {
             .filter(|n| n.is_text())
             .filter_map(|n| n.text())
             .collect();
-        assert!(texts.contains("#0 a") && texts.contains("dominated (1)"), "{texts}");
+        assert!(
+            texts.contains("#0 a") && texts.contains("dominated (1)"),
+            "{texts}"
+        );
         assert!(doc.descendants().any(|n| n.has_tag_name("circle")));
         assert!(std::fs::read(&files[1]).unwrap().starts_with(b"\x89PNG"));
     }

@@ -264,8 +264,14 @@ mod tests {
             let e = bad.parse::<Topology>().unwrap_err();
             assert!(e.contains("expected serve:P+D"), "{bad}: {e}");
         }
-        assert!("mesh:0+2".parse::<Topology>().unwrap_err().contains("prefill node"));
-        assert!("serve:1+0".parse::<Topology>().unwrap_err().contains("decode"));
+        assert!("mesh:0+2"
+            .parse::<Topology>()
+            .unwrap_err()
+            .contains("prefill node"));
+        assert!("serve:1+0"
+            .parse::<Topology>()
+            .unwrap_err()
+            .contains("decode"));
     }
 
     #[test]

@@ -195,7 +195,10 @@ mod tests {
         let candidates = SearchSpace::for_nodes(2).candidates()[..3].to_vec();
         let schedule = Halving::new(3, Duration::from_secs(70), Duration::from_secs(3)).unwrap();
         let text = plan(&candidates, &schedule);
-        assert!(text.starts_with("3 candidates:\n  #0   serve 0p+1d"), "{text}");
+        assert!(
+            text.starts_with("3 candidates:\n  #0   serve 0p+1d"),
+            "{text}"
+        );
         assert!(text.contains("rung 0: 3 candidates x 10s"), "{text}");
         assert!(text.contains("rung 1: 2 candidates x 20s"), "{text}");
         assert!(text.ends_with("total 70.0s"), "{text}");
