@@ -28,7 +28,7 @@ use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::Arrivals;
 use kvmesh_bench::plot::{self, PlotFormat};
 use kvmesh_bench::probe::{Bench, Progress};
-use kvmesh_bench::search::{Axis, Criteria, SearchConfig};
+use kvmesh_bench::search::{judge, Axis, Criteria, SearchConfig, Verdict};
 use kvmesh_bench::slo::SloSpec;
 use kvmesh_bench::workload::{WorkloadOptions, WorkloadSpec};
 use kvmesh_bench::{Api, Target};
@@ -437,11 +437,14 @@ impl Deployment {
 /// What one measurement found.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Found {
-    /// Requests per second within the SLO at the highest concurrency that passed; 0 when
-    /// even concurrency 1 failed.
+    /// Requests per second within the SLO at the highest concurrency that passed (else see
+    /// `proven`); 0 when even concurrency 1 failed.
     pub goodput: f64,
     /// The concurrency found, if any passed.
     pub concurrency: Option<usize>,
+    /// Whether a probe passed; otherwise `goodput` is the best of probes too short to show
+    /// the SLO's attainment either way.
+    pub proven: bool,
     /// TTFT p99 (seconds) at that concurrency (at concurrency 1 when none passed).
     pub ttft_p99: Option<f64>,
     /// How long the deployment took to come up, and each probe's length.
@@ -496,16 +499,39 @@ fn measure(
         }
     })??;
     drop(deployment);
-    // The answer's point, or the first probe's when none passed (its latency still says
-    // how far off the SLO the candidate is).
-    let point = match &search.max_goodput {
-        Some(m) => search.points.iter().rfind(|p| p.point.label == m.label),
-        None => search.points.first(),
+    let criteria = Criteria::default();
+    let (point, concurrency, proven) = match (&search.max_goodput, &search.found) {
+        (Some(m), Some(f)) => (
+            search.points.iter().rfind(|p| p.point.label == m.label),
+            Some(f.load as usize),
+            true,
+        ),
+        // No probe passed: the best goodput of a probe too short to tell (inconclusive)
+        // still ranks candidates measured briefly, marked unproven; none: 0.
+        _ => (
+            search
+                .points
+                .iter()
+                .filter(|p| matches!(judge(&p.point.slo, &criteria), Verdict::Inconclusive))
+                .max_by(|a, b| {
+                    a.point
+                        .slo
+                        .goodput
+                        .rate
+                        .total_cmp(&b.point.slo.goodput.rate)
+                }),
+            None,
+            false,
+        ),
     };
     Ok(Found {
-        goodput: search.max_goodput.as_ref().map_or(0.0, |m| m.goodput.rate),
-        concurrency: search.found.as_ref().map(|f| f.load as usize),
-        ttft_p99: point.and_then(|p| p.point.slo.ttft.as_ref()).map(|s| s.p99),
+        goodput: point.map_or(0.0, |p| p.point.slo.goodput.rate),
+        concurrency,
+        proven,
+        ttft_p99: point
+            .or(search.points.first())
+            .and_then(|p| p.point.slo.ttft.as_ref())
+            .map(|s| s.p99),
         startup,
         probe,
         probes: search.points.len(),

@@ -50,12 +50,13 @@ impl Row {
                 self.error.as_deref().unwrap_or("no measurement")
             ),
             Some(f) => format!(
-                "goodput {:.3} req/s at {}, TTFT p99 {}",
+                "goodput {}{:.3} req/s at {}, TTFT p99 {}",
+                if f.proven { "" } else { "~" },
                 f.goodput,
-                f.concurrency
-                    .map_or("no passing concurrency".to_string(), |c| format!(
-                        "concurrency {c}"
-                    )),
+                f.concurrency.map_or(
+                    "no passing concurrency (unproven: probes too short)".to_string(),
+                    |c| format!("concurrency {c}")
+                ),
                 ms(f.ttft_p99)
             ),
         }
@@ -97,14 +98,14 @@ pub fn results(candidates: &[Candidate], rows: &[Row]) -> String {
     let mut sorted: Vec<&Row> = rows.iter().collect();
     sorted.sort_by_key(|r| (r.measurement.candidate, r.measurement.rung));
     let mut out = format!(
-        "{:<4} {:<72} {:>4} {:>10} {:>6} {:>11} {:>7} {:>7}\n",
+        "(~: no probe passed; the best goodput of probes too short to tell)\n{:<4} {:<72} {:>4} {:>10} {:>6} {:>11} {:>7} {:>7}\n",
         "#", "candidate", "rung", "goodput/s", "conc", "TTFT p99", "start", "time"
     );
     for r in sorted {
         let m = r.measurement;
         let (goodput, conc, ttft, start) = match &r.found {
             Some(f) => (
-                format!("{:.3}", f.goodput),
+                format!("{}{:.3}", if f.proven { "" } else { "~" }, f.goodput),
                 f.concurrency.map_or("-".into(), |c| c.to_string()),
                 ms(f.ttft_p99),
                 secs(f.startup),
@@ -153,6 +154,7 @@ mod tests {
         let found = Found {
             goodput,
             concurrency: Some(4),
+            proven: true,
             ttft_p99: Some(0.25),
             startup: Duration::from_secs(2),
             probe: Duration::from_secs(5),
@@ -172,12 +174,17 @@ mod tests {
         let mut failed = row(2, 0, 0.0);
         failed.found = None;
         failed.error = Some("decode-0 exited".into());
-        let rows = [row(1, 0, 2.0), row(0, 0, 1.5), failed, row(1, 1, 2.5)];
+        let mut unproven = row(0, 0, 1.5);
+        if let Some(f) = unproven.found.as_mut() {
+            (f.proven, f.concurrency) = (false, None);
+        }
+        let rows = [row(1, 0, 2.0), unproven, failed, row(1, 1, 2.5)];
         let text = results(&candidates, &rows);
-        let lines: Vec<&str> = text.lines().collect();
+        let lines: Vec<&str> = text.lines().skip(1).collect();
         assert_eq!(lines.len(), 5, "{text}");
         assert!(lines[0].contains("goodput/s") && lines[0].contains("TTFT p99"));
-        assert!(lines[1].starts_with("#0 ") && lines[1].contains("1.500"));
+        assert!(lines[1].starts_with("#0 ") && lines[1].contains("~1.500"));
+        assert!(rows[1].summary().contains("unproven"));
         assert!(lines[2].starts_with("#1 ") && lines[2].contains("250 ms"));
         assert!(lines[3].starts_with("#1 ") && lines[3].contains("2.500"));
         assert!(lines[4].starts_with("#2 ") && lines[4].contains("failed"));
