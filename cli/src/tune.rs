@@ -285,7 +285,7 @@ pub fn run(args: &TuneArgs) -> Result<()> {
     let best_row = rows
         .iter()
         .rfind(|r| r.measurement == winner.measurement)
-        .expect("the winner was measured");
+        .context("the winner has no row")?;
     let header = format!(
         "kvmesh tune: best of {} candidates in {}\n{}\nSLO {}, workload {}, max_tokens {}",
         candidates.len(),
@@ -478,6 +478,9 @@ fn measure(
     let bench = Bench {
         target: Target {
             url: deployment.url(),
+            // A request outliving its probe this long has missed any SLO worth meeting;
+            // waiting longer would only spend the budget.
+            request_timeout: (probe * 2).clamp(Duration::from_secs(10), Duration::from_secs(60)),
             ..bench.target.clone()
         },
         duration: Some(probe),
