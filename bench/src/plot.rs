@@ -8,12 +8,14 @@
 
 mod charts;
 mod draw;
+mod pareto;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 pub use charts::figures;
+pub use pareto::{pareto_figure, write_pareto, TradeOff};
 
 use crate::report::BenchReport;
 
@@ -90,6 +92,8 @@ pub enum LineStyle {
     Plain,
     /// Dashed (bounds, a shape's nominal rate).
     Dashed,
+    /// Marks alone (a scatter: configurations, not a series of loads).
+    Points,
 }
 
 /// A reference line across a panel: an SLO target.
@@ -146,6 +150,16 @@ pub fn write_plots(
     formats: &[PlotFormat],
     size: (u32, u32),
 ) -> Result<Vec<PathBuf>, PlotError> {
+    write_figures(dir, &figures(report), formats, size)
+}
+
+/// Draws `figures` into `dir` (created if missing), once per format; the files written.
+pub(crate) fn write_figures(
+    dir: &Path,
+    figures: &[Figure],
+    formats: &[PlotFormat],
+    size: (u32, u32),
+) -> Result<Vec<PathBuf>, PlotError> {
     let (w, h) = size;
     if !(64..=16384).contains(&w) || !(64..=16384).contains(&h) {
         return Err(PlotError::Size(w, h));
@@ -156,10 +170,10 @@ pub fn write_plots(
         source,
     })?;
     let mut written = Vec::new();
-    for figure in figures(report) {
+    for figure in figures {
         for &format in formats {
             let path = dir.join(format!("{}.{}", figure.name, format.extension()));
-            draw::write(&figure, format, &path, size).map_err(|message| PlotError::Draw {
+            draw::write(figure, format, &path, size).map_err(|message| PlotError::Draw {
                 path: path.clone(),
                 message,
             })?;

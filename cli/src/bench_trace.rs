@@ -3,20 +3,16 @@
 //! on loopback addresses), once per routing policy, each on a fresh cluster so no policy
 //! inherits another's warm caches. With `--url`, replays against that router instead.
 
+use crate::local_cluster::{ChildOptions, Cluster, MeshSpec, START_TIMEOUT};
 use crate::model_args::ModelArgs;
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use clap::Args;
 use kvmesh_bench::load::csv;
 use kvmesh_bench::{
     load_trace, replay, sample_conversations, scale_trace, Pacing, ReplayOptions, ReplayReport,
     ScaleConfig, TraceSource,
 };
-use kvmesh_common::NodeRole;
-use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
-use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 #[derive(Args, Debug)]
 pub struct BenchTraceArgs {
@@ -98,10 +94,10 @@ pub fn run(args: &BenchTraceArgs) -> Result<()> {
         // Fetch once before five processes race for it.
         args.model.prepare()?;
         for policy in &args.policies {
-            let cluster = Cluster::start(policy, args)?;
-            runtime.block_on(cluster.await_nodes(Duration::from_secs(120)))?;
+            let cluster = start_cluster(policy, args)?;
+            runtime.block_on(cluster.await_nodes(START_TIMEOUT))?;
             tracing::info!(policy, "cluster up; replaying");
-            let report = replay_at(&format!("http://{}", cluster.router))?;
+            let report = replay_at(&cluster.url())?;
             drop(cluster);
             reports.push((policy.clone(), report));
         }
@@ -135,128 +131,28 @@ fn write_requests_csv(path: &std::path::Path, reports: &[(String, ReplayReport)]
     Ok(std::fs::write(path, text)?)
 }
 
-/// etcd, two prefill, two decode nodes and a router with `policy`; stopped on drop.
-struct Cluster {
-    children: Vec<Child>,
-    router: SocketAddr,
-    _etcd: EtcdServer,
-}
-
-impl Cluster {
-    fn start(policy: &str, args: &BenchTraceArgs) -> Result<Cluster> {
-        let etcd = EtcdServer::start()?;
-        let exe = std::env::current_exe()?;
-        let mut children = Vec::new();
-        let mut spawn = |role: &str, ip: &str, extra: &[&str]| -> Result<SocketAddr> {
-            let addr = TcpListener::bind((ip, 0))?.local_addr()?;
-            let mut cmd = Command::new(&exe);
-            cmd.args([
-                role,
-                "--etcd",
-                &etcd.endpoint(),
-                "--listen",
-                &addr.to_string(),
-            ])
-            .args([
-                "--cluster",
-                "bench",
-                "--threads",
-                &args.node_threads.to_string(),
-            ])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-            if let Some(m) = &args.model.model {
-                cmd.arg("--model").arg(m);
-            }
-            children.push(cmd.spawn().with_context(|| format!("starting {role}"))?);
-            Ok(addr)
-        };
-        for ip in ["127.0.0.3", "127.0.0.4"] {
-            spawn("prefill", ip, &[])?;
-        }
-        let no_pulls = args.pull_min_blocks == Some(0);
-        let decode_args: &[&str] = if no_pulls {
-            &["--prefill-pulls", "false"]
-        } else {
-            &[]
-        };
-        for ip in ["127.0.0.5", "127.0.0.6"] {
-            spawn("decode", ip, decode_args)?;
-        }
-        let mut router_args = vec!["--routing-policy".to_string(), policy.to_string()];
-        if let Some(n) = args.pull_min_blocks {
-            router_args.extend(["--pull-min-blocks".to_string(), n.to_string()]);
-        }
-        let router_args: Vec<&str> = router_args.iter().map(String::as_str).collect();
-        let router = spawn("router", "127.0.0.2", &router_args)?;
-        let cluster = Cluster {
-            children,
-            router,
-            _etcd: etcd,
-        };
-        cluster.await_ready(Duration::from_secs(120))?;
-        Ok(cluster)
+/// Two prefill, two decode nodes and a router with `policy`.
+fn start_cluster(policy: &str, args: &BenchTraceArgs) -> Result<Cluster> {
+    let mut router_args = vec!["--routing-policy".to_string(), policy.to_string()];
+    if let Some(n) = args.pull_min_blocks {
+        router_args.extend(["--pull-min-blocks".to_string(), n.to_string()]);
     }
-
-    /// Until discovery shows every node (they register once their model is loaded).
-    async fn await_nodes(&self, within: Duration) -> Result<()> {
-        let config = EtcdConfig {
-            endpoints: vec![self._etcd.endpoint()],
-            cluster: "bench".into(),
-            ..EtcdConfig::default()
-        };
-        let discovery = EtcdDiscovery::connect(config).await?;
-        let mut changes = discovery.subscribe();
-        let all_up = || {
-            discovery.nodes(NodeRole::Prefill).len() == 2
-                && discovery.nodes(NodeRole::Decode).len() == 2
-        };
-        tokio::time::timeout(within, async {
-            while !all_up() {
-                if changes.changed().await.is_err() {
-                    break;
-                }
-            }
-        })
-        .await
-        .context("waiting for the nodes to register")?;
-        Ok(())
-    }
-
-    /// The router answers /health 200 once a decode node is registered.
-    fn await_ready(&self, within: Duration) -> Result<()> {
-        let deadline = Instant::now() + within;
-        while !crate::bench_trace::health_ok(self.router) {
-            if Instant::now() > deadline {
-                bail!("the cluster did not come up within {within:?}");
-            }
-            // A process start-up with no push signal to await; bounded by the deadline.
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for c in &mut self.children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-fn health_ok(addr: SocketAddr) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return false;
+    let decode_args = if args.pull_min_blocks == Some(0) {
+        vec!["--prefill-pulls".to_string(), "false".to_string()]
+    } else {
+        Vec::new()
     };
-    let _ = write!(
-        s,
-        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    );
-    let mut r = String::new();
-    let _ = s.read_to_string(&mut r);
-    r.starts_with("HTTP/1.1 200")
+    let spec = MeshSpec {
+        prefill_nodes: 2,
+        decode_nodes: 2,
+        router_args,
+        decode_args,
+        ..MeshSpec::default()
+    };
+    let options = ChildOptions {
+        model: args.model.model.clone(),
+        threads: args.node_threads,
+        ..ChildOptions::default()
+    };
+    Cluster::start(&spec, &options)
 }

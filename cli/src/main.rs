@@ -10,11 +10,10 @@ mod bench_ttft;
 mod certs;
 mod config;
 mod generate;
+mod local_cluster;
 mod model_args;
 mod node;
 mod serve;
-// Pure cores only so far: compiled for their tests until the subcommand's driver lands.
-#[cfg(test)]
 mod tune;
 
 use anyhow::Result;
@@ -55,6 +54,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Search configurations for the most goodput within an SLO on a node budget.
+    Tune(tune::TuneArgs),
 }
 
 #[derive(Subcommand)]
@@ -105,6 +106,7 @@ fn main() -> Result<()> {
         Command::Decode(args) => config::run(&args, &env, node::decode::run),
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
+        Command::Tune(args) => tune::run(&args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),
         Command::Bench(BenchCommand::Compare(args)) => bench_serve::run_compare(&args),
         Command::Bench(BenchCommand::Plot(args)) => bench_serve::run_plot(&args),

@@ -179,6 +179,9 @@ fn draw_panel<DB: DrawingBackend>(
             LineStyle::Dashed => chart
                 .draw_series(DashedLineSeries::new(pts, 6, 4, c.stroke_width(1)))
                 .map_err(err)?,
+            LineStyle::Points => chart
+                .draw_series(pts.map(|p| Circle::new(p, 5, c.filled())))
+                .map_err(err)?,
         };
         // A nameless series (the second bound of a pair) stays out of the legend.
         if !s.name.is_empty() {

@@ -160,6 +160,11 @@ impl Halving {
         })
     }
 
+    /// How many candidates each rung measures.
+    pub fn rung_sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
     /// The planned budget of one measurement in each rung (before any shrinking).
     pub fn planned(&self) -> Vec<Duration> {
         (0..self.sizes.len())

@@ -101,7 +101,7 @@ pub fn render(c: &Candidate, header: &str) -> Result<Rendered, toml::ser::Error>
         let mut text: String = header.lines().map(|l| format!("# {l}\n")).collect();
         text.push_str(&format!("# kvmesh tune: {c}\n# for `{role} --config`"));
         if let Some(n) = nodes {
-            text.push_str(&format!(" ({n} nodes)"));
+            text.push_str(&format!(" ({n} node{})", if n == 1 { "" } else { "s" }));
         }
         text + "\n\n"
     };

@@ -5,6 +5,7 @@ use kvmesh_router::policy::RoutingConfig;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::fmt;
+use std::str::FromStr;
 use std::time::Duration;
 
 /// How the engines are laid out.
@@ -61,6 +62,37 @@ impl fmt::Display for Topology {
                 prefill_nodes,
                 decode_nodes,
             } => write!(f, "mesh {prefill_nodes}:{decode_nodes}"),
+        }
+    }
+}
+
+impl FromStr for Topology {
+    type Err = String;
+
+    /// `serve:P+D` (an in-process `kvmesh serve` with P prefill and D decode workers) or
+    /// `mesh:P+D` (P prefill and D decode nodes behind a router).
+    fn from_str(s: &str) -> Result<Topology, String> {
+        let bad = || format!("`{s}`: expected serve:P+D or mesh:P+D (e.g. serve:0+1, mesh:1+3)");
+        let (kind, counts) = s.trim().split_once(':').ok_or_else(bad)?;
+        let (p, d) = counts.split_once('+').ok_or_else(bad)?;
+        let p: usize = p.trim().parse().map_err(|_| bad())?;
+        let d: usize = d.trim().parse().map_err(|_| bad())?;
+        if d == 0 {
+            return Err(format!("`{s}`: at least one decode engine is needed"));
+        }
+        match kind.trim() {
+            "serve" => Ok(Topology::Serve {
+                prefill_workers: p,
+                decode_workers: d,
+            }),
+            "mesh" if p == 0 => Err(format!(
+                "`{s}`: a mesh needs a prefill node (serve:0+D prefills on the decode engines)"
+            )),
+            "mesh" => Ok(Topology::Mesh {
+                prefill_nodes: p,
+                decode_nodes: d,
+            }),
+            _ => Err(bad()),
         }
     }
 }
@@ -210,6 +242,36 @@ mod tests {
         let space = SearchSpace::for_nodes(4);
         assert_eq!(space.topologies.len(), 5);
         assert_eq!(space.topologies[0].to_string(), "serve 0p+1d");
+    }
+
+    #[test]
+    fn topologies_parse_and_bad_ones_say_why() {
+        assert_eq!(
+            "serve:1+2".parse::<Topology>(),
+            Ok(Topology::Serve {
+                prefill_workers: 1,
+                decode_workers: 2
+            })
+        );
+        assert_eq!(
+            " mesh:1+3 ".parse::<Topology>(),
+            Ok(Topology::Mesh {
+                prefill_nodes: 1,
+                decode_nodes: 3
+            })
+        );
+        for bad in ["mesh:1:3", "serve", "pool:1+1", "serve:x+1"] {
+            let e = bad.parse::<Topology>().unwrap_err();
+            assert!(e.contains("expected serve:P+D"), "{bad}: {e}");
+        }
+        assert!("mesh:0+2"
+            .parse::<Topology>()
+            .unwrap_err()
+            .contains("prefill node"));
+        assert!("serve:1+0"
+            .parse::<Topology>()
+            .unwrap_err()
+            .contains("decode"));
     }
 
     #[test]
