@@ -23,7 +23,7 @@ pub mod table;
 use crate::local_cluster::{ChildOptions, Cluster, Interrupt, MeshSpec, ServeProcess};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use halving::{affordable, Halving};
+use halving::{affordable, Halving, Measurement};
 use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::Arrivals;
 use kvmesh_bench::plot::{self, PlotFormat};
@@ -66,6 +66,10 @@ pub struct TuneArgs {
     /// Where the best configuration, the Pareto plot and the deployments' logs go.
     #[arg(long, default_value = "tune")]
     pub out: PathBuf,
+    /// Do not measure the untuned configuration (`Candidate::baseline`: an even split, every
+    /// setting at its default) beside the sample.
+    #[arg(long)]
+    pub no_baseline: bool,
     /// Print the candidates and the schedule; start nothing.
     #[arg(long)]
     pub dry_run: bool,
@@ -195,7 +199,16 @@ impl TuneArgs {
             Some(n) => n,
             None => fits,
         };
-        let sample = space::sample(all, n, self.seed);
+        let mut sample = space::sample(all, n, self.seed);
+        // The untuned configuration is measured too (in place of the last sampled one), so the
+        // result is judged against it in the same run.
+        let baseline = Candidate::baseline(self.nodes);
+        if !self.no_baseline && !sample.contains(&baseline) {
+            if sample.len() > 1 {
+                sample.pop();
+            }
+            sample.push(baseline);
+        }
         let schedule = Halving::new(sample.len(), self.budget, self.min_measurement())?;
         Ok((sample, schedule))
     }
@@ -307,6 +320,9 @@ pub fn run(args: &TuneArgs) -> Result<()> {
             path.display(),
             std::fs::read_to_string(path).context("reading back the best configuration")?
         );
+    }
+    if let Some(line) = against_baseline(args.nodes, &candidates, &rows, winner.measurement) {
+        println!("{line}");
     }
     let why = match schedule.finished() {
         Some(halving::Finish::BudgetSpent) => "the budget ran out before the last rung",
@@ -593,6 +609,37 @@ fn write_pareto(
     )?)
 }
 
+/// The winner against the untuned configuration, at the last rung the untuned one was
+/// measured in (the same probe budget for both); `None` without it in the sample.
+fn against_baseline(
+    nodes: usize,
+    candidates: &[Candidate],
+    rows: &[Row],
+    winner: Measurement,
+) -> Option<String> {
+    let baseline = candidates
+        .iter()
+        .position(|c| *c == Candidate::baseline(nodes))?;
+    let base = rows
+        .iter()
+        .filter(|r| r.measurement.candidate == baseline)
+        .max_by_key(|r| r.measurement.rung)?;
+    let best = rows.iter().rfind(|r| {
+        r.measurement.candidate == winner.candidate && r.measurement.rung == base.measurement.rung
+    })?;
+    let ratio = match (best.score(), base.score()) {
+        (b, d) if d > 0.0 && b.is_finite() => format!("{:.2}x", b / d),
+        _ => "n/a (the default carried nothing within the SLO)".to_owned(),
+    };
+    Some(format!(
+        "best against the default (#{baseline}, rung {}, same probe budget): {ratio}; \
+         best {}, default {}",
+        base.measurement.rung,
+        best.summary(),
+        base.summary()
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -605,6 +652,49 @@ mod tests {
         assert_eq!(probe_plan(s(20), s(5), 8), (s(5), 3));
         // Too little left: one probe of the shortest length.
         assert_eq!(probe_plan(s(2), s(5), 8), (s(5), 1));
+    }
+
+    #[test]
+    fn the_winner_is_judged_against_the_default_at_the_defaults_last_rung() {
+        let tuned = Candidate {
+            max_num_batched_tokens: 512,
+            ..Candidate::baseline(4)
+        };
+        assert_ne!(tuned, Candidate::baseline(4));
+        let candidates = [tuned, Candidate::baseline(4)];
+        let row = |candidate, rung, goodput| {
+            let m = Measurement {
+                candidate,
+                rung,
+                budget: Duration::from_secs(10),
+            };
+            let found = Found {
+                goodput,
+                concurrency: Some(4),
+                proven: true,
+                ttft_p99: Some(0.5),
+                startup: Duration::ZERO,
+                probe: Duration::from_secs(1),
+                probes: 3,
+            };
+            Row::measured(m, found, Duration::from_secs(10))
+        };
+        // The default is out after rung 0; the winner goes on to rung 1.
+        let rows = [row(0, 0, 6.0), row(1, 0, 4.0), row(0, 1, 9.0)];
+        let line = against_baseline(4, &candidates, &rows, rows[2].measurement).unwrap();
+        assert!(line.contains("rung 0") && line.contains("1.50x"), "{line}");
+        // Without the default in the sample there is nothing to say.
+        assert_eq!(
+            against_baseline(4, &candidates[..1], &rows[..1], rows[0].measurement),
+            None
+        );
+        assert_eq!(
+            Candidate::baseline(4).topology,
+            Topology::Mesh {
+                prefill_nodes: 2,
+                decode_nodes: 2
+            }
+        );
     }
 
     #[test]

@@ -112,6 +112,34 @@ pub struct Candidate {
     pub ttft_target: Duration,
 }
 
+impl Candidate {
+    /// What a user gets on `nodes` nodes without tuning: an even split (the larger half
+    /// decoding) with every other setting at its default (the in-process `serve` on one node).
+    /// Always measured beside the sample, so the tuned result is judged against it in the same
+    /// run.
+    pub fn baseline(nodes: usize) -> Candidate {
+        let decode = crate::node::config::DecodeNodeConfig::default();
+        let topology = match nodes {
+            0 | 1 => Topology::Serve {
+                prefill_workers: 0,
+                decode_workers: 1,
+            },
+            n => Topology::Mesh {
+                prefill_nodes: n / 2,
+                decode_nodes: n - n / 2,
+            },
+        };
+        Candidate {
+            topology,
+            max_num_batched_tokens: kvmesh_engine::engine_config::EngineConfig::default()
+                .max_num_batched_tokens,
+            local_prefill_max_tokens: decode.local_prefill_max_tokens,
+            routing: RoutingConfig::default(),
+            ttft_target: kvmesh_router::RouterConfig::default().ttft_target,
+        }
+    }
+}
+
 impl fmt::Display for Candidate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
