@@ -45,6 +45,8 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
 
 MODEL="$HOME/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 WORKLOAD="synthetic:input=azure,output=azure,scale=4,max_input=1024,max_output=128"
@@ -59,7 +61,7 @@ OUT="$ROOT/target/bench-serve"
 SERVED_NAME="SmolLM2-135M-Instruct"
 READY_TIMEOUT=180
 
-usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
@@ -92,91 +94,15 @@ if [[ "$ONLY" != kvmesh && ! -x "$LLAMA_SERVER" ]]; then
   log "llama-server not built in $LLAMA_DIR; building (several minutes)"
   KVMESH_LLAMACPP_DIR="$LLAMA_DIR" bash "$ROOT/bench/llamacpp_build.sh" >&2
 fi
-KVMESH="${KVMESH_BIN:-$ROOT/target/release/kvmesh}"
-if [[ -z "${KVMESH_BIN:-}" && ! -x "$KVMESH" ]]; then
-  log "building kvmesh (cargo build --release -p kvmesh)"
-  (cd "$ROOT" && cargo build --release -p kvmesh) >&2
-fi
-[[ -x "$KVMESH" ]] || { log "kvmesh binary not executable: $KVMESH"; exit 1; }
-
-# The measuring command: `kvmesh bench`, or the library's example with the same flags.
-if [[ -n "${KVMESH_BENCH:-}" ]]; then
-  # shellcheck disable=SC2206
-  BENCH=(${KVMESH_BENCH})
-elif "$KVMESH" bench serve --help >/dev/null 2>&1; then
-  BENCH=("$KVMESH" bench)
-else
-  EXAMPLE="$ROOT/target/release/examples/serve_goodput"
-  if [[ ! -x "$EXAMPLE" ]]; then
-    log "building the load generator (cargo build --release -p kvmesh-bench --example serve_goodput)"
-    (cd "$ROOT" && cargo build --release -p kvmesh-bench --example serve_goodput) >&2
-  fi
-  BENCH=("$EXAMPLE")
-fi
-if [[ "${BENCH[0]}" == "$KVMESH" ]]; then SERVE_CMD=(serve); else SERVE_CMD=(); fi
-log "measuring with: ${BENCH[*]} ${SERVE_CMD[*]}"
+kvmesh_binary
+bench_command
 
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
-# ---- server lifecycle -----------------------------------------------------------
-SERVER_PID=""
-BENCH_PID=""
-stop_server() {
-  if [[ -n "$BENCH_PID" ]] && kill -0 "$BENCH_PID" 2>/dev/null; then
-    kill -TERM "$BENCH_PID" 2>/dev/null || true
-    wait "$BENCH_PID" 2>/dev/null || true
-  fi
-  BENCH_PID=""
-  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
-    kill -TERM "$SERVER_PID" 2>/dev/null || true
-    for _ in $(seq 1 50); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
-  fi
-  SERVER_PID=""
-}
 trap stop_server EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-
-# wait_ready URL LOG: poll GET URL until 200 (bounded), failing fast if the server died.
-wait_ready() {
-  python3 - "$1" "$READY_TIMEOUT" "$SERVER_PID" <<'EOF' || { log "---- $2 (tail) ----"; tail -n 30 "$2" >&2; return 1; }
-import os, sys, time, urllib.request, urllib.error
-url, limit, pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-end, last = time.monotonic() + limit, "no answer"
-while time.monotonic() < end:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit(f"server exited before becoming ready ({url})")
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            if r.status == 200:
-                sys.exit(0)
-    except urllib.error.HTTPError as e:
-        last = f"HTTP {e.code}"
-    except Exception as e:
-        last = repr(e)
-    time.sleep(0.2)
-sys.exit(f"not ready after {limit}s: {last}")
-EOF
-}
-
-# warm_up URL: one short completion, so neither server's first-request setup lands in a probe.
-warm_up() {
-  python3 - "$1" "$SERVED_NAME" <<'EOF' || log "warm-up request failed (measuring anyway)"
-import json, sys, urllib.request
-body = json.dumps({"model": sys.argv[2], "prompt": "Hello", "max_tokens": 8}).encode()
-req = urllib.request.Request(sys.argv[1] + "/v1/completions", body, {"Content-Type": "application/json"})
-urllib.request.urlopen(req, timeout=120).read()
-EOF
-}
-
-loadavg() { cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo "?"; }
 
 # bench NAME: start server NAME, search its max goodput, stop it; report in $OUT/NAME/
 bench() {
@@ -200,7 +126,7 @@ bench() {
   esac
   SERVER_PID=$!
   wait_ready "http://127.0.0.1:$port/health" "$log"
-  warm_up "http://127.0.0.1:$port"
+  warm_up "http://127.0.0.1:$port" "$SERVED_NAME"
   log "$name: load average $(loadavg); measuring (progress: $OUT/$name.bench.log)"
   "${BENCH[@]}" "${SERVE_CMD[@]}" --url "http://127.0.0.1:$port" --model "$SERVED_NAME" \
     --workload "$WORKLOAD" --ignore-eos --max-goodput --slo "$SLO" --attainment "$ATTAINMENT" \
@@ -214,12 +140,7 @@ bench() {
   cat "$OUT/$name.txt"
 }
 
-if [[ "$WAIT_IDLE" -gt 0 ]]; then
-  deadline=$(( $(date +%s) + WAIT_IDLE ))
-  while awk -v l="$(loadavg)" 'BEGIN { exit !(l >= 0.5) }' && [[ $(date +%s) -lt $deadline ]]; do
-    sleep 5
-  done
-fi
+wait_idle "$WAIT_IDLE"
 log "load average before the run: $(loadavg) (other work on these CPUs skews the numbers)"
 
 reports=()
