@@ -1,0 +1,191 @@
+#!/usr/bin/env bash
+# Agreement with aiperf: kvmesh's load generator and NVIDIA's aiperf measure the same
+# endpoint (`kvmesh serve`) under the same load, and their TTFT and ITL medians should agree.
+#
+# What it runs, against one `kvmesh serve` on a free loopback port (warmed up by one request):
+#   1. kvmesh bench serve --url URL --model NAME --api completions --ignore-eos \
+#        --workload synthetic:input=IN,output=OUT --load concurrency:C --requests N \
+#        --out OUT/kvmesh-before
+#   2. aiperf profile --url URL --model NAME --endpoint-type completions --streaming \
+#        --tokenizer DIR --synthetic-input-tokens-mean IN --synthetic-input-tokens-stddev 0 \
+#        --output-tokens-mean OUT --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+#        --use-server-token-count --concurrency C --request-count N --warmup-request-count C \
+#        --artifact-dir OUT/aiperf
+#   3. step 1 again, into OUT/kvmesh-after
+#   (kvmesh's prompts are token ids, exactly IN tokens; aiperf's are text of IN tokens by its
+#   tokenizer, re-tokenized by the server: the lengths each saw are printed.)
+# then prints the medians, the ratio of aiperf's to the mean of kvmesh's two runs and whether
+# it is within the tolerance; the spread between kvmesh's two runs is the machine's drift.
+#
+# How to read it: TTFT is the same statistic in both (send to first token). aiperf's
+# "inter_token_latency" is per request (e2e - ttft) / (output tokens - 1), one value per
+# request: kvmesh's TPOT, which is what it is compared with. kvmesh's own ITL (every gap
+# between streamed chunks, pooled over requests) is printed beside it for reference only.
+# Both count output tokens from the server's usage chunk (aiperf: --use-server-token-count;
+# by default it re-tokenizes the streamed text); with ignore_eos both see OUT tokens.
+#
+# aiperf needs a tokenizer and there is no hub access: bench/serve/gguf_tokenizer.py writes
+# a Hugging Face tokenizer.json for the GGUF's byte-level BPE vocabulary into the cache.
+# aiperf (PyPI, pinned) and gguf are installed into a virtual environment under the cache,
+# never system-wide.
+#
+# Usage: bench/serve/compare_aiperf.sh [options]
+#   --model GGUF       (default: ~/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   --input N          prompt tokens (default 128)
+#   --output N         output tokens (default 64)
+#   --concurrency C    requests in flight (default 4)
+#   --requests N       requests per tool (default 100)
+#   --tolerance F      largest |aiperf/kvmesh - 1| that agrees (default 0.10)
+#   --out DIR          logs and both tools' results (default target/bench-aiperf)
+#   --wait-idle S      first wait up to S s for the 1-min load average to drop below 0.5
+#   -h, --help
+# Environment: KVMESH_BIN, KVMESH_SERVE_ARGS, KVMESH_BENCH as for compare_llamaserver.sh;
+#   KVMESH_CACHE (default ~/.cache/kvmesh: the venv in aiperf-venv/, the tokenizer in
+#   tokenizers/NAME/); KVMESH_PYTHON (python3 >= 3.10 for the venv, default python3).
+# Exit status: 0 when both medians agree, 1 when either does not, 2 on bad usage.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+# shellcheck source=lib.sh
+source "$HERE/lib.sh"
+
+MODEL="$HOME/.cache/kvmesh/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+INPUT=128
+OUTPUT=64
+CONCURRENCY=4
+REQUESTS=100
+TOLERANCE=0.10
+WAIT_IDLE=0
+OUT="$ROOT/target/bench-aiperf"
+SERVED_NAME="SmolLM2-135M-Instruct"
+CACHE="${KVMESH_CACHE:-$HOME/.cache/kvmesh}"
+AIPERF_VERSION="0.13.0"
+GGUF_VERSION="0.19.0"
+
+usage() { sed -n '2,45p' "$0" | sed 's/^# \{0,1\}//'; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --model) MODEL="$2"; shift 2 ;;
+    --input) INPUT="$2"; shift 2 ;;
+    --output) OUTPUT="$2"; shift 2 ;;
+    --concurrency) CONCURRENCY="$2"; shift 2 ;;
+    --requests) REQUESTS="$2"; shift 2 ;;
+    --tolerance) TOLERANCE="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --wait-idle) WAIT_IDLE="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+log() { echo "[compare_aiperf] $*" >&2; }
+
+[[ -f "$MODEL" ]] || { log "model not found: $MODEL (kvmesh fetch-model downloads it)"; exit 1; }
+MODEL="$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")"
+command -v python3 >/dev/null 2>&1 || { log "python3 is required"; exit 1; }
+kvmesh_binary
+bench_command
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+# ---- aiperf and its tokenizer ------------------------------------------------------
+VENV="$CACHE/aiperf-venv"
+if [[ ! -x "$VENV/bin/aiperf" ]]; then
+  log "installing aiperf $AIPERF_VERSION and gguf $GGUF_VERSION into $VENV"
+  "${KVMESH_PYTHON:-python3}" -m venv "$VENV"
+  "$VENV/bin/pip" install --quiet "aiperf==$AIPERF_VERSION" "gguf==$GGUF_VERSION" >&2
+fi
+TOKENIZER="$CACHE/tokenizers/$(basename "$MODEL" .gguf)"
+if [[ ! -f "$TOKENIZER/tokenizer.json" ]]; then
+  "$VENV/bin/python" "$HERE/gguf_tokenizer.py" "$MODEL" "$TOKENIZER" >&2
+fi
+
+# ---- the server -------------------------------------------------------------------
+trap stop_server EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+wait_idle "$WAIT_IDLE"
+port="$(free_port)"
+URL="http://127.0.0.1:$port"
+extra=()
+# shellcheck disable=SC2206
+[[ -n "${KVMESH_SERVE_ARGS:-}" ]] && extra=(${KVMESH_SERVE_ARGS})
+log "starting kvmesh serve on 127.0.0.1:$port (log: $OUT/kvmesh-serve.log)"
+"$KVMESH" serve --model "$MODEL" --listen "127.0.0.1:$port" "${extra[@]}" >"$OUT/kvmesh-serve.log" 2>&1 &
+SERVER_PID=$!
+wait_ready "$URL/health" "$OUT/kvmesh-serve.log"
+warm_up "$URL" "$SERVED_NAME"
+
+# ---- kvmesh's load generator, before and after aiperf (their spread is the drift) ----
+kvmesh_run() {
+  local dir="$OUT/kvmesh-$1"
+  log "kvmesh bench serve ($1): load average $(loadavg)"
+  rm -rf "$dir"
+  "${BENCH[@]}" "${SERVE_CMD[@]}" --url "$URL" --model "$SERVED_NAME" --api completions --ignore-eos \
+    --workload "synthetic:input=$INPUT,output=$OUTPUT" --load "concurrency:$CONCURRENCY" \
+    --requests "$REQUESTS" --out "$dir" >"$dir.txt" 2>"$dir.log" &
+  BENCH_PID=$!
+  wait "$BENCH_PID" || { log "kvmesh bench serve failed:"; tail -n 20 "$dir.log" >&2; exit 1; }
+  BENCH_PID=""
+}
+kvmesh_run before
+
+# ---- 2: aiperf ------------------------------------------------------------------
+log "aiperf profile: load average $(loadavg)"
+rm -rf "$OUT/aiperf"
+# (Not HF_HUB_OFFLINE: aiperf 0.13 then looks a local tokenizer directory up in the hub cache.)
+"$VENV/bin/aiperf" profile \
+  --url "$URL" --model "$SERVED_NAME" --endpoint-type completions --streaming \
+  --tokenizer "$TOKENIZER" \
+  --synthetic-input-tokens-mean "$INPUT" --synthetic-input-tokens-stddev 0 \
+  --output-tokens-mean "$OUTPUT" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+  --use-server-token-count \
+  --concurrency "$CONCURRENCY" --request-count "$REQUESTS" --warmup-request-count "$CONCURRENCY" \
+  --random-seed 0 \
+  --artifact-dir "$OUT/aiperf" >"$OUT/aiperf.log" 2>&1 &
+BENCH_PID=$!
+wait "$BENCH_PID" || { log "aiperf failed:"; tail -n 30 "$OUT/aiperf.log" >&2; exit 1; }
+BENCH_PID=""
+kvmesh_run after
+log "load average after: $(loadavg)"
+stop_server
+
+# ---- the comparison -----------------------------------------------------------------
+python3 - "$OUT/kvmesh-before/report.json" "$OUT/kvmesh-after/report.json" "$OUT/aiperf" "$TOLERANCE" <<'EOF'
+import glob, json, sys
+before, after, aiperf_dir, tolerance = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+runs = [json.load(open(p))["points"][0]["slo"] for p in (before, after)]
+exports = glob.glob(f"{aiperf_dir}/**/profile_export_aiperf.json", recursive=True)
+if not exports:
+    sys.exit(f"no profile_export_aiperf.json under {aiperf_dir}")
+a = json.load(open(exports[0]))
+def aiperf(name):
+    m = a.get(name)
+    if m is None or m.get("p50") is None:
+        sys.exit(f"{exports[0]}: no {name} p50")
+    return float(m["p50"]) * {"ms": 1.0, "ns": 1e-6, "s": 1e3}[m.get("unit", "ms")]
+print(f"kvmesh before / after: {runs[0]['ok']} / {runs[1]['ok']} ok, "
+      f"{runs[0]['output_tokens'] / max(runs[0]['ok'], 1):.1f} output tokens a request; "
+      f"aiperf: {a['request_count']['avg']:.0f} requests, "
+      f"{a['input_sequence_length']['avg']:.1f} in / {a['output_sequence_length']['avg']:.1f} out tokens")
+rows = [
+    ("TTFT p50", lambda r: r["ttft"]["p50"], aiperf("time_to_first_token")),
+    ("TPOT p50 | aiperf ITL p50", lambda r: r["tpot"]["p50"], aiperf("inter_token_latency")),
+    ("ITL p50, pooled gaps (reference)", lambda r: r["itl"]["p50"], None),
+]
+print(f"{'metric (ms)':34} {'kvmesh before':>13} {'after':>8} {'aiperf':>8} {'aiperf/kvmesh':>14}")
+agree = True
+for name, pick, v in rows:
+    k0, k1 = (pick(r) * 1e3 for r in runs)
+    k = (k0 + k1) / 2
+    if v is None:
+        print(f"{name:34} {k0:13.2f} {k1:8.2f} {'-':>8} {'-':>14}")
+        continue
+    ratio = v / k
+    ok = abs(ratio - 1) <= tolerance
+    agree &= ok
+    print(f"{name:34} {k0:13.2f} {k1:8.2f} {v:8.2f} {ratio:14.3f}  {'agree' if ok else 'DISAGREE'}")
+print(f"aiperf against the mean of kvmesh's two runs, within {tolerance:.0%}: {'yes' if agree else 'no'}")
+sys.exit(0 if agree else 1)
+EOF
