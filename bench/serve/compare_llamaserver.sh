@@ -26,9 +26,7 @@
 #   KVMESH_SERVE_ARGS    extra arguments for `kvmesh serve` (word-split)
 #   KVMESH_LLAMACPP_DIR  llama.cpp cache (default ~/.cache/kvmesh/llama.cpp; built by
 #                        bench/llamacpp_build.sh when llama-server is missing)
-#   KVMESH_BENCH         the measuring command, word-split (default: "$KVMESH_BIN bench",
-#                        else, where that binary has no `bench serve`, the library's own
-#                        target/release/examples/serve_goodput, built when missing)
+#   KVMESH_BENCH         the measuring command, word-split (default: "$KVMESH_BIN bench")
 #
 # Each server runs alone on a free loopback port: llama-server as
 #   llama-server -m GGUF -t 2 -np 32 -cb -c 32*ctx --host 127.0.0.1 --port P

@@ -80,23 +80,14 @@ kvmesh_binary() {
   [[ -x "$KVMESH" ]] || { log "kvmesh binary not executable: $KVMESH"; exit 1; }
 }
 
-# bench_command: sets BENCH (the measuring command) and SERVE_CMD (its `serve` word):
-# KVMESH_BENCH (word-split; `... bench` or the example), else `$KVMESH bench serve` where the binary has it, else the
-# library's example target/release/examples/serve_goodput (same flags), built when missing.
+# bench_command: sets BENCH (`$KVMESH bench`, or KVMESH_BENCH word-split) and SERVE_CMD (its `serve` word).
 bench_command() {
   if [[ -n "${KVMESH_BENCH:-}" ]]; then
     # shellcheck disable=SC2206
     BENCH=(${KVMESH_BENCH})
-  elif "$KVMESH" bench serve --help >/dev/null 2>&1; then
-    BENCH=("$KVMESH" bench)
   else
-    local example="$ROOT/target/release/examples/serve_goodput"
-    if [[ ! -x "$example" ]]; then
-      log "building the load generator (cargo build --release -p kvmesh-bench --example serve_goodput)"
-      (cd "$ROOT" && cargo build --release -p kvmesh-bench --example serve_goodput) >&2
-    fi
-    BENCH=("$example")
+    BENCH=("$KVMESH" bench)
   fi
-  if [[ "${BENCH[-1]}" == bench ]]; then SERVE_CMD=(serve); else SERVE_CMD=(); fi
+  SERVE_CMD=(serve)
   log "measuring with: ${BENCH[*]} ${SERVE_CMD[*]}"
 }
