@@ -38,6 +38,10 @@
 #   --tolerance F      largest |aiperf/kvmesh - 1| that agrees (default 0.10)
 #   --out DIR          logs and both tools' results (default target/bench-aiperf)
 #   --wait-idle S      first wait up to S s for the 1-min load average to drop below 0.5
+#   --server-cpus L    run kvmesh serve on these CPUs (taskset list, e.g. 1)
+#   --client-cpus L    run both load generators on these CPUs (e.g. 0): on a small machine a
+#                      generator that takes CPU from the server slows what it measures, and
+#                      pinning the two apart judges the generators, not their overhead
 #   -h, --help
 # Environment: KVMESH_BIN, KVMESH_SERVE_ARGS, KVMESH_BENCH as for compare_llamaserver.sh;
 #   KVMESH_CACHE (default ~/.cache/kvmesh: the venv in aiperf-venv/, the tokenizer in
@@ -57,6 +61,8 @@ CONCURRENCY=4
 REQUESTS=100
 TOLERANCE=0.10
 WAIT_IDLE=0
+SERVER_CPUS=""
+CLIENT_CPUS=""
 OUT="$ROOT/target/bench-aiperf"
 SERVED_NAME="SmolLM2-135M-Instruct"
 CACHE="${KVMESH_CACHE:-$HOME/.cache/kvmesh}"
@@ -74,12 +80,19 @@ while [[ $# -gt 0 ]]; do
     --tolerance) TOLERANCE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --wait-idle) WAIT_IDLE="$2"; shift 2 ;;
+    --server-cpus) SERVER_CPUS="$2"; shift 2 ;;
+    --client-cpus) CLIENT_CPUS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
 
 log() { echo "[compare_aiperf] $*" >&2; }
+# pinned LIST CMD...: CMD on the CPUs in LIST (all of them when LIST is empty).
+pinned() {
+  local cpus="$1"; shift
+  if [[ -n "$cpus" ]]; then taskset -c "$cpus" "$@"; else "$@"; fi
+}
 
 [[ -f "$MODEL" ]] || { log "model not found: $MODEL (kvmesh fetch-model downloads it)"; exit 1; }
 MODEL="$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")"
@@ -112,7 +125,8 @@ extra=()
 # shellcheck disable=SC2206
 [[ -n "${KVMESH_SERVE_ARGS:-}" ]] && extra=(${KVMESH_SERVE_ARGS})
 log "starting kvmesh serve on 127.0.0.1:$port (log: $OUT/kvmesh-serve.log)"
-"$KVMESH" serve --model "$MODEL" --listen "127.0.0.1:$port" "${extra[@]}" >"$OUT/kvmesh-serve.log" 2>&1 &
+pinned "$SERVER_CPUS" "$KVMESH" serve --model "$MODEL" --listen "127.0.0.1:$port" "${extra[@]}" \
+  >"$OUT/kvmesh-serve.log" 2>&1 &
 SERVER_PID=$!
 wait_ready "$URL/health" "$OUT/kvmesh-serve.log"
 warm_up "$URL" "$SERVED_NAME"
@@ -122,7 +136,7 @@ kvmesh_run() {
   local dir="$OUT/kvmesh-$1"
   log "kvmesh bench serve ($1): load average $(loadavg)"
   rm -rf "$dir"
-  "${BENCH[@]}" "${SERVE_CMD[@]}" --url "$URL" --model "$SERVED_NAME" --api completions --ignore-eos \
+  pinned "$CLIENT_CPUS" "${BENCH[@]}" "${SERVE_CMD[@]}" --url "$URL" --model "$SERVED_NAME" --api completions --ignore-eos \
     --workload "synthetic:input=$INPUT,output=$OUTPUT" --load "concurrency:$CONCURRENCY" \
     --requests "$REQUESTS" --out "$dir" >"$dir.txt" 2>"$dir.log" &
   BENCH_PID=$!
@@ -135,7 +149,7 @@ kvmesh_run before
 log "aiperf profile: load average $(loadavg)"
 rm -rf "$OUT/aiperf"
 # (Not HF_HUB_OFFLINE: aiperf 0.13 then looks a local tokenizer directory up in the hub cache.)
-"$VENV/bin/aiperf" profile \
+pinned "$CLIENT_CPUS" "$VENV/bin/aiperf" profile \
   --url "$URL" --model "$SERVED_NAME" --endpoint-type completions --streaming \
   --tokenizer "$TOKENIZER" \
   --synthetic-input-tokens-mean "$INPUT" --synthetic-input-tokens-stddev 0 \
