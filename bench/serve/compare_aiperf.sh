@@ -9,6 +9,7 @@
 #   2. aiperf profile --url URL --model NAME --endpoint-type completions --streaming \
 #        --tokenizer DIR --synthetic-input-tokens-mean IN --synthetic-input-tokens-stddev 0 \
 #        --output-tokens-mean OUT --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+#        --extra-inputs temperature:0 (kvmesh's generator samples greedily too) \
 #        --use-server-token-count --concurrency C --request-count N --warmup-request-count C \
 #        --artifact-dir OUT/aiperf
 #   3. step 1 again, into OUT/kvmesh-after
@@ -153,7 +154,8 @@ pinned "$CLIENT_CPUS" "$VENV/bin/aiperf" profile \
   --url "$URL" --model "$SERVED_NAME" --endpoint-type completions --streaming \
   --tokenizer "$TOKENIZER" \
   --synthetic-input-tokens-mean "$INPUT" --synthetic-input-tokens-stddev 0 \
-  --output-tokens-mean "$OUTPUT" --output-tokens-stddev 0 --extra-inputs ignore_eos:true \
+  --output-tokens-mean "$OUTPUT" --output-tokens-stddev 0 \
+  --extra-inputs ignore_eos:true --extra-inputs temperature:0 \
   --use-server-token-count \
   --concurrency "$CONCURRENCY" --request-count "$REQUESTS" --warmup-request-count "$CONCURRENCY" \
   --random-seed 0 \
