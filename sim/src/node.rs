@@ -127,19 +127,9 @@ impl SimNode {
         prompt: Vec<TokenId>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
-        if max_tokens == 0 {
-            return Err(NodeError::NoTokensWanted);
-        }
-        self.scheduler.add_sequence(seq_id, prompt)?;
-        self.requests.insert(
-            seq_id,
-            Tracking {
-                max_tokens,
-                generated: 0,
-                cached_tokens: None,
-            },
-        );
-        Ok(())
+        self.track(seq_id, max_tokens, |scheduler| {
+            scheduler.add_sequence(seq_id, prompt)
+        })
     }
 
     /// Queues a request whose prompt KV another node computes (disaggregated prefill): once
@@ -151,10 +141,25 @@ impl SimNode {
         prompt: Vec<TokenId>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
+        self.track(seq_id, max_tokens, |scheduler| {
+            scheduler.add_remote_sequence(seq_id, prompt)
+        })
+    }
+
+    /// Adds a request to the scheduler with `add` and starts tracking its output.
+    fn track<E>(
+        &mut self,
+        seq_id: SeqId,
+        max_tokens: usize,
+        add: impl FnOnce(&mut Scheduler) -> Result<(), E>,
+    ) -> Result<(), NodeError>
+    where
+        NodeError: From<E>,
+    {
         if max_tokens == 0 {
             return Err(NodeError::NoTokensWanted);
         }
-        self.scheduler.add_remote_sequence(seq_id, prompt)?;
+        add(&mut self.scheduler)?;
         self.requests.insert(
             seq_id,
             Tracking {
