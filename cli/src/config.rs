@@ -342,7 +342,8 @@ pub fn key_of<C: Layered>(field: &str) -> &str {
         .map_or(field, |(_, key)| key)
 }
 
-fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
+/// Sets dotted `key` in `table`, making the tables on its way.
+pub fn set_key(table: &mut toml::Table, key: &str, value: toml::Value) {
     match key.split_once('.') {
         None => {
             table.insert(key.to_string(), value);

@@ -4,7 +4,7 @@
 //! a value's form cannot drift from what the loader reads.
 
 use super::space::{Candidate, Topology};
-use crate::config::value_at;
+use crate::config::{set_key, value_at};
 use crate::node::config::{DecodeNodeConfig, PrefillNodeConfig, RouterNodeConfig};
 use crate::serve::ServeConfig;
 use serde::Serialize;
@@ -128,26 +128,10 @@ fn sparse<C: Serialize>(config: &C, keys: &[&str]) -> Result<String, toml::ser::
     let mut out = toml::Table::new();
     for key in keys {
         if let Some(value) = value_at(&full, key) {
-            insert_at(&mut out, key, value.clone());
+            set_key(&mut out, key, value.clone());
         }
     }
     toml::to_string_pretty(&out)
-}
-
-fn insert_at(table: &mut toml::Table, key: &str, value: toml::Value) {
-    match key.split_once('.') {
-        None => {
-            table.insert(key.to_string(), value);
-        }
-        Some((head, rest)) => {
-            let inner = table
-                .entry(head)
-                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-            if let toml::Value::Table(inner) = inner {
-                insert_at(inner, rest, value);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
