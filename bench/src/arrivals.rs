@@ -13,7 +13,7 @@
 //! `steps:2@30s,8@30s`, `ramp:1..10@2m`, `day:1..10@10m` (the three profiles take an optional
 //! `,burstiness=K`), `trace`, `trace:speedup=4`, `trace:rate=2`.
 
-use crate::grammar::ParseError;
+use crate::grammar::{positive, ParseError};
 use std::fmt;
 use std::iter::FusedIterator;
 use std::num::NonZeroUsize;
@@ -271,8 +271,11 @@ fn gamma(rng: &mut StdRng, k: f64) -> f64 {
     }
 }
 
+/// This grammar's name in its errors.
+const GRAMMAR: &str = "load shape";
+
 fn bad(part: &str, problem: impl Into<String>) -> ParseError {
-    ParseError::new("load shape", part, problem)
+    ParseError::new(GRAMMAR, part, problem)
 }
 
 const KINDS: &str = "concurrency, poisson, constant, gamma, steps, ramp, day, trace";
@@ -301,13 +304,16 @@ impl FromStr for LoadShape {
                 } else {
                     Arrivals::Constant
                 };
-                open(RateProfile::Fixed(positive(kv[0].unwrap())?), arrivals)
+                open(
+                    RateProfile::Fixed(positive(GRAMMAR, kv[0].unwrap())?),
+                    arrivals,
+                )
             }
             "gamma" => {
                 let kv = keys(params, &["rate", "burstiness"], &["rate", "burstiness"])?;
-                let burstiness = positive(kv[1].unwrap())?;
+                let burstiness = positive(GRAMMAR, kv[1].unwrap())?;
                 open(
-                    RateProfile::Fixed(positive(kv[0].unwrap())?),
+                    RateProfile::Fixed(positive(GRAMMAR, kv[0].unwrap())?),
                     Arrivals::Gamma { burstiness },
                 )
             }
@@ -368,10 +374,10 @@ impl FromStr for LoadShape {
             "trace" => {
                 let kv = keys(params, &["speedup", "rate"], &[])?;
                 match (kv[0], kv[1]) {
-                    (Some(f), None) => Ok(LoadShape::Trace(Pacing::Speedup(positive(f)?))),
-                    (None, Some(r)) => {
-                        Ok(LoadShape::Trace(Pacing::RequestsPerSecond(positive(r)?)))
-                    }
+                    (Some(f), None) => Ok(LoadShape::Trace(Pacing::Speedup(positive(GRAMMAR, f)?))),
+                    (None, Some(r)) => Ok(LoadShape::Trace(Pacing::RequestsPerSecond(positive(
+                        GRAMMAR, r,
+                    )?))),
                     _ => Err(bad(params, "give one of speedup and rate")),
                 }
             }
@@ -419,7 +425,7 @@ fn profile_options(params: &str) -> Result<(Vec<&str>, Arrivals), ParseError> {
             None => phases.push(item),
             Some(("burstiness", v)) if arrivals == Arrivals::Poisson => {
                 arrivals = Arrivals::Gamma {
-                    burstiness: positive(v.trim())?,
+                    burstiness: positive(GRAMMAR, v.trim())?,
                 }
             }
             Some(("burstiness", _)) => return Err(bad(item, "given twice")),
@@ -440,13 +446,6 @@ fn non_negative(s: &str) -> Result<f64, ParseError> {
     match s.parse::<f64>() {
         Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
         _ => Err(bad(s, "expected a non-negative number")),
-    }
-}
-
-fn positive(s: &str) -> Result<f64, ParseError> {
-    match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(bad(s, "expected a positive number")),
     }
 }
 

@@ -20,3 +20,11 @@ impl ParseError {
         }
     }
 }
+
+/// `s` as a positive, finite number; the error names `s` in `grammar`.
+pub(crate) fn positive(grammar: &'static str, s: &str) -> Result<f64, ParseError> {
+    match s.parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        _ => Err(ParseError::new(grammar, s, "expected a positive number")),
+    }
+}

@@ -9,7 +9,7 @@
 //! Examples: `rate=1,2,4`, `rate=0.5..8x2;arrivals=constant`, `concurrency=1..32x2`,
 //! `concurrency=1,4,16`.
 
-use crate::grammar::ParseError;
+use crate::grammar::{positive, ParseError};
 use std::fmt;
 use std::str::FromStr;
 
@@ -39,8 +39,11 @@ impl Sweep {
     }
 }
 
+/// This grammar's name in its errors.
+const GRAMMAR: &str = "sweep";
+
 fn bad(part: &str, problem: impl Into<String>) -> ParseError {
-    ParseError::new("sweep", part, problem)
+    ParseError::new(GRAMMAR, part, problem)
 }
 
 /// `--sweep` straight to its load shapes.
@@ -100,7 +103,7 @@ impl FromStr for Sweep {
                     ))
                 }
                 Some(("burstiness", k)) => Arrivals::Gamma {
-                    burstiness: positive(k)?,
+                    burstiness: positive(GRAMMAR, k)?,
                 },
                 _ => {
                     return Err(bad(
@@ -124,10 +127,10 @@ impl FromStr for Sweep {
 /// Appends the loads of one item: a number or a range.
 fn expand(item: &str, loads: &mut Vec<f64>) -> Result<(), ParseError> {
     let Some((from, rest)) = item.split_once("..") else {
-        loads.push(positive(item)?);
+        loads.push(positive(GRAMMAR, item)?);
         return check_len(item, loads);
     };
-    let from = positive(from.trim())?;
+    let from = positive(GRAMMAR, from.trim())?;
     let (to, step, multiply) = if let Some((to, f)) = rest.split_once('x') {
         (to, f, true)
     } else if let Some((to, s)) = rest.split_once('+') {
@@ -138,7 +141,10 @@ fn expand(item: &str, loads: &mut Vec<f64>) -> Result<(), ParseError> {
             "a range needs xFACTOR or +STEP (e.g. 1..32x2, 2..8+2)",
         ));
     };
-    let (to, step) = (positive(to.trim())?, positive(step.trim())?);
+    let (to, step) = (
+        positive(GRAMMAR, to.trim())?,
+        positive(GRAMMAR, step.trim())?,
+    );
     if to < from {
         return Err(bad(item, "the range ends below its start"));
     }
@@ -168,13 +174,6 @@ fn check_len(item: &str, loads: &[f64]) -> Result<(), ParseError> {
         return Err(bad(item, format!("more than {MAX_POINTS} loads")));
     }
     Ok(())
-}
-
-fn positive(s: &str) -> Result<f64, ParseError> {
-    match s.parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(bad(s, "expected a positive number")),
-    }
 }
 
 /// Writes the sweep back as a list, so a report can name it and the name parses again.

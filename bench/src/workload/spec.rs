@@ -1,7 +1,7 @@
 //! The workload grammar: [`WorkloadSpec`]'s `FromStr` and its `Display` (which parses back to
 //! the same spec, so a report names its workload in a form that can be rerun).
 
-use crate::grammar::ParseError;
+use crate::grammar::{positive, ParseError};
 use std::fmt;
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -71,8 +71,11 @@ pub enum Length {
     Azure,
 }
 
+/// This grammar's name in its errors.
+const GRAMMAR: &str = "workload";
+
 fn bad(part: &str, problem: impl Into<String>) -> ParseError {
-    ParseError::new("workload", part, problem)
+    ParseError::new(GRAMMAR, part, problem)
 }
 
 const KINDS: &str = "synthetic, jsonl, sharegpt, mooncake, azure";
@@ -128,7 +131,10 @@ impl FromStr for WorkloadSpec {
             "azure" => {
                 let (path, params) = path_and_params(rest, with_path, &["scale"]);
                 let kv = keys(params, &["scale"])?;
-                let scale = kv[0].map(positive).transpose()?.unwrap_or(1.0);
+                let scale = kv[0]
+                    .map(|v| positive(GRAMMAR, v))
+                    .transpose()?
+                    .unwrap_or(1.0);
                 Ok(WorkloadSpec::Azure { path, scale })
             }
             _ => Err(bad(
@@ -159,7 +165,7 @@ fn synthetic(params: &str) -> Result<SyntheticSpec, ParseError> {
         input,
         output,
         prefix: kv[2].map(whole).transpose()?,
-        scale: kv[3].map(positive).transpose()?,
+        scale: kv[3].map(|v| positive(GRAMMAR, v)).transpose()?,
         max_input: kv[4].map(whole).transpose()?,
         max_output: kv[5].map(whole).transpose()?,
     };
@@ -192,7 +198,7 @@ impl Length {
                     Ok(Length::Uniform { min, max })
                 }
                 "normal" => {
-                    let mean = positive(a)?;
+                    let mean = positive(GRAMMAR, a)?;
                     let sd = b
                         .parse::<f64>()
                         .ok()
@@ -278,13 +284,6 @@ fn whole(s: &str) -> Result<u32, ParseError> {
     match s.trim().parse::<u32>() {
         Ok(n) if n > 0 => Ok(n),
         _ => Err(bad(s, "expected a whole number, at least 1")),
-    }
-}
-
-fn positive(s: &str) -> Result<f64, ParseError> {
-    match s.trim().parse::<f64>() {
-        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
-        _ => Err(bad(s, "expected a positive number")),
     }
 }
 
