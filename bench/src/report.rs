@@ -8,6 +8,7 @@
 
 mod cdf;
 pub mod compare;
+pub mod mesh;
 pub mod table;
 mod timeline;
 
@@ -17,6 +18,7 @@ use serde::{Deserialize, Serialize};
 
 pub use cdf::{Cdf, QUANTILES};
 pub use compare::compare;
+pub use mesh::{MeshStats, NodeStats, PrefixCacheStats};
 pub use table::render_table;
 pub use timeline::{bin_width, Bin, Timeline, SENDS_PER_BIN, TARGET_BINS};
 
@@ -157,6 +159,10 @@ pub struct Point {
     pub cdf: Cdfs,
     /// The generator's own CPU use over this run, where measured.
     pub generator: Option<GeneratorUse>,
+    /// The mesh seen from inside (per node, transfers, migrations, prefix-cache tiers), where
+    /// the run can see it: a simulated run; absent from the JSON otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mesh: Option<MeshStats>,
 }
 
 impl Point {
@@ -176,12 +182,19 @@ impl Point {
             timeline: Timeline::new(shape, outcomes, duration),
             cdf: Cdfs::of(outcomes),
             generator: None,
+            mesh: None,
         }
     }
 
     /// With the generator's CPU use over the run.
     pub fn with_generator(mut self, generator: Option<GeneratorUse>) -> Point {
         self.generator = generator;
+        self
+    }
+
+    /// With the mesh's own statistics over the run.
+    pub fn with_mesh(mut self, mesh: Option<MeshStats>) -> Point {
+        self.mesh = mesh;
         self
     }
 }

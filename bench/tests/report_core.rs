@@ -7,8 +7,8 @@ use std::time::Duration;
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::cpu::GeneratorUse;
 use kvmesh_bench::report::{
-    bin_width, compare, render_table, BenchReport, LoadAxis, MaxGoodput, Point, ReportError,
-    TargetInfo, Timeline,
+    bin_width, compare, render_table, BenchReport, LoadAxis, MaxGoodput, MeshStats, NodeStats,
+    Point, PrefixCacheStats, ReportError, TargetInfo, Timeline,
 };
 use kvmesh_bench::slo::{RequestOutcome, SloSpec, SCHEMA_VERSION};
 use serde_json::Value;
@@ -158,7 +158,30 @@ fn target() -> TargetInfo {
     }
 }
 
-/// A two-point sweep with every optional part present.
+/// A simulated mesh of one decode node and one prefill node, the prefill node dead.
+fn mesh() -> MeshStats {
+    let node = |id: u64, role: &str, died_at_s| NodeStats {
+        id,
+        role: role.into(),
+        requests: 9,
+        steps: 40,
+        utilization: 0.5,
+        kv_usage_mean: 0.25,
+        kv_usage_peak: 0.75,
+        kv_blocks: 64,
+        preemptions: 1,
+        died_at_s,
+    };
+    MeshStats {
+        nodes: vec![node(0, "decode", None), node(1, "prefill", Some(0.5))],
+        kv_bytes_transferred: 1 << 20,
+        remote_prefills: 3,
+        migrations: 0,
+        prefix_cache: PrefixCacheStats::new(1000, 400, 100, 0),
+    }
+}
+
+/// A two-point sweep with every optional part present (the mesh on the second point only).
 fn sweep() -> BenchReport {
     let slo = slo();
     let mut r = BenchReport::new(target(), "synthetic:in=128,out=32", 7, &slo);
@@ -170,7 +193,7 @@ fn sweep() -> BenchReport {
             .with_generator(Some(GeneratorUse::new(ms(900), ms(1000), 2))),
     );
     r.points
-        .push(Point::new("high", &high, &slo, &scripted()[..5], ms(1000)));
+        .push(Point::new("high", &high, &slo, &scripted()[..5], ms(1000)).with_mesh(Some(mesh())));
     r.max_goodput = Some(MaxGoodput::of(&r.points[1]));
     r
 }
@@ -242,7 +265,15 @@ enum Holds {
     Scalar,
 }
 
-type Docs = BTreeMap<String, BTreeMap<String, Holds>>;
+/// A documented field: what it holds, and whether the JSON may leave it out (its type says
+/// "omitted when absent").
+#[derive(Debug)]
+struct Field {
+    holds: Holds,
+    optional: bool,
+}
+
+type Docs = BTreeMap<String, BTreeMap<String, Field>>;
 
 /// The docs' sections: object name → field → what it holds.
 fn documented() -> Docs {
@@ -277,9 +308,10 @@ fn documented() -> Docs {
             None if ty == "object" => Holds::Map,
             None => Holds::Scalar,
         };
+        let optional = ty.contains("omitted when absent");
         out.entry(section.clone())
             .or_default()
-            .insert(field.into(), holds);
+            .insert(field.into(), Field { holds, optional });
     }
     out
 }
@@ -297,10 +329,14 @@ fn check(docs: &Docs, section: &str, value: &Value, path: &str, seen: &mut BTree
             "{path}.{key} is not documented under {section}"
         );
     }
-    for (field, holds) in fields {
-        let v = object
-            .get(field)
-            .unwrap_or_else(|| panic!("{path}.{field} is documented but not in the JSON"));
+    for (field, Field { holds, optional }) in fields {
+        let Some(v) = object.get(field) else {
+            assert!(
+                *optional,
+                "{path}.{field} is documented but not in the JSON"
+            );
+            continue;
+        };
         match holds {
             Holds::List(inner) => {
                 let items = v
