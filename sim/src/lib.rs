@@ -5,12 +5,16 @@
 //! the forward pass; the router's real [`Routing`](kvmesh_router::routing::Routing) (policy,
 //! prefix index, disaggregation rule) picks nodes; [`link`] models KV transfer time. One
 //! thread, a min-heap of timestamped events ([`events`]), a seeded RNG: the same seed gives
-//! the same report, byte for byte. See `README.md` for what is built and what is not yet.
+//! the same report, byte for byte. [`fault`]s (a node dying, a link slowing) happen at
+//! instants of virtual time; [`stats`] gathers what bench's report carries of the mesh. See
+//! `README.md` for what is built and what is not yet.
 
 pub mod clock;
 pub mod events;
+pub mod fault;
 pub mod link;
 pub mod mesh;
 pub mod node;
+pub mod stats;
 pub mod timing;
 pub mod workload;

@@ -100,6 +100,12 @@ impl Link {
         &self.model
     }
 
+    /// Transfers queued from now on move at `model`'s rate (a link that slowed down or
+    /// recovered); those already queued keep their times.
+    pub fn set_model(&mut self, model: LinkModel) {
+        self.model = model;
+    }
+
     /// Queues a transfer of `bytes` offered at `now`: it starts when the transfers queued
     /// before it are done.
     pub fn enqueue(&mut self, now: Duration, bytes: u64) -> Transfer {

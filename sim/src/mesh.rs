@@ -1,7 +1,7 @@
 //! The whole mesh in virtual time: requests arrive, the router's real [`Routing`] picks a
 //! node from the nodes' load and the prefix index, the node's real scheduler runs them, and
 //! every request ends as a [`RequestOutcome`], bench's own type, so a simulated run reports
-//! as a real one does ([`MeshRun::point`]).
+//! as a real one does ([`MeshRun::point`], with the mesh's own [`MeshStats`]).
 //!
 //! Nodes are decode nodes (which prefill locally when the router says so) and, optionally,
 //! prefill nodes. A request the disaggregation rule sends to a prefill node is queued on its
@@ -14,17 +14,38 @@
 //! step boundary and submission, so they are fresher than the real mesh's periodic reports;
 //! the router's own in-flight counts (its [`Tracked`] guards) are kept exactly as in the
 //! router. With `report_interval` set, load reports arrive periodically instead, so the
-//! router sees stale load as it does in the real mesh. The first token reaches the client when the decode node has the KV (it streams the
-//! response), so TTFT includes the transfer. Simplifications, not built yet: the KV moves
-//! after the whole prefill (the real prefill worker pushes blocks after each step, overlapping
-//! the two), transfers never fail (no `fail_remote_prefill` path), no pull of cached prefixes
-//! from another node.
+//! router sees stale load as it does in the real mesh. The first token reaches the client
+//! when the decode node has the KV (it streams the response), so TTFT includes the transfer.
+//!
+//! # Faults
+//!
+//! [`MeshConfig::faults`] kill nodes and slow links at instants of virtual time
+//! ([`crate::fault`]). A dead node leaves the routing candidates and the prefix index, and
+//! its requests go where the real mesh sends them:
+//!
+//! - a request on a dead decode node *migrates* as the router's `MeshBackend` migrates a
+//!   broken stream: its prompt and the tokens delivered so far are sent to another decode
+//!   node (none it ran on before), routed by everything its KV will hold, which recomputes
+//!   them and goes on after them; a request that had delivered nothing may be prefilled
+//!   remotely again. Its tokens keep their times, so its TTFT stands and the move shows as
+//!   one long gap. After `max_migrations` moves, or with no decode node left, it fails
+//!   (`stream_error`, the stream having started). Its prefill on a prefill node, if one was
+//!   running, is cancelled.
+//! - a request whose remote prefill was on a dead prefill node (computing, or its KV in
+//!   flight) falls back to a local prefill on its decode node, as the decode worker does
+//!   with `fail_remote_prefill` when a prefill worker fails.
+//!
+//! Simplifications, not built yet: the KV moves after the whole prefill (the real prefill
+//! worker pushes blocks after each step, overlapping the two), transfers fail only when a
+//! node dies, no pull of cached prefixes from another node.
 
 use crate::events::EventQueue;
+use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
 use crate::link::{Link, LinkClass};
 use crate::node::{Finished, NodeConfig, NodeError, SimNode};
+use crate::stats::{mesh_stats, NodeTotals};
 use kvmesh_bench::arrivals::LoadShape;
-use kvmesh_bench::report::Point;
+use kvmesh_bench::report::{MeshStats, Point};
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
@@ -33,10 +54,11 @@ use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
 use kvmesh_router::policy::{DisaggConfig, KvAwareConfig, RoutingConfig};
 use kvmesh_router::routing::{Routing, Tracked};
+use kvmesh_router::MeshBackendConfig;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
-use std::collections::BTreeMap;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
@@ -92,6 +114,28 @@ pub struct MeshConfig {
     pub report_interval: Option<Duration>,
     /// Seeds every random choice (the policies' generators where the config names none).
     pub seed: u64,
+    /// What goes wrong, and when (any order).
+    pub faults: Vec<Fault>,
+    /// How many times one request may move to another decode node after its node died (the
+    /// router's `MeshBackendConfig::max_migrations`).
+    pub max_migrations: usize,
+}
+
+impl MeshConfig {
+    /// `nodes` decode nodes of `node`, routed by `routing`: no prefill nodes, load reports
+    /// fresh at every step, seed 0, no faults, the router's default migration bound.
+    pub fn new(nodes: usize, node: NodeConfig, routing: RoutingConfig) -> MeshConfig {
+        MeshConfig {
+            nodes,
+            node,
+            routing,
+            prefill: None,
+            report_interval: None,
+            seed: 0,
+            faults: Vec::new(),
+            max_migrations: MeshBackendConfig::default().max_migrations,
+        }
+    }
 }
 
 /// Prefill nodes, with the link that carries their KV to decode nodes.
@@ -122,21 +166,9 @@ pub enum MeshError {
     #[error("prefill and decode nodes must share the KV block size and model")]
     MismatchedPools,
     #[error(transparent)]
+    Fault(#[from] FaultError),
+    #[error(transparent)]
     Node(#[from] NodeError),
-}
-
-/// One node's totals over a run.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct NodeSummary {
-    pub node: u64,
-    pub role: &'static str,
-    pub requests: u64,
-    pub steps: u64,
-    pub busy_s: f64,
-    pub preemptions: u64,
-    /// At the end of the run: every block should be free again.
-    pub free_blocks: usize,
-    pub num_blocks: usize,
 }
 
 /// What a run produced.
@@ -146,35 +178,18 @@ pub struct MeshRun {
     pub outcomes: Vec<RequestOutcome>,
     /// From the start to the last request's end.
     pub duration: Duration,
-    pub nodes: Vec<NodeSummary>,
-    /// KV bytes moved from prefill to decode nodes.
-    pub kv_bytes_transferred: u64,
-    /// Requests prefilled on a prefill node.
-    pub remote_prefills: u64,
-}
-
-/// A run's report: bench's point plus the simulated nodes' totals.
-#[derive(Clone, Debug, Serialize)]
-pub struct SimReport {
-    pub point: Point,
-    pub nodes: Vec<NodeSummary>,
-    pub kv_bytes_transferred: u64,
-    pub remote_prefills: u64,
+    /// The mesh over the run, as bench's report carries it.
+    pub stats: MeshStats,
+    /// KV blocks each node still holds at the end, by node id; `None` for a dead node. Every
+    /// surviving node's is 0 unless a request was stranded: nothing leaked.
+    pub blocks_in_use: Vec<Option<usize>>,
 }
 
 impl MeshRun {
-    /// The run as bench reports a load level.
+    /// The run as bench reports a load level, with the mesh's statistics.
     pub fn point(&self, label: &str, shape: &LoadShape, slo: &SloSpec) -> Point {
         Point::new(label, shape, slo, &self.outcomes, self.duration)
-    }
-
-    pub fn report(&self, label: &str, shape: &LoadShape, slo: &SloSpec) -> SimReport {
-        SimReport {
-            point: self.point(label, shape, slo),
-            nodes: self.nodes.clone(),
-            kv_bytes_transferred: self.kv_bytes_transferred,
-            remote_prefills: self.remote_prefills,
-        }
+            .with_mesh(Some(self.stats.clone()))
     }
 }
 
@@ -182,10 +197,13 @@ impl MeshRun {
 enum Event {
     Arrive(usize),
     StepDone(usize),
-    /// Request `.0`'s KV has reached its decode node.
-    KvArrived(usize),
+    /// Request `.0`'s KV has reached its decode node, on its placement `.1` (a KV that
+    /// arrives for an earlier placement, before a migration or a fallback, is dropped).
+    KvArrived(usize, u32),
     /// Every node reports its load.
     Report,
+    /// `faults[.0]` happens.
+    Fault(usize),
 }
 
 /// A request from arrival to its end.
@@ -196,8 +214,13 @@ struct Live {
     prefill: Option<usize>,
     /// KV blocks the transfer fills on the decode node.
     transfer_blocks: usize,
+    /// When each token reached the client, across migrations.
     tokens: Vec<Duration>,
     tracked: Tracked,
+    /// Decode nodes it was sent to, in order (a migration tries none of them again).
+    tried: Vec<usize>,
+    /// Bumped at every new placement, so that a transfer for an old one is dropped.
+    placement: u32,
 }
 
 /// The policy's own generator seeded from the run's seed when its config names no seed, so
@@ -215,12 +238,80 @@ fn seeded(routing: &RoutingConfig, rng: &mut StdRng) -> RoutingConfig {
     r
 }
 
+/// Where a request was opened.
+enum Opened {
+    On {
+        decode: usize,
+        prefill: Option<usize>,
+        tracked: Tracked,
+    },
+    /// No decode node is left to take it.
+    NoNode,
+    /// The node refused it (as the engine refuses a prompt too long).
+    Refused(NodeError),
+}
+
+/// The routing candidates: live nodes by role, each node's position among them.
+struct Candidates {
+    decode: Vec<NodeEntry>,
+    prefill: Vec<NodeEntry>,
+    /// By node id: its role's list and position there; `None` once it died.
+    slot: Vec<Option<(NodeRole, usize)>>,
+}
+
+impl Candidates {
+    fn new(entries: Vec<NodeEntry>) -> Candidates {
+        let (decode, prefill) = entries
+            .into_iter()
+            .partition(|e| e.info.role == NodeRole::Decode);
+        let mut c = Candidates {
+            decode,
+            prefill,
+            slot: Vec::new(),
+        };
+        c.index();
+        c
+    }
+
+    fn index(&mut self) {
+        let n = self.decode.len() + self.prefill.len();
+        let mut slot = vec![None; self.slot.len().max(n)];
+        for (role, list) in [
+            (NodeRole::Decode, &self.decode),
+            (NodeRole::Prefill, &self.prefill),
+        ] {
+            for (pos, e) in list.iter().enumerate() {
+                slot[e.info.node_id.0 as usize] = Some((role, pos));
+            }
+        }
+        self.slot = slot;
+    }
+
+    fn entry_mut(&mut self, n: usize) -> Option<&mut NodeEntry> {
+        match self.slot[n]? {
+            (NodeRole::Decode, pos) => Some(&mut self.decode[pos]),
+            (_, pos) => Some(&mut self.prefill[pos]),
+        }
+    }
+
+    /// Node `n` leaves.
+    fn remove(&mut self, n: usize) {
+        match self.slot[n] {
+            Some((NodeRole::Decode, pos)) => drop(self.decode.remove(pos)),
+            Some((_, pos)) => drop(self.prefill.remove(pos)),
+            None => return,
+        }
+        self.slot[n] = None;
+        self.index();
+    }
+}
+
 struct Mesh<'a> {
     requests: &'a [SimRequest],
     /// Decode nodes `0..decode`, then prefill nodes; a node's id is its index.
     nodes: Vec<SimNode>,
-    entries: Vec<NodeEntry>,
-    decode: usize,
+    roles: Vec<NodeRole>,
+    candidates: Candidates,
     routing: Routing,
     index: Arc<InMemoryPrefixIndex>,
     queue: EventQueue<Event>,
@@ -229,9 +320,13 @@ struct Mesh<'a> {
     routed: Vec<u64>,
     /// One per (prefill node, decode node) that has carried KV.
     links: BTreeMap<(usize, usize), Link>,
+    link_factors: LinkFactors,
     prefill: Option<PrefillPool>,
     vocab_size: usize,
     remote_prefills: u64,
+    migrations: u64,
+    max_migrations: usize,
+    faults: &'a [Fault],
     /// When each request arrived (its `at`, or when a closed loop sent it).
     sent: Vec<Duration>,
     /// Closed loop: the next request to send when one ends.
@@ -290,6 +385,8 @@ fn run(
     if config.report_interval == Some(Duration::ZERO) {
         return Err(MeshError::ZeroReportInterval);
     }
+    let prefill_nodes = config.prefill.as_ref().map_or(0, |p| p.nodes);
+    fault::validate(&config.faults, config.nodes, prefill_nodes)?;
     let sched = &config.node.scheduler;
     if let Some(p) = &config.prefill {
         let ps = &p.node.scheduler;
@@ -327,6 +424,10 @@ fn run(
         entries.push(entry(i, role, node_config));
     }
     let mut queue = EventQueue::new();
+    // A fault at an instant comes before everything else due then.
+    for (k, f) in config.faults.iter().enumerate() {
+        queue.push_at(f.at, Event::Fault(k));
+    }
     let first_sent = match concurrency {
         None => {
             for (i, r) in requests.iter().enumerate() {
@@ -348,18 +449,22 @@ fn run(
     let mut mesh = Mesh {
         requests,
         routed: vec![0; nodes.len()],
+        roles: entries.iter().map(|e| e.info.role).collect(),
         nodes,
-        entries,
-        decode: config.nodes,
+        candidates: Candidates::new(entries),
         routing,
         index,
         queue,
         live: (0..requests.len()).map(|_| None).collect(),
         outcomes: vec![None; requests.len()],
         links: BTreeMap::new(),
+        link_factors: LinkFactors::default(),
         prefill: config.prefill.clone(),
         vocab_size: config.node.vocab_size,
         remote_prefills: 0,
+        migrations: 0,
+        max_migrations: config.max_migrations,
+        faults: &config.faults,
         sent: vec![Duration::ZERO; requests.len()],
         next_closed: first_sent,
         report_interval: config.report_interval,
@@ -369,8 +474,9 @@ fn run(
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
             Event::StepDone(n) => mesh.step_done(n, now)?,
-            Event::KvArrived(i) => mesh.kv_arrived(i, now)?,
+            Event::KvArrived(i, placement) => mesh.kv_arrived(i, placement, now)?,
             Event::Report => mesh.report_loads(),
+            Event::Fault(k) => mesh.fault(k, now),
         }
     }
     Ok(mesh.finish())
@@ -386,32 +492,81 @@ impl Mesh<'_> {
             return;
         }
         self.sent[i] = now;
+        match self.open(i, &[], &[]) {
+            Opened::On {
+                decode,
+                prefill,
+                tracked,
+            } => {
+                self.live[i] = Some(Live {
+                    node: decode,
+                    prefill,
+                    transfer_blocks: 0,
+                    tokens: Vec::new(),
+                    tracked,
+                    tried: vec![decode],
+                    placement: 0,
+                });
+                self.kick(decode, now);
+            }
+            // The router has no decode node to send it to: 503.
+            Opened::NoNode => self.end_failed(i, now, Some(503), "http_503".into()),
+            // The node refuses it as the real engine would (a 400 from the server).
+            Opened::Refused(e) => self.end_failed(i, now, Some(400), e.to_string()),
+        }
+    }
+
+    /// Routes request `i` to a live decode node not in `tried` and queues it there: with
+    /// `resume`, the tokens it delivered before its node died, it is routed by everything
+    /// its KV will hold and the decode node recomputes them itself (no prefill node), as the
+    /// router's `MeshBackend::open` does.
+    fn open(&mut self, i: usize, resume: &[TokenId], tried: &[usize]) -> Opened {
         let r = &self.requests[i];
-        let (decode, prefill) = self.entries.split_at(self.decode);
-        let Some(route) = self.routing.route(&r.prompt, decode, prefill) else {
-            unreachable!("every decode node serves the model");
+        let tokens: Cow<[TokenId]> = if resume.is_empty() {
+            Cow::Borrowed(&r.prompt)
+        } else {
+            Cow::Owned([&r.prompt[..], resume].concat())
+        };
+        let untried: Vec<NodeEntry>;
+        let decode = if tried.is_empty() {
+            &self.candidates.decode[..]
+        } else {
+            untried = self
+                .candidates
+                .decode
+                .iter()
+                .filter(|e| !tried.contains(&(e.info.node_id.0 as usize)))
+                .cloned()
+                .collect();
+            &untried[..]
+        };
+        let prefill = if resume.is_empty() {
+            &self.candidates.prefill[..]
+        } else {
+            &[]
+        };
+        let Some(route) = self.routing.route(&tokens, decode, prefill) else {
+            return Opened::NoNode;
         };
         let d = route.decode.0 as usize;
         let p = route.prefill.map(|p| p.0 as usize);
         let tracked = self.routing.track_route(route.decode, route.prefill);
+        let (seq, prompt) = (i as u64, r.prompt.clone());
         let submitted = match p {
-            Some(_) => self.nodes[d].submit_remote(i as u64, r.prompt.clone(), r.max_tokens),
-            None => self.nodes[d].submit(i as u64, r.prompt.clone(), r.max_tokens),
+            Some(_) => self.nodes[d].submit_remote(seq, prompt, r.max_tokens),
+            None if resume.is_empty() => self.nodes[d].submit(seq, prompt, r.max_tokens),
+            None => self.nodes[d].submit_resumed(seq, prompt, resume.to_vec(), r.max_tokens),
         };
         match submitted {
             Ok(()) => {
                 self.routed[d] += 1;
-                self.live[i] = Some(Live {
-                    node: d,
+                Opened::On {
+                    decode: d,
                     prefill: p,
-                    transfer_blocks: 0,
-                    tokens: Vec::new(),
                     tracked,
-                });
-                self.kick(d, now);
+                }
             }
-            // The node refuses it as the real engine would (a 400 from the server).
-            Err(e) => self.end_failed(i, now, Some(400), e.to_string()),
+            Err(e) => Opened::Refused(e),
         }
     }
 
@@ -445,15 +600,19 @@ impl Mesh<'_> {
             self.index.apply(NodeId(n as u64), &events);
         }
         if self.report_interval.is_none() {
-            self.entries[n].load = self.nodes[n].load();
+            let load = self.nodes[n].load();
+            if let Some(e) = self.candidates.entry_mut(n) {
+                e.load = load;
+            }
         }
     }
 
     /// The periodic load reports; the next is due only while something else can still
     /// happen (otherwise reports alone would keep the run going for ever).
     fn report_loads(&mut self) {
-        for (entry, node) in self.entries.iter_mut().zip(&self.nodes) {
-            entry.load = node.load();
+        let c = &mut self.candidates;
+        for entry in c.decode.iter_mut().chain(c.prefill.iter_mut()) {
+            entry.load = self.nodes[entry.info.node_id.0 as usize].load();
         }
         if let (false, Some(interval)) = (self.queue.is_empty(), self.report_interval) {
             self.queue.push_in(interval, Event::Report);
@@ -473,8 +632,12 @@ impl Mesh<'_> {
     }
 
     fn step_done(&mut self, n: usize, now: Duration) -> Result<(), MeshError> {
+        if self.nodes[n].died_at().is_some() {
+            // Its step never ends.
+            return Ok(());
+        }
         let report = self.nodes[n].finish_step()?;
-        if n >= self.decode {
+        if self.roles[n] == NodeRole::Prefill {
             // A prefill node's token is the first token, delivered with the KV.
             for f in &report.finished {
                 self.send_kv(f.seq_id as usize, n, now);
@@ -496,25 +659,36 @@ impl Mesh<'_> {
     /// Queues the KV of request `i`'s prompt from prefill node `p` to its decode node.
     fn send_kv(&mut self, i: usize, p: usize, now: Duration) {
         let pool = self.prefill.as_ref().expect("prefill nodes exist");
-        let live = self.live[i].as_ref().expect("a prefilling request is live");
+        let Some(live) = self.live[i].as_ref().filter(|l| l.prefill == Some(p)) else {
+            // Its decode node gave up on this prefill (a cancelled prefill never ends, so
+            // this does not happen; nothing would wait for the KV if it did).
+            return;
+        };
         let block_size = self.nodes[live.node].scheduler().config().block_size;
         let bytes = (live.transfer_blocks * block_size) as u64 * pool.kv_bytes_per_token;
-        let model = pool.link.model();
+        let model = self.link_factors.model(pool.link.model(), p, live.node);
         let link = self
             .links
             .entry((p, live.node))
             .or_insert_with(|| Link::new(model));
+        link.set_model(model);
         let transfer = link.enqueue(now, bytes);
-        self.queue.push_at(transfer.done, Event::KvArrived(i));
+        self.queue
+            .push_at(transfer.done, Event::KvArrived(i, live.placement));
     }
 
-    fn kv_arrived(&mut self, i: usize, now: Duration) -> Result<(), MeshError> {
+    fn kv_arrived(&mut self, i: usize, placement: u32, now: Duration) -> Result<(), MeshError> {
+        let current = self.live[i]
+            .as_ref()
+            .is_some_and(|l| l.placement == placement && l.prefill.is_some());
+        if !current {
+            // For a placement given up since (its decode or prefill node died).
+            return Ok(());
+        }
         let prompt = &self.requests[i].prompt;
         let last = *prompt.last().expect("prompts are never empty");
         let first = MockRunner::favoured_token(last, prompt.len(), self.vocab_size);
-        let live = self.live[i]
-            .as_mut()
-            .expect("a transferring request is live");
+        let live = self.live[i].as_mut().expect("checked above");
         live.prefill = None;
         live.tracked.prefilled();
         live.tokens.push(now);
@@ -526,12 +700,103 @@ impl Mesh<'_> {
         Ok(())
     }
 
+    fn fault(&mut self, k: usize, now: Duration) {
+        match &self.faults[k].kind {
+            FaultKind::NodeDies(n) => self.node_dies(n.0 as usize, now),
+            FaultKind::LinkSlows { factor, between } => {
+                let pair = between.map(|(p, d)| (p.0 as usize, d.0 as usize));
+                self.link_factors.set(*factor, pair);
+            }
+        }
+    }
+
+    /// Node `n` dies: it leaves the candidates and the index; its decode requests migrate,
+    /// the remote prefills it was computing fall back to their decode nodes.
+    fn node_dies(&mut self, n: usize, now: Duration) {
+        if self.nodes[n].died_at().is_some() {
+            return;
+        }
+        self.nodes[n].die(now);
+        self.candidates.remove(n);
+        self.index.remove_node(NodeId(n as u64));
+        let mut touched = BTreeSet::new();
+        for i in 0..self.live.len() {
+            let Some(live) = self.live[i].as_mut() else {
+                continue;
+            };
+            if live.node == n {
+                touched.extend(self.migrate(i, n, now));
+            } else if live.prefill == Some(n) {
+                // The decode worker gives up on the prefill and computes it itself.
+                live.prefill = None;
+                live.placement += 1;
+                live.transfer_blocks = 0;
+                let d = live.node;
+                self.nodes[d].fail_remote(i as u64);
+                touched.insert(d);
+            }
+        }
+        for d in touched {
+            self.kick(d, now);
+        }
+    }
+
+    /// Request `i`'s decode node `dead` died: it moves to another decode node with the
+    /// tokens delivered so far, or fails. Returns the nodes to kick: its new decode node and
+    /// the prefill node whose work for it was cancelled.
+    fn migrate(&mut self, i: usize, dead: usize, now: Duration) -> Vec<usize> {
+        let mut live = self.live[i].take().expect("a migrating request is live");
+        let mut touched = Vec::new();
+        if let Some(p) = live.prefill.take() {
+            // Its prefill is cancelled with it (the decode node's cancel reaches the prefill
+            // node; the transfer would have nowhere to go).
+            self.nodes[p].abort(i as u64);
+            touched.push(p);
+        }
+        let delivered = live.tokens.len();
+        let resume: Vec<TokenId> = match self.nodes[dead].output_tokens(i as u64) {
+            Some(out) => out[..delivered].to_vec(),
+            None => Vec::new(),
+        };
+        debug_assert_eq!(resume.len(), delivered, "request {i}'s delivered tokens");
+        // Counted as the router counts them: every time a broken stream is resent.
+        if live.tried.len() > self.max_migrations {
+            self.live[i] = Some(live);
+            self.end_failed(i, now, Some(200), "stream_error".into());
+            return touched;
+        }
+        self.migrations += 1;
+        match self.open(i, &resume, &live.tried) {
+            Opened::On {
+                decode,
+                prefill,
+                tracked,
+            } => {
+                live.node = decode;
+                live.prefill = prefill;
+                live.transfer_blocks = 0;
+                // The old node's in-flight count ends with its stream.
+                live.tracked = tracked;
+                live.tried.push(decode);
+                live.placement += 1;
+                self.live[i] = Some(live);
+                touched.push(decode);
+            }
+            Opened::NoNode | Opened::Refused(_) => {
+                self.live[i] = Some(live);
+                self.end_failed(i, now, Some(200), "stream_error".into());
+            }
+        }
+        touched
+    }
+
     fn end_ok(&mut self, f: &Finished, now: Duration) {
         let i = f.seq_id as usize;
         // Dropping `live` ends the router's in-flight count, as the stream's end does.
         let live = self.live[i].take().expect("a finished request was live");
         let sent = self.sent[i];
         let first = live.tokens[0];
+        let prompt_tokens = self.requests[i].prompt.len();
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
             sent,
@@ -541,15 +806,16 @@ impl Mesh<'_> {
             ttft: Some(first - sent),
             gaps: live.tokens.windows(2).map(|w| w[1] - w[0]).collect(),
             e2e: Some(now - sent),
-            prompt_tokens: Some(self.requests[i].prompt.len() as u64),
-            cached_tokens: Some(f.cached_tokens as u64),
+            prompt_tokens: Some(prompt_tokens as u64),
+            // A migrated request's lookup covered its generated tokens too.
+            cached_tokens: Some(f.cached_tokens.min(prompt_tokens) as u64),
             output_tokens: f.output_tokens as u64,
         });
         self.ended(i, now);
     }
 
     fn end_failed(&mut self, i: usize, now: Duration, status: Option<u16>, error: String) {
-        self.live[i] = None;
+        let delivered = self.live[i].take().map_or(0, |l| l.tokens.len());
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
             sent: self.sent[i],
@@ -557,6 +823,7 @@ impl Mesh<'_> {
             status,
             error: Some(error),
             prompt_tokens: Some(self.requests[i].prompt.len() as u64),
+            output_tokens: delivered as u64,
             ..RequestOutcome::default()
         });
         self.ended(i, now);
@@ -585,27 +852,29 @@ impl Mesh<'_> {
             .map(|o| o.expect("every request ends"))
             .collect();
         let duration = outcomes.iter().map(|o| o.ended).max().unwrap_or_default();
-        let nodes = self
+        let totals: Vec<NodeTotals> = self
             .nodes
             .iter()
             .enumerate()
-            .map(|(i, n)| NodeSummary {
-                node: i as u64,
-                role: self.entries[i].info.role.as_str(),
-                requests: self.routed[i],
-                steps: n.steps(),
-                busy_s: n.busy_time().as_secs_f64(),
-                preemptions: n.scheduler().num_preemptions(),
-                free_blocks: n.pool().num_free(),
-                num_blocks: n.pool().num_blocks(),
-            })
+            .map(|(i, n)| n.totals(i as u64, self.roles[i].as_str(), self.routed[i]))
+            .collect();
+        let stats = mesh_stats(
+            &totals,
+            duration,
+            self.links.values().map(Link::bytes_sent).sum(),
+            self.remote_prefills,
+            self.migrations,
+        );
+        let blocks_in_use = self
+            .nodes
+            .iter()
+            .map(|n| n.died_at().is_none().then(|| n.pool().num_used()))
             .collect();
         MeshRun {
             outcomes,
             duration,
-            nodes,
-            kv_bytes_transferred: self.links.values().map(Link::bytes_sent).sum(),
-            remote_prefills: self.remote_prefills,
+            stats,
+            blocks_in_use,
         }
     }
 }

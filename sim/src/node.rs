@@ -9,9 +9,19 @@
 //! choice ([`MockRunner::favoured_token`]), so outputs are deterministic and independent of
 //! batching. No logits are materialised: at a thousand nodes a vocabulary-sized vector per
 //! sequence per step would dominate the simulation's cost and decide nothing.
+//!
+//! A node keeps the statistics bench's report carries ([`NodeTotals`]): busy time and steps,
+//! KV blocks in use over time (observed whenever the driver starts a step, which it does after
+//! every change to the node), and the prefix-cache hits of every admission by tier. The
+//! scheduler reports each admission's cached tokens, lower tiers included, and the pool counts
+//! the blocks it promoted from each lower tier; their difference is the device pool's share.
+//! Copies between tiers take no time here (the pool's `TierMove`s are dropped).
+//!
+//! A node can die ([`SimNode::die`]): its step in flight never ends and it takes nothing more.
 
+use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
-use kvmesh_common::kv_tier::TieredKvEvent;
+use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{LoadReport, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
 use kvmesh_engine::mock_runner::MockRunner;
@@ -19,7 +29,7 @@ use kvmesh_engine::runner::SeqId;
 use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
@@ -42,6 +52,8 @@ pub enum NodeError {
     NoTokensWanted,
     #[error("finish_step called with no step in flight")]
     NoStepInFlight,
+    #[error("the node is dead")]
+    Dead,
 }
 
 /// Why a sequence ended.
@@ -99,6 +111,12 @@ pub struct SimNode {
     remote_admitted: Vec<RemoteAdmission>,
     busy: Duration,
     steps: u64,
+    /// Sequences aborted while the step in flight held a chunk of theirs: that chunk's token
+    /// is not theirs to count (a new sequence of the same id may be tracked meanwhile).
+    aborted_in_flight: BTreeSet<SeqId>,
+    kv: KvUsage,
+    prefix: PrefixTally,
+    died_at: Option<Duration>,
 }
 
 impl SimNode {
@@ -117,6 +135,10 @@ impl SimNode {
             remote_admitted: Vec::new(),
             busy: Duration::ZERO,
             steps: 0,
+            aborted_in_flight: BTreeSet::new(),
+            kv: KvUsage::default(),
+            prefix: PrefixTally::default(),
+            died_at: None,
         })
     }
 
@@ -127,8 +149,24 @@ impl SimNode {
         prompt: Vec<TokenId>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
-        self.track(seq_id, max_tokens, |scheduler| {
+        self.track(seq_id, max_tokens, 0, |scheduler| {
             scheduler.add_sequence(seq_id, prompt)
+        })
+    }
+
+    /// Queues a migrated request: `output` are the tokens it already delivered from another
+    /// node. Their KV is computed here as a prompt's is, and it continues after them, up to
+    /// `max_tokens` in all.
+    pub fn submit_resumed(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Vec<TokenId>,
+        output: Vec<TokenId>,
+        max_tokens: usize,
+    ) -> Result<(), NodeError> {
+        let generated = output.len();
+        self.track(seq_id, max_tokens, generated, |scheduler| {
+            scheduler.add_resumed_sequence(seq_id, prompt, output)
         })
     }
 
@@ -141,22 +179,27 @@ impl SimNode {
         prompt: Vec<TokenId>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
-        self.track(seq_id, max_tokens, |scheduler| {
+        self.track(seq_id, max_tokens, 0, |scheduler| {
             scheduler.add_remote_sequence(seq_id, prompt)
         })
     }
 
-    /// Adds a request to the scheduler with `add` and starts tracking its output.
+    /// Adds a request to the scheduler with `add` and starts tracking its output, of which
+    /// `generated` tokens exist already.
     fn track<E>(
         &mut self,
         seq_id: SeqId,
         max_tokens: usize,
+        generated: usize,
         add: impl FnOnce(&mut Scheduler) -> Result<(), E>,
     ) -> Result<(), NodeError>
     where
         NodeError: From<E>,
     {
-        if max_tokens == 0 {
+        if self.died_at.is_some() {
+            return Err(NodeError::Dead);
+        }
+        if max_tokens <= generated {
             return Err(NodeError::NoTokensWanted);
         }
         add(&mut self.scheduler)?;
@@ -164,11 +207,55 @@ impl SimNode {
             seq_id,
             Tracking {
                 max_tokens,
-                generated: 0,
+                generated,
                 cached_tokens: None,
             },
         );
         Ok(())
+    }
+
+    /// Cancels `seq_id` (its client or its decode node went away) and frees its blocks.
+    /// False if the node does not have it.
+    pub fn abort(&mut self, seq_id: SeqId) -> bool {
+        if self.requests.remove(&seq_id).is_none() {
+            return false;
+        }
+        self.scheduler.finish(seq_id);
+        if self.in_flight.is_some() {
+            self.aborted_in_flight.insert(seq_id);
+        }
+        true
+    }
+
+    /// Gives up on the remote prefill of `seq_id` (its prefill node died): the blocks
+    /// reserved for the transfer are freed and it prefills here, as the decode worker falls
+    /// back with `fail_remote_prefill`. False if it is not a remote prefill.
+    pub fn fail_remote(&mut self, seq_id: SeqId) -> bool {
+        self.scheduler.fail_remote_prefill(seq_id)
+    }
+
+    /// The node stops at `now`: the step in flight never ends (its time counts as busy only
+    /// up to now), nothing more is submitted.
+    pub fn die(&mut self, now: Duration) {
+        if self.died_at.is_some() {
+            return;
+        }
+        if let Some(InFlight { output, ends_at }) = self.in_flight.take() {
+            self.busy -= ends_at.saturating_sub(now);
+            self.scheduler.abort_step(output);
+        }
+        self.kv.observe(now, self.scheduler.pool().num_used());
+        self.died_at = Some(now);
+    }
+
+    /// When it died, if it did.
+    pub fn died_at(&self) -> Option<Duration> {
+        self.died_at
+    }
+
+    /// The tokens `seq_id` has generated so far (those a migration resends).
+    pub fn output_tokens(&self, seq_id: SeqId) -> Option<&[TokenId]> {
+        self.scheduler.sequence_tokens(seq_id).map(|t| t.output)
     }
 
     /// Remote prefills admitted since the last call: their blocks are reserved, start their
@@ -211,11 +298,27 @@ impl SimNode {
 
     /// Plans a step at `now` when the node is idle and has work, and returns when it ends;
     /// `None` when it is busy or nothing can run (the node then waits for a submission).
+    ///
+    /// The driver calls it after every change to the node (a submission, a step's end, a
+    /// transfer's arrival), so it also observes the KV blocks in use.
     pub fn start_step(&mut self, now: Duration) -> Option<Duration> {
+        if self.died_at.is_some() {
+            return None;
+        }
+        self.kv.observe(now, self.scheduler.pool().num_used());
         if self.in_flight.is_some() || !self.scheduler.has_work() {
             return None;
         }
+        let promoted = |s: &Scheduler| {
+            let pool = s.pool();
+            (pool.num_promoted(Tier::Host), pool.num_promoted(Tier::Disk))
+        };
+        let (host_before, disk_before) = promoted(&self.scheduler);
         let mut output = self.scheduler.schedule();
+        self.tally_admissions(&output, host_before, disk_before);
+        // Copies between tiers take no time here.
+        drop(self.scheduler.drain_tier_moves());
+        self.kv.observe(now, self.scheduler.pool().num_used());
         let first_admissions = output.admitted.iter().filter(|a| !a.resumed);
         let remote = output.remote_admitted.iter();
         for (seq_id, cached) in first_admissions
@@ -240,6 +343,34 @@ impl SimNode {
         let ends_at = now + time;
         self.in_flight = Some(InFlight { output, ends_at });
         Some(ends_at)
+    }
+
+    /// Counts the prefix-cache lookups and hits of the step's admissions, by tier: the pool's
+    /// promotions since `host_before` and `disk_before` are the lower tiers' hits.
+    fn tally_admissions(&mut self, output: &SchedulerOutput, host_before: u64, disk_before: u64) {
+        let admissions = output
+            .admitted
+            .iter()
+            .map(|a| (a.seq_id, a.num_cached_tokens));
+        let remote = output.remote_admitted.iter();
+        let mut cached = 0;
+        for (seq_id, n) in admissions.chain(remote.map(|a| (a.seq_id, a.num_cached_tokens))) {
+            let tokens = self
+                .scheduler
+                .sequence_tokens(seq_id)
+                .map_or(0, |t| t.prompt.len() + t.output.len());
+            self.prefix.lookup += tokens as u64;
+            cached += n as u64;
+        }
+        let pool = self.scheduler.pool();
+        let block = pool.block_size() as u64;
+        let host = (pool.num_promoted(Tier::Host) - host_before) * block;
+        let disk = (pool.num_promoted(Tier::Disk) - disk_before) * block;
+        self.prefix.host += host;
+        self.prefix.disk += disk;
+        self.prefix.device += cached
+            .checked_sub(host + disk)
+            .expect("every promoted block is an admission's hit");
     }
 
     /// When the step in flight ends, if one is.
@@ -268,12 +399,16 @@ impl SimNode {
         let preempted = output.preempted.len();
         let outcome = self.scheduler.update_from_output(output, &sampled)?;
         let context_full: HashSet<SeqId> = outcome.context_full.into_iter().collect();
+        let aborted = std::mem::take(&mut self.aborted_in_flight);
 
         let mut report = StepReport {
             preempted,
             ..StepReport::default()
         };
         for &(seq_id, _) in &sampled {
+            if aborted.contains(&seq_id) {
+                continue;
+            }
             let Some(t) = self.requests.get_mut(&seq_id) else {
                 continue;
             };
@@ -343,6 +478,27 @@ impl SimNode {
 
     pub fn steps(&self) -> u64 {
         self.steps
+    }
+
+    /// Prefix-cache lookups and hits so far, by tier.
+    pub fn prefix_hits(&self) -> PrefixTally {
+        self.prefix
+    }
+
+    /// Its totals for bench's report, as node `id` of `role` that served `requests`.
+    pub fn totals(&self, id: u64, role: &'static str, requests: u64) -> NodeTotals {
+        NodeTotals {
+            id,
+            role,
+            requests,
+            steps: self.steps,
+            busy: self.busy,
+            kv: self.kv.clone(),
+            kv_blocks: self.pool().num_blocks(),
+            preemptions: self.scheduler.num_preemptions(),
+            prefix: self.prefix,
+            died_at: self.died_at,
+        }
     }
 }
 

@@ -50,6 +50,8 @@ fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
         prefill: None,
         report_interval: None,
         seed,
+        faults: Vec::new(),
+        max_migrations: 3,
     }
 }
 
@@ -87,7 +89,7 @@ fn slo() -> SloSpec {
 }
 
 fn report_json(run: &MeshRun, rate: f64) -> String {
-    serde_json::to_string(&run.report("sim", &shape(rate), &slo())).unwrap()
+    serde_json::to_string(&run.point("sim", &shape(rate), &slo())).unwrap()
 }
 
 #[test]
@@ -102,14 +104,15 @@ fn the_same_seed_gives_the_same_report_byte_for_byte() {
     assert_ne!(a, run(8));
     // The report is bench's: it parses back as a Point's JSON would.
     let v: serde_json::Value = serde_json::from_str(&a).unwrap();
-    assert_eq!(v["point"]["label"], "sim");
-    assert!(v["point"]["slo"].is_object());
+    assert_eq!(v["label"], "sim");
+    assert!(v["slo"].is_object());
+    assert_eq!(v["mesh"]["nodes"].as_array().unwrap().len(), 16);
 
     // With prefill nodes and KV transfers too.
     let disagg = |seed| {
         let requests = workload(seed, 1_000, 200.0, 4);
         let run = simulate(&disaggregated(LinkClass::Rdma50, seed), &requests).unwrap();
-        assert!(run.remote_prefills > 0);
+        assert!(run.stats.remote_prefills > 0);
         report_json(&run, 200.0)
     };
     assert_eq!(disagg(21), disagg(21));
@@ -127,14 +130,15 @@ fn assert_conserved(run: &MeshRun, requests: &[SimRequest]) {
         assert_eq!(o.ended, o.sent + o.e2e.unwrap());
     }
     let routed: u64 = run
+        .stats
         .nodes
         .iter()
         .filter(|n| n.role == "decode")
         .map(|n| n.requests)
         .sum();
     assert_eq!(routed as usize, requests.len());
-    for n in &run.nodes {
-        assert_eq!(n.free_blocks, n.num_blocks, "node {} leaked blocks", n.node);
+    for (id, used) in run.blocks_in_use.iter().enumerate() {
+        assert_eq!(*used, Some(0), "node {id} leaked blocks");
     }
 }
 
@@ -145,7 +149,7 @@ fn every_request_ends_once_and_no_block_leaks_under_every_policy() {
         let config = mesh(12, policy.parse().unwrap(), 3);
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
-        let busy = run.nodes.iter().filter(|n| n.requests > 0).count();
+        let busy = run.stats.nodes.iter().filter(|n| n.requests > 0).count();
         assert!(busy > 1, "{policy}: only {busy} node served");
     }
 }
@@ -159,9 +163,9 @@ fn memory_pressure_preempts_and_still_conserves() {
     let run = simulate(&config, &requests).unwrap();
     assert_conserved(&run, &requests);
     assert!(
-        run.nodes.iter().any(|n| n.preemptions > 0),
+        run.stats.nodes.iter().any(|n| n.preemptions > 0),
         "{:?}",
-        run.nodes
+        run.stats.nodes
     );
 }
 
@@ -185,7 +189,7 @@ fn a_thousand_nodes() {
     let requests = workload(11, 20_000, 20_000.0, 64);
     let run = simulate(&mesh(1_000, "kv_aware".parse().unwrap(), 11), &requests).unwrap();
     assert_conserved(&run, &requests);
-    let used = run.nodes.iter().filter(|n| n.requests > 0).count();
+    let used = run.stats.nodes.iter().filter(|n| n.requests > 0).count();
     assert!(used > 900, "only {used} of 1000 nodes served");
 }
 
@@ -223,6 +227,8 @@ fn one_fixed_time_server_matches_md1() {
             prefill: None,
             report_interval: None,
             seed: 1,
+            faults: Vec::new(),
+            max_migrations: 3,
         };
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
@@ -265,16 +271,21 @@ fn disaggregated_prefill_moves_kv_and_conserves() {
     let requests = workload(13, 1_000, 200.0, 4);
     let run = simulate(&disaggregated(LinkClass::Rdma100, 13), &requests).unwrap();
     assert_conserved(&run, &requests);
-    assert!(run.remote_prefills > 100, "{} remote", run.remote_prefills);
+    assert!(
+        run.stats.remote_prefills > 100,
+        "{} remote",
+        run.stats.remote_prefills
+    );
     let prefill_served: u64 = run
+        .stats
         .nodes
         .iter()
         .filter(|n| n.role == "prefill")
         .map(|n| n.requests)
         .sum();
-    assert_eq!(prefill_served, run.remote_prefills);
+    assert_eq!(prefill_served, run.stats.remote_prefills);
     // Every remote prefill sent at least one block of 16 tokens at 128 KiB a token.
-    assert!(run.kv_bytes_transferred >= run.remote_prefills * 16 * 128 * 1024);
+    assert!(run.stats.kv_bytes_transferred >= run.stats.remote_prefills * 16 * 128 * 1024);
 }
 
 #[test]
@@ -307,6 +318,8 @@ fn one_fixed_node(service: Duration) -> MeshConfig {
         prefill: None,
         report_interval: None,
         seed: 1,
+        faults: Vec::new(),
+        max_migrations: 3,
     }
 }
 
@@ -346,7 +359,11 @@ fn periodic_load_reports_are_stale_and_change_decisions() {
         config.report_interval = interval;
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
-        run.nodes.iter().map(|n| n.requests).collect::<Vec<_>>()
+        run.stats
+            .nodes
+            .iter()
+            .map(|n| n.requests)
+            .collect::<Vec<_>>()
     };
     let fresh = run(None);
     assert_eq!(fresh, run(None));

@@ -41,6 +41,8 @@ fn mesh(policy: &str) -> MeshConfig {
         prefill: None,
         report_interval: None,
         seed: 1,
+        faults: Vec::new(),
+        max_migrations: 3,
     }
 }
 
@@ -50,7 +52,7 @@ fn the_bundled_trace_runs_to_completion_and_kv_aware_reuses_its_prefixes() {
     let cached = |policy| {
         let run = simulate(&mesh(policy), &requests).unwrap();
         assert!(run.outcomes.iter().all(|o| o.error.is_none()), "{policy}");
-        assert!(run.nodes.iter().all(|n| n.free_blocks == n.num_blocks));
+        assert!(run.blocks_in_use.iter().all(|&used| used == Some(0)));
         run.outcomes
             .iter()
             .map(|o| o.cached_tokens.unwrap())
