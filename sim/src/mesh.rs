@@ -759,19 +759,21 @@ impl Mesh<'_> {
             None => Vec::new(),
         };
         debug_assert_eq!(resume.len(), delivered, "request {i}'s delivered tokens");
-        // Counted as the router counts them: every time a broken stream is resent.
+        // Every node it was sent to but the first was a migration.
         if live.tried.len() > self.max_migrations {
             self.live[i] = Some(live);
             self.end_failed(i, now, Some(200), "stream_error".into());
             return touched;
         }
-        self.migrations += 1;
         match self.open(i, &resume, &live.tried) {
             Opened::On {
                 decode,
                 prefill,
                 tracked,
             } => {
+                // Counted when it moves (the router's counter also counts an attempt that
+                // finds no node).
+                self.migrations += 1;
                 live.node = decode;
                 live.prefill = prefill;
                 live.transfer_blocks = 0;

@@ -600,6 +600,48 @@ mod tests {
     }
 
     #[test]
+    fn a_sequence_aborted_mid_step_gets_no_token_from_it_even_when_resubmitted() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        node.submit(1, (1..=10).collect(), 1).unwrap();
+        assert_eq!(node.start_step(Duration::ZERO), Some(MS));
+        assert!(node.abort(1));
+        node.submit(1, (1..=10).collect(), 1).unwrap();
+        let report = node.finish_step().unwrap();
+        assert!(report.tokens.is_empty() && report.finished.is_empty());
+        // The new one runs from scratch.
+        let steps = drain(&mut node);
+        assert_eq!(steps.len(), 1);
+        assert_eq!(steps[0].1.finished[0].output_tokens, 1);
+        assert_eq!(node.pool().num_free(), node.pool().num_blocks());
+    }
+
+    #[test]
+    fn a_resumed_request_continues_after_its_tokens_and_a_dead_node_takes_nothing() {
+        let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
+        node.submit_resumed(3, (1..=10).collect(), vec![7, 8], 4)
+            .unwrap();
+        let steps = drain(&mut node);
+        // One step recomputes prompt and output and samples the third token, one the fourth.
+        assert_eq!(steps.len(), 2);
+        assert_eq!(steps[0].1.tokens, [(3, 2)]);
+        assert_eq!(steps[1].1.finished[0].output_tokens, 4);
+        assert!(matches!(
+            node.submit_resumed(4, vec![1], vec![5], 1),
+            Err(NodeError::NoTokensWanted)
+        ));
+        node.submit(5, (1..=10).collect(), 3).unwrap();
+        assert_eq!(node.start_step(10 * MS), Some(11 * MS));
+        node.die(10 * MS + MS / 2);
+        assert_eq!(
+            node.busy_time(),
+            2 * MS + MS / 2,
+            "the cut step counts to the death"
+        );
+        assert_eq!(node.start_step(20 * MS), None);
+        assert!(matches!(node.submit(6, vec![1], 1), Err(NodeError::Dead)));
+    }
+
+    #[test]
     fn bad_input_is_an_error_not_a_panic() {
         let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
         assert!(matches!(
