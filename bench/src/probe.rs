@@ -8,9 +8,7 @@ use crate::arrivals::{Arrivals, LoadShape};
 use crate::cpu::CpuClock;
 use crate::load::{self, LoadError, Run, RunEvent, RunPlan, Target};
 use crate::report::{MaxGoodput, Point};
-use crate::search::{
-    Found, MaxGoodputSearch, Probe, RecordError, SearchConfig, SearchConfigError, Verdict,
-};
+use crate::search::{Found, MaxGoodputSearch, Probe, RecordError, SearchConfig, SearchConfigError};
 use crate::slo::SloSpec;
 use crate::workload::Workload;
 
@@ -177,15 +175,7 @@ impl Bench {
             search.record(probe)?;
         }
         let found = search.result();
-        // The answer's point: the last passing probe at the load found (a retried probe's
-        // longer run). Probes and points are recorded in step.
-        let max_goodput = found.as_ref().and_then(|f| {
-            search
-                .probes()
-                .iter()
-                .rposition(|p| p.load == f.load && matches!(p.verdict, Verdict::Pass))
-                .map(|i| MaxGoodput::of(&points[i].point))
-        });
+        let max_goodput = search.answer().map(|i| MaxGoodput::of(&points[i].point));
         Ok(Search {
             points,
             found,

@@ -325,6 +325,13 @@ impl MaxGoodputSearch {
         &self.probes
     }
 
+    /// The probe behind the answer, an index into [`probes`](Self::probes) (and into the
+    /// driver's points, recorded in step): the last pass, at the highest load passed.
+    /// `None` while the search runs, or when nothing passed.
+    pub fn answer(&self) -> Option<usize> {
+        self.stop.and(self.pass)
+    }
+
     /// The answer once the search has ended; `None` while it runs, or when nothing passed.
     pub fn result(&self) -> Option<Found> {
         let stop = self.stop?;

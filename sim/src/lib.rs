@@ -12,6 +12,7 @@
 pub mod clock;
 pub mod events;
 pub mod fault;
+pub mod hardware;
 pub mod link;
 pub mod mesh;
 pub mod node;

@@ -45,6 +45,24 @@ fn gbit(rate: f64, efficiency: f64) -> f64 {
 }
 
 impl LinkClass {
+    /// Every class, by its name.
+    pub const ALL: [(&'static str, LinkClass); 6] = [
+        ("same_host", LinkClass::SameHost),
+        ("rdma25", LinkClass::Rdma25),
+        ("rdma50", LinkClass::Rdma50),
+        ("rdma100", LinkClass::Rdma100),
+        ("rdma400", LinkClass::Rdma400),
+        ("tcp", LinkClass::Tcp),
+    ];
+
+    pub fn name(self) -> &'static str {
+        let (name, _) = Self::ALL
+            .iter()
+            .find(|(_, c)| *c == self)
+            .expect("every class is listed");
+        name
+    }
+
     pub fn model(self) -> LinkModel {
         let (latency_us, bytes_per_s) = match self {
             // Host memory copy: a few GB/s per stream is conservative for memcpy into pinned
@@ -60,6 +78,27 @@ impl LinkClass {
             latency: Duration::from_micros(latency_us),
             bytes_per_s,
         }
+    }
+}
+
+impl std::fmt::Display for LinkClass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for LinkClass {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<LinkClass, String> {
+        Self::ALL
+            .iter()
+            .find(|(name, _)| *name == s)
+            .map(|&(_, class)| class)
+            .ok_or_else(|| {
+                let names: Vec<_> = Self::ALL.iter().map(|(n, _)| *n).collect();
+                format!("unknown link class `{s}` (one of {})", names.join(", "))
+            })
     }
 }
 
@@ -135,6 +174,16 @@ mod tests {
         };
         assert_eq!(m.transfer_time(0), Duration::from_micros(10));
         assert_eq!(m.transfer_time(1_000_000), Duration::from_micros(1010));
+    }
+
+    #[test]
+    fn names_parse_back() {
+        for (name, class) in LinkClass::ALL {
+            assert_eq!(name.parse::<LinkClass>(), Ok(class));
+            assert_eq!(class.to_string(), name);
+        }
+        let err = "rdma800".parse::<LinkClass>().unwrap_err();
+        assert!(err.contains("rdma800") && err.contains("rdma400"), "{err}");
     }
 
     #[test]

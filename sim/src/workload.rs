@@ -1,12 +1,19 @@
 //! Bench's workloads as simulator input: a [`Workload`] (from any `WorkloadSpec`, a
 //! Mooncake trace with its hash ids included) and a [`LoadShape`] become timed
-//! [`SimRequest`]s, with the same arrival offsets the load generator would send them at.
+//! [`SimRequest`]s, with the same arrival offsets the load generator would send them at;
+//! [`multiply`] makes one trace load a cluster many times the size it was recorded on.
 
 use crate::mesh::{simulate, simulate_closed, MeshConfig, MeshError, MeshRun, SimRequest};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::trace::paced_offsets;
 use kvmesh_bench::workload::Workload;
+use kvmesh_common::TokenId;
+use std::num::NonZeroUsize;
 use std::time::Duration;
+
+/// What separates one copy's prompts from another's in [`multiply`]: copy `k` adds
+/// `k * COPY_TOKEN_STRIDE` to each prompt's first token, above any vocabulary's ids.
+pub const COPY_TOKEN_STRIDE: TokenId = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkloadError {
@@ -85,6 +92,55 @@ pub fn simulate_workload(
     run.map_err(WorkloadError::Mesh)
 }
 
+/// `copies` copies of `requests` (in arrival order), as if that many independent user
+/// populations sent the same traffic: copy `k`'s prompts share prefixes with each other as
+/// the original's do, and none with another copy's (its first token is moved by
+/// `k * COPY_TOKEN_STRIDE`, so every block hash differs); its conversations start
+/// `k / copies` of the trace's span later, wrapping round to its start, so the copies
+/// together keep the trace's span at `copies` times its rate instead of stacking its bursts.
+/// A conversation moves whole: its turns keep their gaps and order. Copy 0 is the original.
+/// The result is in arrival order, each request's `after` pointing into it.
+pub fn multiply(requests: &[SimRequest], copies: NonZeroUsize) -> Vec<SimRequest> {
+    let copies = copies.get();
+    // The span the copies are spread over: a conversation started at its end wraps to zero.
+    let span = requests.iter().map(|r| r.at).max().unwrap_or_default() + Duration::from_millis(1);
+    // Each request's conversation start: turns come after the turns they follow.
+    let mut start = Vec::with_capacity(requests.len());
+    for r in requests {
+        let s = r.after.map_or(r.at, |p| start[p]);
+        start.push(s);
+    }
+    let mut out: Vec<(Duration, usize, usize)> = Vec::with_capacity(requests.len() * copies);
+    for k in 0..copies {
+        let shift = span.mul_f64(k as f64 / copies as f64);
+        for (i, r) in requests.iter().enumerate() {
+            let begins = (start[i] + shift).as_nanos() % span.as_nanos();
+            let at = Duration::from_nanos(begins as u64) + (r.at - start[i]);
+            out.push((at, k, i));
+        }
+    }
+    out.sort();
+    let mut position = vec![0; out.len()];
+    for (new, &(_, k, i)) in out.iter().enumerate() {
+        position[k * requests.len() + i] = new;
+    }
+    out.iter()
+        .map(|&(at, k, i)| {
+            let r = &requests[i];
+            let mut prompt = r.prompt.clone();
+            if let Some(first) = prompt.first_mut() {
+                *first += k as TokenId * COPY_TOKEN_STRIDE;
+            }
+            SimRequest {
+                at,
+                prompt,
+                max_tokens: r.max_tokens,
+                after: r.after.map(|p| position[k * requests.len() + p]),
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,6 +204,47 @@ mod tests {
         let r = requests(&w, &LoadShape::Open(open.clone()), 3).unwrap();
         let expected: Vec<_> = open.schedule(3).take(5).collect();
         assert_eq!(r.iter().map(|r| r.at).collect::<Vec<_>>(), expected);
+    }
+
+    fn req(at_ms: u64, prompt: Vec<TokenId>, after: Option<usize>) -> SimRequest {
+        SimRequest {
+            at: Duration::from_millis(at_ms),
+            prompt,
+            max_tokens: 2,
+            after,
+        }
+    }
+
+    #[test]
+    fn copies_spread_over_the_span_with_disjoint_prompts() {
+        // Two conversations: 0 -> 2 (turn at +300 ms), and 1 alone.
+        let original = vec![
+            req(0, vec![5, 6], None),
+            req(200, vec![7], None),
+            req(300, vec![5, 6, 8], Some(0)),
+        ];
+        let copies = multiply(&original, NonZeroUsize::new(2).unwrap());
+        assert_eq!(copies.len(), 6);
+        // Span 301 ms; copy 1 starts its conversations 150.5 ms later (wrapping at 301).
+        let at: Vec<_> = copies.iter().map(|r| r.at.as_micros()).collect();
+        assert_eq!(at, [0, 49_500, 150_500, 200_000, 300_000, 450_500]);
+        let s = COPY_TOKEN_STRIDE;
+        let prompts: Vec<_> = copies.iter().map(|r| r.prompt.clone()).collect();
+        assert_eq!(
+            prompts,
+            [
+                vec![5, 6],
+                vec![7 + s],
+                vec![5 + s, 6],
+                vec![7],
+                vec![5, 6, 8],
+                vec![5 + s, 6, 8],
+            ]
+        );
+        // Each follow-up turn follows its own copy's first turn.
+        let after: Vec<_> = copies.iter().map(|r| r.after).collect();
+        assert_eq!(after, [None, None, None, None, Some(0), Some(2)]);
+        assert_eq!(multiply(&original, NonZeroUsize::MIN), original);
     }
 
     #[test]
