@@ -455,6 +455,41 @@ fn the_table_shows_the_numbers() {
 }
 
 #[test]
+fn the_mesh_tables_show_a_simulated_points_nodes_and_traffic() {
+    let t = render_table(&sweep());
+    let cells = |l: &str| -> Vec<String> {
+        l.split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let high: Vec<Vec<String>> = t
+        .lines()
+        .filter(|l| l.starts_with("high "))
+        .map(cells)
+        .collect();
+    // Latency, SLO, then decode and prefill nodes, then the traffic.
+    assert_eq!(high.len(), 5, "{t}");
+    let node = |role: &str, died: &str| {
+        [
+            "high", role, "1", died, "9", "50.0%", "50.0%", "25.0%", "75.0%", "1",
+        ]
+        .map(String::from)
+    };
+    assert_eq!(high[2], node("decode", "0"));
+    assert_eq!(high[3], node("prefill", "1"));
+    assert_eq!(
+        high[4],
+        ["high", "1.0 MB", "3", "0", "40.0%", "10.0%", "0.0%"].map(String::from)
+    );
+    // A point without a mesh (a real run) gets no mesh tables.
+    let mut real = sweep();
+    real.points[1].mesh = None;
+    assert!(!render_table(&real).contains("remote prefills"));
+}
+
+#[test]
 fn compare_sets_metrics_side_by_side_with_exact_ratios() {
     let a = sweep();
     let mut b = sweep();

@@ -10,6 +10,7 @@
 //! `README.md` for what is built and what is not yet.
 
 pub mod clock;
+pub mod cpu;
 pub mod events;
 pub mod fault;
 pub mod hardware;

@@ -39,6 +39,7 @@
 //! worker pushes blocks after each step, overlapping the two), transfers fail only when a
 //! node dies, no pull of cached prefixes from another node.
 
+use crate::cpu::{CpuError, Hosts, SharedCpu};
 use crate::events::EventQueue;
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
 use crate::link::{Link, LinkClass};
@@ -119,6 +120,8 @@ pub struct MeshConfig {
     /// How many times one request may move to another decode node after its node died (the
     /// router's `MeshBackendConfig::max_migrations`).
     pub max_migrations: usize,
+    /// Nodes that share their host's cores; `None`: every node has its own.
+    pub cpu: Option<SharedCpu>,
 }
 
 impl MeshConfig {
@@ -134,6 +137,7 @@ impl MeshConfig {
             seed: 0,
             faults: Vec::new(),
             max_migrations: MeshBackendConfig::default().max_migrations,
+            cpu: None,
         }
     }
 }
@@ -168,6 +172,8 @@ pub enum MeshError {
     #[error(transparent)]
     Fault(#[from] FaultError),
     #[error(transparent)]
+    Cpu(#[from] CpuError),
+    #[error(transparent)]
     Node(#[from] NodeError),
 }
 
@@ -196,7 +202,9 @@ impl MeshRun {
 #[derive(Debug)]
 enum Event {
     Arrive(usize),
-    StepDone(usize),
+    /// Node `.0`'s step ends, if `.1` is still its step's number (a step whose end moved, or
+    /// whose node died, leaves its old event behind).
+    StepDone(usize, u64),
     /// Request `.0`'s KV has reached its decode node, on its placement `.1` (a KV that
     /// arrives for an earlier placement, before a migration or a fallback, is dropped).
     KvArrived(usize, u32),
@@ -334,6 +342,9 @@ struct Mesh<'a> {
     report_interval: Option<Duration>,
     /// Requests due but held until the request they follow has ended, by that request.
     held: BTreeMap<usize, Vec<usize>>,
+    /// Each node's step-end events are numbered; only the latest counts.
+    step_event: Vec<u64>,
+    cpu: Option<Hosts>,
 }
 
 fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
@@ -394,6 +405,7 @@ fn run(
             return Err(MeshError::MismatchedPools);
         }
     }
+    let cpu = config.cpu.map(Hosts::new).transpose()?;
     let mut rng = StdRng::seed_from_u64(config.seed);
     let index = Arc::new(InMemoryPrefixIndex::new());
     let disaggregation = config
@@ -449,6 +461,8 @@ fn run(
     let mut mesh = Mesh {
         requests,
         routed: vec![0; nodes.len()],
+        step_event: vec![0; nodes.len()],
+        cpu,
         roles: entries.iter().map(|e| e.info.role).collect(),
         nodes,
         candidates: Candidates::new(entries),
@@ -473,7 +487,7 @@ fn run(
     while let Some((now, event)) = mesh.queue.pop() {
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
-            Event::StepDone(n) => mesh.step_done(n, now)?,
+            Event::StepDone(n, event) => mesh.step_done(n, event, now)?,
             Event::KvArrived(i, placement) => mesh.kv_arrived(i, placement, now)?,
             Event::Report => mesh.report_loads(),
             Event::Fault(k) => mesh.fault(k, now),
@@ -574,7 +588,15 @@ impl Mesh<'_> {
     /// sequences it admitted.
     fn kick(&mut self, n: usize, now: Duration) {
         if let Some(end) = self.nodes[n].start_step(now) {
-            self.queue.push_at(end, Event::StepDone(n));
+            match self.cpu.as_mut() {
+                None => self.step_ends(n, end),
+                Some(hosts) => {
+                    for (m, end) in hosts.start(n, end - now, now) {
+                        self.nodes[m].set_step_end(end);
+                        self.step_ends(m, end);
+                    }
+                }
+            }
         }
         self.publish(n);
         for a in self.nodes[n].take_remote_admissions() {
@@ -631,11 +653,30 @@ impl Mesh<'_> {
         }
     }
 
-    fn step_done(&mut self, n: usize, now: Duration) -> Result<(), MeshError> {
-        if self.nodes[n].died_at().is_some() {
-            // Its step never ends.
+    /// Node `n`'s step in flight ends at `end` (replacing any end it had).
+    fn step_ends(&mut self, n: usize, end: Duration) {
+        self.step_event[n] += 1;
+        self.queue
+            .push_at(end, Event::StepDone(n, self.step_event[n]));
+    }
+
+    /// Node `n`'s step is over (done, or cut short by its death): the other nodes of its
+    /// host speed up.
+    fn step_over(&mut self, n: usize, now: Duration) {
+        self.step_event[n] += 1;
+        if let Some(hosts) = self.cpu.as_mut() {
+            for (m, end) in hosts.stop(n, now) {
+                self.nodes[m].set_step_end(end);
+                self.step_ends(m, end);
+            }
+        }
+    }
+
+    fn step_done(&mut self, n: usize, event: u64, now: Duration) -> Result<(), MeshError> {
+        if event != self.step_event[n] {
             return Ok(());
         }
+        self.step_over(n, now);
         let report = self.nodes[n].finish_step()?;
         if self.roles[n] == NodeRole::Prefill {
             // A prefill node's token is the first token, delivered with the KV.
@@ -717,6 +758,7 @@ impl Mesh<'_> {
             return;
         }
         self.nodes[n].die(now);
+        self.step_over(n, now);
         self.candidates.remove(n);
         self.index.remove_node(NodeId(n as u64));
         let mut touched = BTreeSet::new();

@@ -95,6 +95,7 @@ struct Tracking {
 #[derive(Debug)]
 struct InFlight {
     output: SchedulerOutput,
+    started: Duration,
     ends_at: Duration,
 }
 
@@ -240,8 +241,11 @@ impl SimNode {
         if self.died_at.is_some() {
             return;
         }
-        if let Some(InFlight { output, ends_at }) = self.in_flight.take() {
-            self.busy -= ends_at.saturating_sub(now);
+        if let Some(InFlight {
+            output, started, ..
+        }) = self.in_flight.take()
+        {
+            self.busy += now.saturating_sub(started);
             self.scheduler.abort_step(output);
         }
         self.kv.observe(now, self.scheduler.pool().num_used());
@@ -338,10 +342,13 @@ impl SimNode {
             return None;
         }
         let time = self.timing.step_time(&StepShape::of(&output.step));
-        self.busy += time;
         self.steps += 1;
         let ends_at = now + time;
-        self.in_flight = Some(InFlight { output, ends_at });
+        self.in_flight = Some(InFlight {
+            output,
+            started: now,
+            ends_at,
+        });
         Some(ends_at)
     }
 
@@ -373,6 +380,14 @@ impl SimNode {
             .expect("every promoted block is an admission's hit");
     }
 
+    /// The step in flight ends at `ends_at` instead (it shares its host's cores, see
+    /// [`crate::cpu`]); nothing when no step is in flight.
+    pub fn set_step_end(&mut self, ends_at: Duration) {
+        if let Some(f) = self.in_flight.as_mut() {
+            f.ends_at = ends_at;
+        }
+    }
+
     /// When the step in flight ends, if one is.
     pub fn step_ends_at(&self) -> Option<Duration> {
         self.in_flight.as_ref().map(|f| f.ends_at)
@@ -381,7 +396,12 @@ impl SimNode {
     /// Ends the step in flight: one token for each sequence whose chunk ended its known
     /// tokens, and finishes those that are done.
     pub fn finish_step(&mut self) -> Result<StepReport, NodeError> {
-        let InFlight { output, .. } = self.in_flight.take().ok_or(NodeError::NoStepInFlight)?;
+        let InFlight {
+            output,
+            started,
+            ends_at,
+        } = self.in_flight.take().ok_or(NodeError::NoStepInFlight)?;
+        self.busy += ends_at - started;
         let sampled: Vec<(SeqId, TokenId)> = output
             .step
             .chunks

@@ -39,19 +39,14 @@ fn scheduler(num_blocks: usize, max_num_seqs: usize, caching: bool) -> Scheduler
 }
 
 fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
+    let node = NodeConfig {
+        scheduler: scheduler(2048, 64, true),
+        timing: TimingProfile::named("h200-llama8b").unwrap(),
+        vocab_size: 32_000,
+    };
     MeshConfig {
-        nodes,
-        node: NodeConfig {
-            scheduler: scheduler(2048, 64, true),
-            timing: TimingProfile::named("h200-llama8b").unwrap(),
-            vocab_size: 32_000,
-        },
-        routing,
-        prefill: None,
-        report_interval: None,
         seed,
-        faults: Vec::new(),
-        max_migrations: 3,
+        ..MeshConfig::new(nodes, node, routing)
     }
 }
 
@@ -216,20 +211,7 @@ fn one_fixed_time_server_matches_md1() {
                 after: None,
             })
             .collect();
-        let config = MeshConfig {
-            nodes: 1,
-            node: NodeConfig {
-                scheduler: scheduler(64, 1, false),
-                timing: TimingProfile::fixed(service),
-                vocab_size: 100,
-            },
-            routing: "round_robin".parse().unwrap(),
-            prefill: None,
-            report_interval: None,
-            seed: 1,
-            faults: Vec::new(),
-            max_migrations: 3,
-        };
+        let config = one_fixed_node(service);
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
         // The wait is the time to the first (only) token less the service itself.
@@ -307,19 +289,14 @@ fn a_slower_link_delays_the_first_token() {
 }
 
 fn one_fixed_node(service: Duration) -> MeshConfig {
+    let node = NodeConfig {
+        scheduler: scheduler(64, 1, false),
+        timing: TimingProfile::fixed(service),
+        vocab_size: 100,
+    };
     MeshConfig {
-        nodes: 1,
-        node: NodeConfig {
-            scheduler: scheduler(64, 1, false),
-            timing: TimingProfile::fixed(service),
-            vocab_size: 100,
-        },
-        routing: "round_robin".parse().unwrap(),
-        prefill: None,
-        report_interval: None,
         seed: 1,
-        faults: Vec::new(),
-        max_migrations: 3,
+        ..MeshConfig::new(1, node, "round_robin".parse().unwrap())
     }
 }
 

@@ -20,29 +20,24 @@ fn trace_requests() -> Vec<SimRequest> {
 fn mesh(policy: &str) -> MeshConfig {
     // Block size = the scaled trace's tokens per hash id, so trace blocks are KV blocks.
     let block = ScaleConfig::default().block_tokens() as usize;
-    MeshConfig {
-        nodes: 32,
-        node: NodeConfig {
-            scheduler: SchedulerConfig {
-                block_size: block,
-                num_blocks: 4096,
-                max_num_batched_tokens: 2048,
-                max_num_seqs: 64,
-                max_model_len: 16_384,
-                enable_prefix_caching: true,
-                host_tier_blocks: 0,
-                disk_tier_blocks: 0,
-                hasher: BlockHasher::new(ModelFingerprint(9), block),
-            },
-            timing: TimingProfile::named("h100-llama8b").unwrap(),
-            vocab_size: 49_152,
+    let node = NodeConfig {
+        scheduler: SchedulerConfig {
+            block_size: block,
+            num_blocks: 4096,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_model_len: 16_384,
+            enable_prefix_caching: true,
+            host_tier_blocks: 0,
+            disk_tier_blocks: 0,
+            hasher: BlockHasher::new(ModelFingerprint(9), block),
         },
-        routing: policy.parse().unwrap(),
-        prefill: None,
-        report_interval: None,
+        timing: TimingProfile::named("h100-llama8b").unwrap(),
+        vocab_size: 49_152,
+    };
+    MeshConfig {
         seed: 1,
-        faults: Vec::new(),
-        max_migrations: 3,
+        ..MeshConfig::new(32, node, policy.parse().unwrap())
     }
 }
 

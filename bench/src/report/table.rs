@@ -3,6 +3,7 @@
 
 use crate::slo::{Attainment, Goodput, Summary};
 
+use super::mesh::NodeStats;
 use super::BenchReport;
 
 /// Columns of text, the first `left` of them left-aligned and the rest right-aligned (numbers).
@@ -95,6 +96,110 @@ pub(crate) fn goodput(g: &Goodput) -> String {
     }
 }
 
+/// The mesh's statistics, where the points carry them (a simulated run): per point and role,
+/// how busy and how full the nodes were, then what moved and what the prefix caches served.
+fn render_mesh(report: &BenchReport) -> String {
+    let headers = [
+        "point",
+        "role",
+        "nodes",
+        "died",
+        "requests",
+        "busy mean",
+        "busy max",
+        "KV mean",
+        "KV peak",
+        "preempted",
+    ];
+    let mut nodes = Table::new(headers.iter().map(|h| h.to_string()).collect(), 2);
+    let mut traffic = Table::new(
+        [
+            "point",
+            "KV moved",
+            "remote prefills",
+            "migrations",
+            "prefix hits: device",
+            "host",
+            "disk",
+        ]
+        .iter()
+        .map(|h| h.to_string())
+        .collect(),
+        1,
+    );
+    for p in &report.points {
+        let Some(mesh) = &p.mesh else { continue };
+        for role in ["decode", "prefill"] {
+            let of_role: Vec<&NodeStats> = mesh.nodes.iter().filter(|n| n.role == role).collect();
+            if of_role.is_empty() {
+                continue;
+            }
+            let mean = |f: fn(&NodeStats) -> f64| {
+                of_role.iter().map(|n| f(n)).sum::<f64>() / of_role.len() as f64
+            };
+            let max = |f: fn(&NodeStats) -> f64| of_role.iter().map(|n| f(n)).fold(0.0, f64::max);
+            nodes.row(vec![
+                p.label.clone(),
+                role.to_string(),
+                of_role.len().to_string(),
+                of_role
+                    .iter()
+                    .filter(|n| n.died_at_s.is_some())
+                    .count()
+                    .to_string(),
+                of_role.iter().map(|n| n.requests).sum::<u64>().to_string(),
+                percent(mean(|n| n.utilization)),
+                percent(max(|n| n.utilization)),
+                percent(mean(|n| n.kv_usage_mean)),
+                percent(max(|n| n.kv_usage_peak)),
+                of_role
+                    .iter()
+                    .map(|n| n.preemptions)
+                    .sum::<u64>()
+                    .to_string(),
+            ]);
+        }
+        let hits = &mesh.prefix_cache;
+        let share = |r: Option<f64>| r.map_or("-".into(), percent);
+        traffic.row(vec![
+            p.label.clone(),
+            bytes(mesh.kv_bytes_transferred),
+            mesh.remote_prefills.to_string(),
+            mesh.migrations.to_string(),
+            share(hits.device_rate),
+            share(hits.host_rate),
+            share(hits.disk_rate),
+        ]);
+    }
+    if traffic.rows.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nnodes (busy: share of the run with a step in flight; KV: share of blocks in use)\n{}\nmesh (prefix hits: share of the tokens looked up at admissions)\n{}",
+        nodes.render(),
+        traffic.render()
+    )
+}
+
+fn percent(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// A byte count in the largest unit that keeps it at least 1.
+fn bytes(n: u64) -> String {
+    let units = ["B", "KB", "MB", "GB", "TB"];
+    let mut value = n as f64;
+    let mut unit = 0;
+    while value >= 1000.0 && unit + 1 < units.len() {
+        value /= 1000.0;
+        unit += 1;
+    }
+    match unit {
+        0 => format!("{n} B"),
+        _ => format!("{value:.1} {}", units[unit]),
+    }
+}
+
 fn pick(s: &Option<Summary>, f: fn(&Summary) -> f64) -> Option<f64> {
     s.as_ref().map(f)
 }
@@ -175,6 +280,7 @@ pub fn render_table(report: &BenchReport) -> String {
         report.slo
     ));
     out.push_str(&slo.render());
+    out.push_str(&render_mesh(report));
     if let Some(m) = &report.max_goodput {
         out.push_str(&format!(
             "\nmax goodput: {} req/s at {} ({})\n",
