@@ -13,6 +13,7 @@ mod generate;
 mod local_cluster;
 mod model_args;
 mod node;
+mod profile;
 mod serve;
 mod tune;
 
@@ -56,6 +57,8 @@ enum Command {
     Bench(BenchCommand),
     /// Search configurations for the most goodput within an SLO on a node budget.
     Tune(tune::TuneArgs),
+    /// Measure this machine's engine step times and fit a timing profile for `kvmesh sim`.
+    Profile(profile::ProfileArgs),
 }
 
 #[derive(Subcommand)]
@@ -107,6 +110,7 @@ fn main() -> Result<()> {
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Tune(args) => tune::run(&args),
+        Command::Profile(args) => profile::run(&args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),
         Command::Bench(BenchCommand::Compare(args)) => bench_serve::run_compare(&args),
         Command::Bench(BenchCommand::Plot(args)) => bench_serve::run_plot(&args),

@@ -1,7 +1,7 @@
 //! Timing models: how long one engine step takes, in place of the forward pass.
 //!
 //! A step is a batch of chunks (the scheduler's `StepInput`); the model reduces it to a
-//! [`StepShape`] and prices it with an affine model whose coefficients are data:
+//! [`StepShape`] and prices it with a model linear in its coefficients, which are data:
 //!
 //! ```text
 //! step = step_overhead                                   (any non-empty step)
@@ -9,12 +9,22 @@
 //!      + prefill_per_cached_token * cached context of prefill chunks (reading their KV)
 //!      + decode_per_seq         * decode sequences       (their share of the matmuls)
 //!      + decode_per_context_token * context of decode sequences (attention reads KV)
+//!      + prefill_per_attention_pair * (query, key) pairs of prefill chunks
 //! ```
 //!
+//! The last term is prefill attention's compute: a chunk of `n` new tokens after `c` cached
+//! ones scores `n * c + n * (n + 1) / 2` pairs, quadratic in the chunk. It dominates nothing
+//! on a GPU with fused attention (the built-in profiles leave it at 0), but on the CPU engine
+//! a 1,024-token chunk spends a large share of its time there (see `docs/profile.md`).
+//!
 //! So prefill time is a function of (new tokens, cached tokens) and decode time of (batch
-//! size, total context), as the simulator's callers need. A [`TimingProfile`] is plain JSON
-//! (a later `kvmesh profile` fits one against a real node); [`TimingProfile::named`] gives
-//! built-in profiles for common GPU/model pairs.
+//! size, total context), as the simulator's callers need. A [`TimingProfile`] is plain JSON;
+//! `kvmesh profile` measures one on a real node ([`TimingProfile::fit`]), and
+//! [`TimingProfile::named`] gives built-in profiles for common GPU/model pairs.
+
+mod fit;
+
+pub use fit::Fit;
 
 use kvmesh_engine::runner::StepInput;
 use serde::{Deserialize, Serialize};
@@ -32,6 +42,9 @@ pub struct StepShape {
     pub decode_seqs: u64,
     /// Context (positions, including the new token) of the decode chunks.
     pub decode_context_tokens: u64,
+    /// (query, key) pairs prefill chunks' attention scores: `n * start_pos + n * (n + 1) / 2`
+    /// for a chunk of `n` tokens (each new token attends to every earlier one and itself).
+    pub prefill_attention_pairs: u64,
 }
 
 impl StepShape {
@@ -47,6 +60,7 @@ impl StepShape {
             } else {
                 s.prefill_tokens += n;
                 s.prefill_cached_tokens += c.start_pos as u64;
+                s.prefill_attention_pairs += n * c.start_pos as u64 + n * (n + 1) / 2;
             }
         }
         s
@@ -55,7 +69,22 @@ impl StepShape {
     pub fn is_empty(&self) -> bool {
         self.prefill_tokens == 0 && self.decode_seqs == 0
     }
+
+    /// What each of [`TimingProfile::TERMS`] multiplies, in that order (1 for the overhead).
+    pub fn terms(&self) -> [f64; NUM_TERMS] {
+        [
+            1.0,
+            self.prefill_tokens as f64,
+            self.prefill_cached_tokens as f64,
+            self.decode_seqs as f64,
+            self.decode_context_tokens as f64,
+            self.prefill_attention_pairs as f64,
+        ]
+    }
 }
+
+/// How many coefficients a [`TimingProfile`] has.
+pub const NUM_TERMS: usize = 6;
 
 /// An affine step-time model; every coefficient in microseconds (fractions allowed).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -71,6 +100,9 @@ pub struct TimingProfile {
     pub prefill_per_cached_token_us: f64,
     pub decode_per_seq_us: f64,
     pub decode_per_context_token_us: f64,
+    /// Per (query, key) pair of prefill attention; absent (0) in profiles that predate it.
+    #[serde(default)]
+    pub prefill_per_attention_pair_us: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +122,14 @@ pub enum TimingError {
     },
     #[error("unknown timing profile `{0}` (built in: {names})", names = TimingProfile::NAMES.join(", "))]
     Unknown(String),
+    #[error("fitting a timing profile needs at least one measured step")]
+    NoSamples,
+    #[error("measured step {index} is empty (no tokens): there is nothing to price")]
+    EmptyStep { index: usize },
+    #[error("measured step {index} took no time: its relative error is undefined")]
+    ZeroTime { index: usize },
+    #[error("the fit gave a non-finite {field} ({value}): the samples are too far apart in scale")]
+    NotFinite { field: &'static str, value: f64 },
 }
 
 // Peak figures from NVIDIA's H100 and H200 datasheets: H100 SXM 3.35 TB/s HBM3, H200 SXM
@@ -131,6 +171,7 @@ impl Roofline {
             prefill_per_cached_token_us: kv_us,
             decode_per_seq_us: per_token_us,
             decode_per_context_token_us: kv_us,
+            prefill_per_attention_pair_us: 0.0,
         }
     }
 }
@@ -177,6 +218,43 @@ impl TimingProfile {
             prefill_per_cached_token_us: 0.0,
             decode_per_seq_us: 0.0,
             decode_per_context_token_us: 0.0,
+            prefill_per_attention_pair_us: 0.0,
+        }
+    }
+
+    /// The coefficients' JSON names, in the order of [`StepShape::terms`].
+    pub const TERMS: [&'static str; NUM_TERMS] = [
+        "step_overhead_us",
+        "prefill_per_token_us",
+        "prefill_per_cached_token_us",
+        "decode_per_seq_us",
+        "decode_per_context_token_us",
+        "prefill_per_attention_pair_us",
+    ];
+
+    /// The coefficients, in the order of [`TimingProfile::TERMS`].
+    pub fn coefficients(&self) -> [f64; NUM_TERMS] {
+        [
+            self.step_overhead_us,
+            self.prefill_per_token_us,
+            self.prefill_per_cached_token_us,
+            self.decode_per_seq_us,
+            self.decode_per_context_token_us,
+            self.prefill_per_attention_pair_us,
+        ]
+    }
+
+    /// A profile with coefficients `c`, in the order of [`TimingProfile::TERMS`].
+    pub fn with_coefficients(name: &str, source: &str, c: [f64; NUM_TERMS]) -> TimingProfile {
+        TimingProfile {
+            name: name.into(),
+            source: source.into(),
+            step_overhead_us: c[0],
+            prefill_per_token_us: c[1],
+            prefill_per_cached_token_us: c[2],
+            decode_per_seq_us: c[3],
+            decode_per_context_token_us: c[4],
+            prefill_per_attention_pair_us: c[5],
         }
     }
 
@@ -200,21 +278,9 @@ impl TimingProfile {
     }
 
     pub fn validate(&self) -> Result<(), TimingError> {
-        let fields = [
-            ("step_overhead_us", self.step_overhead_us),
-            ("prefill_per_token_us", self.prefill_per_token_us),
-            (
-                "prefill_per_cached_token_us",
-                self.prefill_per_cached_token_us,
-            ),
-            ("decode_per_seq_us", self.decode_per_seq_us),
-            (
-                "decode_per_context_token_us",
-                self.decode_per_context_token_us,
-            ),
-        ];
-        match fields.iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
-            Some(&(field, value)) => Err(TimingError::Invalid {
+        let fields = Self::TERMS.into_iter().zip(self.coefficients());
+        match fields.into_iter().find(|(_, v)| !v.is_finite() || *v < 0.0) {
+            Some((field, value)) => Err(TimingError::Invalid {
                 name: self.name.clone(),
                 field,
                 value,
@@ -228,13 +294,19 @@ impl TimingProfile {
         if shape.is_empty() {
             return Duration::ZERO;
         }
-        let us = self.step_overhead_us
-            + self.prefill_per_token_us * shape.prefill_tokens as f64
-            + self.prefill_per_cached_token_us * shape.prefill_cached_tokens as f64
-            + self.decode_per_seq_us * shape.decode_seqs as f64
-            + self.decode_per_context_token_us * shape.decode_context_tokens as f64;
+        let us = self.micros(shape);
         // Rounded to whole nanoseconds so the same shape always costs the same time.
         Duration::from_nanos((us * 1e3).round() as u64)
+    }
+
+    /// A step's time in microseconds, unrounded (the model itself, also for an empty step).
+    pub fn micros(&self, shape: &StepShape) -> f64 {
+        let terms = shape.terms();
+        self.coefficients()
+            .iter()
+            .zip(terms)
+            .map(|(c, x)| c * x)
+            .sum()
     }
 }
 
@@ -266,6 +338,8 @@ mod tests {
                 prefill_cached_tokens: 32,
                 decode_seqs: 2,
                 decode_context_tokens: 30,
+                // 100 tokens after 32: 100 * 32 + 100 * 101 / 2.
+                prefill_attention_pairs: 3200 + 5050,
             }
         );
     }
@@ -280,16 +354,18 @@ mod tests {
             prefill_per_cached_token_us: 1.0,
             decode_per_seq_us: 20.0,
             decode_per_context_token_us: 0.5,
+            prefill_per_attention_pair_us: 0.25,
         };
         let s = StepShape {
             prefill_tokens: 100,
             prefill_cached_tokens: 32,
             decode_seqs: 2,
             decode_context_tokens: 30,
+            prefill_attention_pairs: 400,
         };
         assert_eq!(
             p.step_time(&s),
-            Duration::from_micros(1000 + 1000 + 32 + 40 + 15)
+            Duration::from_micros(1000 + 1000 + 32 + 40 + 15 + 100)
         );
         assert_eq!(p.step_time(&StepShape::default()), Duration::ZERO);
     }
@@ -335,6 +411,21 @@ mod tests {
             TimingProfile::from_json("{\"name\": 3}"),
             Err(TimingError::Parse(_))
         ));
+    }
+
+    #[test]
+    fn profiles_without_the_attention_term_still_load() {
+        let old = r#"{
+            "name": "old",
+            "step_overhead_us": 5000.0,
+            "prefill_per_token_us": 16.0,
+            "prefill_per_cached_token_us": 0.04,
+            "decode_per_seq_us": 16.0,
+            "decode_per_context_token_us": 0.04
+        }"#;
+        let p = TimingProfile::from_json(old).unwrap();
+        assert_eq!(p.prefill_per_attention_pair_us, 0.0);
+        assert_eq!(p.step_overhead_us, 5000.0);
     }
 
     #[test]
