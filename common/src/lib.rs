@@ -2,6 +2,7 @@
 //! the prefix-block hashing that router, engine and kvstore must agree on.
 
 pub mod block_hash;
+pub mod fast_hash;
 pub mod grpc;
 pub mod ids;
 pub mod kv_tier;

@@ -22,9 +22,9 @@ mod free_list;
 mod tier_index;
 
 use free_list::{FreeList, Links};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
-use std::collections::HashMap;
 use tier_index::TierIndex;
 
 pub use kvmesh_common::KvEvent;
@@ -85,7 +85,9 @@ pub struct BlockPool {
     free_uncached: FreeList,
     /// Free blocks that are still prefix hits, least recently freed at the front.
     free_cached: FreeList,
-    cached: HashMap<SequenceHash, BlockId>,
+    /// Probed for every block of every admission and written for every block computed: a
+    /// fast hasher, as SipHash dominated the probe.
+    cached: U64Map<SequenceHash, BlockId>,
     host: TierIndex,
     disk: TierIndex,
     /// Blocks promoted from each tier since start, by `Tier as usize`.
@@ -116,7 +118,7 @@ impl BlockPool {
             blocks,
             free_uncached,
             free_cached: FreeList::default(),
-            cached: HashMap::new(),
+            cached: U64Map::default(),
             host: TierIndex::new(0),
             disk: TierIndex::new(0),
             promoted: [0; 3],

@@ -56,10 +56,11 @@ mod sequence;
 
 use crate::block_pool::{BlockPool, TierMove};
 use crate::runner::{SeqChunk, SeqId, StepInput};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 pub use import::Import;
 
@@ -200,7 +201,8 @@ pub struct SequenceTokens<'a> {
 pub struct Scheduler {
     config: SchedulerConfig,
     pool: BlockPool,
-    seqs: HashMap<SeqId, Sequence>,
+    /// Looked up several times per sequence per step: a fast hasher, not SipHash.
+    seqs: U64Map<SeqId, Sequence>,
     /// In admission order: the last one is preempted first.
     running: Vec<SeqId>,
     waiting: VecDeque<SeqId>,
@@ -226,7 +228,7 @@ impl Scheduler {
                 [],
             ),
             config,
-            seqs: HashMap::new(),
+            seqs: U64Map::default(),
             running: Vec::new(),
             waiting: VecDeque::new(),
             awaiting_kv: Vec::new(),
@@ -761,9 +763,9 @@ impl Scheduler {
         &self,
         scheduled: &[Scheduled],
         sampled: &[(SeqId, TokenId)],
-    ) -> Result<HashMap<SeqId, TokenId>, SchedulerError> {
-        let wants: HashMap<SeqId, &Scheduled> = scheduled.iter().map(|r| (r.seq_id, r)).collect();
-        let mut tokens = HashMap::with_capacity(sampled.len());
+    ) -> Result<U64Map<SeqId, TokenId>, SchedulerError> {
+        let wants: U64Map<SeqId, &Scheduled> = scheduled.iter().map(|r| (r.seq_id, r)).collect();
+        let mut tokens = U64Map::with_capacity_and_hasher(sampled.len(), Default::default());
         for &(id, token) in sampled {
             if !wants.get(&id).is_some_and(|r| r.want_logits) {
                 return Err(SchedulerError::UnexpectedToken(id));

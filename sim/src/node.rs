@@ -21,6 +21,7 @@
 
 use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
+use kvmesh_common::fast_hash::U64Set;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{LoadReport, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
@@ -29,7 +30,7 @@ use kvmesh_engine::runner::SeqId;
 use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
@@ -418,7 +419,7 @@ impl SimNode {
             .collect();
         let preempted = output.preempted.len();
         let outcome = self.scheduler.update_from_output(output, &sampled)?;
-        let context_full: HashSet<SeqId> = outcome.context_full.into_iter().collect();
+        let context_full: U64Set<SeqId> = outcome.context_full.into_iter().collect();
         let aborted = std::mem::take(&mut self.aborted_in_flight);
 
         let mut report = StepReport {

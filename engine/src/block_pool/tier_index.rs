@@ -2,15 +2,16 @@
 //! least-recently-used order, bounded by a capacity in blocks. The bytes live with the
 //! engine, which copies them at the [`TierMove`](super::TierMove)s the pool records.
 
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::SequenceHash;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 #[derive(Debug, Default)]
 pub(super) struct TierIndex {
     capacity: usize,
     /// Use stamp → hash, oldest first.
     order: BTreeMap<u64, SequenceHash>,
-    stamp_of: HashMap<SequenceHash, u64>,
+    stamp_of: U64Map<SequenceHash, u64>,
     next_stamp: u64,
 }
 

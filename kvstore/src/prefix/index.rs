@@ -13,36 +13,14 @@
 //! removal and snapshot replacement cost that node's blocks, not the whole index.
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::RwLock;
 use tokio::sync::watch;
 
-/// For keys that are one u64. Sequence hashes are xxh3 outputs already, and node ids are not
-/// chosen by clients; one multiply spreads small numbers over hashbrown's top bits. SipHash
-/// would cost more than the rest of a lookup step.
-#[derive(Default)]
-pub(crate) struct U64Hasher(u64);
-
-impl Hasher for U64Hasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-/// A map keyed by sequence hash.
-pub(crate) type SeqMap<V> = HashMap<SequenceHash, V, BuildHasherDefault<U64Hasher>>;
+/// A map keyed by sequence hash (SipHash would cost more than the rest of a lookup step).
+pub(crate) type SeqMap<V> = U64Map<SequenceHash, V>;
 
 /// Which nodes hold which blocks, in which tiers; one process's own copy.
 ///
@@ -91,7 +69,7 @@ struct State {
     /// Block -> holders sorted by slot.
     holders: SeqMap<Vec<Holder>>,
     /// Node -> its slot, while it holds at least one block.
-    slots: HashMap<NodeId, u32, BuildHasherDefault<U64Hasher>>,
+    slots: U64Map<NodeId, u32>,
     /// Slot -> its node and the blocks it holds.
     nodes: Vec<NodeBlocks>,
     /// Slots of nodes that left, for reuse.
