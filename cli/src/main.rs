@@ -11,10 +11,12 @@ mod certs;
 mod config;
 mod generate;
 mod local_cluster;
+mod measure_args;
 mod model_args;
 mod node;
 mod profile;
 mod serve;
+mod sim;
 mod tune;
 
 use anyhow::Result;
@@ -59,6 +61,9 @@ enum Command {
     Tune(tune::TuneArgs),
     /// Measure this machine's engine step times and fit a timing profile for `kvmesh sim`.
     Profile(profile::ProfileArgs),
+    /// Simulate the mesh in virtual time (any size, real policies, bench serve's workloads
+    /// and reports).
+    Sim(Box<sim::SimArgs>),
 }
 
 #[derive(Subcommand)]
@@ -111,6 +116,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Tune(args) => tune::run(&args),
         Command::Profile(args) => profile::run(&args),
+        Command::Sim(args) => sim::run(&args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),
         Command::Bench(BenchCommand::Compare(args)) => bench_serve::run_compare(&args),
         Command::Bench(BenchCommand::Plot(args)) => bench_serve::run_plot(&args),

@@ -59,9 +59,9 @@ impl Fault {
 
 #[derive(Debug, thiserror::Error)]
 pub enum FaultError {
-    #[error("fault names node {0}, which the mesh does not have")]
+    #[error("fault names node {}, which the mesh does not have", .0 .0)]
     UnknownNode(NodeId),
-    #[error("no link from prefill node {prefill} to decode node {decode}")]
+    #[error("no link from prefill node {} to decode node {}", prefill.0, decode.0)]
     NotALink { prefill: NodeId, decode: NodeId },
     #[error("a link's slow-down factor must be positive and finite, not {0}")]
     BadFactor(f64),

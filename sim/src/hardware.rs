@@ -2,12 +2,13 @@
 //! [`TimingProfile`], with the engine limits a real node of that kind would run with
 //! ([`EngineConfig`], the same struct real nodes read from their config).
 //!
-//! [`Hardware::named`] gives the built-in GPU nodes (`h200-llama8b`, ...);
+//! [`Hardware::named`] gives the built-in GPU nodes (`h200-llama8b-fp8`, measured;
+//! `h200-llama8b`, ..., rooflines);
 //! [`Hardware::profiled`] this repository's CPU engine on SmolLM2-135M, timed by a profile
 //! that `kvmesh profile` measured.
 
 use crate::node::NodeConfig;
-use crate::timing::{TimingError, TimingProfile};
+use crate::timing::{h200_llama8b_fp8_kv_tokens, TimingError, TimingProfile};
 use kvmesh_common::ModelFingerprint;
 use kvmesh_engine::engine_config::EngineConfig;
 
@@ -65,16 +66,20 @@ pub struct Hardware {
 const GPU_MEMORY_SHARE: f64 = 0.9;
 const BLOCK_SIZE: usize = 16;
 
-/// The engine a GPU node of `gpu_bytes` (all its GPUs) runs `model` with: the KV pool is
-/// what is left of [`GPU_MEMORY_SHARE`] after the BF16 weights; a step budget of 8192 tokens
-/// and 256 sequences (a GPU's prefill is compute-bound well below that budget, so chunking
-/// costs it little, and decode batches that large are still memory-bound).
-fn gpu_engine(model: &ModelShape, params: f64, gpu_bytes: f64) -> EngineConfig {
+/// The KV blocks a GPU node of `gpu_bytes` (all its GPUs) holds for `model`: what is left of
+/// [`GPU_MEMORY_SHARE`] after the BF16 weights of `params` parameters.
+fn kv_blocks(model: &ModelShape, params: f64, gpu_bytes: f64) -> usize {
     let kv_bytes = gpu_bytes * GPU_MEMORY_SHARE - 2.0 * params;
-    let block_bytes = (model.kv_bytes_per_token * BLOCK_SIZE as u64) as f64;
+    (kv_bytes / (model.kv_bytes_per_token * BLOCK_SIZE as u64) as f64) as usize
+}
+
+/// A GPU node's engine with `num_blocks` of KV: a step budget of 8192 tokens and 256
+/// sequences (a GPU's prefill is compute-bound well below that budget, so chunking costs it
+/// little, and decode batches that large are still memory-bound).
+fn gpu_engine(num_blocks: usize) -> EngineConfig {
     EngineConfig {
         block_size: BLOCK_SIZE,
-        num_blocks: (kv_bytes / block_bytes) as usize,
+        num_blocks,
         max_num_batched_tokens: 8192,
         max_num_seqs: 256,
         ..EngineConfig::default()
@@ -85,6 +90,15 @@ impl Hardware {
     /// The built-in node kinds: [`TimingProfile::NAMES`].
     pub fn named(name: &str) -> Result<Hardware, TimingError> {
         let timing = TimingProfile::named(name)?;
+        if name == "h200-llama8b-fp8" {
+            // The KV pool the measured node had.
+            let tokens = h200_llama8b_fp8_kv_tokens() as usize;
+            return Ok(Hardware {
+                model: LLAMA_8B,
+                timing,
+                engine: gpu_engine(tokens / BLOCK_SIZE),
+            });
+        }
         // HBM per GPU: H100 SXM 80 GB, H200 141 GB (NVIDIA datasheets).
         let (model, params, gpu_bytes) = match name {
             "h200-llama8b" => (LLAMA_8B, 8.03e9, 141e9),
@@ -93,7 +107,7 @@ impl Hardware {
             _ => return Err(TimingError::Unknown(name.into())),
         };
         Ok(Hardware {
-            engine: gpu_engine(&model, params, gpu_bytes),
+            engine: gpu_engine(kv_blocks(&model, params, gpu_bytes)),
             model,
             timing,
         })
@@ -142,6 +156,10 @@ mod tests {
         assert!(h100.engine.num_blocks < h200.engine.num_blocks);
         let l70 = Hardware::named("h100x4-llama70b").unwrap();
         assert!(l70.engine.num_blocks > 0);
+        // The measured H200 held 945,029 tokens of KV.
+        let fp8 = Hardware::named("h200-llama8b-fp8").unwrap();
+        assert_eq!(fp8.engine.num_blocks, 945_029 / 16);
+        assert_eq!(fp8.engine.max_num_seqs, h200.engine.max_num_seqs);
         for name in TimingProfile::NAMES {
             let hw = Hardware::named(name).unwrap();
             hw.node(&hw.engine).scheduler.validate().unwrap();

@@ -9,14 +9,15 @@ use kvmesh_bench::load::csv;
 use kvmesh_bench::plot::{self, PlotFormat};
 use kvmesh_bench::probe::Measured;
 use kvmesh_bench::report::BenchReport;
+use kvmesh_bench::search::{Found, Stop};
 
-/// `--out`, or `target/bench-serve/<UTC timestamp>` (one directory per run, never overwritten
+/// `--out`, or `target/<command>/<UTC timestamp>` (one directory per run, never overwritten
 /// by the next).
-pub fn out_dir(out: Option<&Path>) -> PathBuf {
+pub fn out_dir(out: Option<&Path>, command: &str) -> PathBuf {
     out.map_or_else(
         || {
             let now = time::OffsetDateTime::now_utc();
-            PathBuf::from("target/bench-serve").join(format!(
+            PathBuf::from("target").join(command).join(format!(
                 "{:04}{:02}{:02}-{:02}{:02}{:02}",
                 now.year(),
                 u8::from(now.month()),
@@ -70,4 +71,26 @@ pub fn read_report(path: &Path) -> Result<BenchReport> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     BenchReport::from_json(&text).with_context(|| format!("{}", path.display()))
+}
+
+/// What a max-goodput search ended on, for the user.
+pub fn search_note(found: Option<Found>) -> String {
+    let Some(f) = found else {
+        return "max goodput: the start load failed the SLO: no load found (try a lower \
+                --search-start or a looser --slo)"
+            .into();
+    };
+    let why = match f.stop {
+        Stop::Resolved => "pass and fail within the resolution",
+        Stop::ReachedMax => "--search-max passed: the limit, if any, is above it",
+        Stop::ProbeLimit => "--search-max-probes ran out",
+        Stop::FailsAtStart => "the start failed",
+    };
+    let above = f
+        .lowest_fail
+        .map_or(String::new(), |l| format!(", lowest fail {l}"));
+    format!(
+        "max goodput search: highest pass {}{above} after {} probes ({why})",
+        f.load, f.probes
+    )
 }
