@@ -11,16 +11,16 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::Args;
 use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::Arrivals;
 use kvmesh_bench::cpu::CpuClock;
 use kvmesh_bench::probe::{Bench, Measured, Progress};
 use kvmesh_bench::report::{self, BenchReport, TargetInfo};
 use kvmesh_bench::workload::{WorkloadOptions, WorkloadSpec};
-use kvmesh_bench::{Api, Target};
+use kvmesh_bench::Target;
 
-use crate::measure_args::{parse_plots, MeasureArgs, Mode, Plots};
+use crate::measure_args::{parse_plots, ApiArg, MeasureArgs, Mode, Plots};
 
 /// Synthetic prompts built for a run bounded by `--duration` alone (the driver cycles them;
 /// enough that a repeat is rare at a few hundred requests a second for a minute).
@@ -90,20 +90,11 @@ pub struct BenchPlotArgs {
     pub plots: Plots,
 }
 
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum ApiArg {
-    Completions,
-    Chat,
-}
-
 impl BenchServeArgs {
     fn target(&self) -> Target {
         Target {
             url: self.url.clone(),
-            api: match self.api {
-                ApiArg::Completions => Api::Completions,
-                ApiArg::Chat => Api::Chat,
-            },
+            api: self.api.api(),
             model: self.model.clone(),
             api_key: self.api_key.clone(),
             ignore_eos: !self.no_ignore_eos,

@@ -13,6 +13,7 @@ use kvmesh_bench::plot::PlotFormat;
 use kvmesh_bench::search::{Axis, Criteria, SearchConfig, Sweep};
 use kvmesh_bench::slo::SloSpec;
 use kvmesh_bench::workload::WorkloadSpec;
+use kvmesh_bench::Api;
 
 /// The length of each point when neither `--requests` nor `--duration` is given.
 pub const DEFAULT_REQUESTS: usize = 200;
@@ -83,6 +84,21 @@ pub struct MeasureArgs {
     /// Print the report's JSON to stdout instead of the tables.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ApiArg {
+    Completions,
+    Chat,
+}
+
+impl ApiArg {
+    pub fn api(self) -> Api {
+        match self {
+            ApiArg::Completions => Api::Completions,
+            ApiArg::Chat => Api::Chat,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

@@ -28,6 +28,11 @@ impl ModelArgs {
 /// Sets up `threads` compute threads and returns the model path, fetching it if needed.
 pub fn prepare(model: Option<&Path>, threads: Option<usize>) -> Result<PathBuf> {
     init_threads(threads)?;
+    ensure_model(model)
+}
+
+/// The model at `model` (or the cached default), fetched when missing.
+pub fn ensure_model(model: Option<&Path>) -> Result<PathBuf> {
     model_fetch::ensure_model(model).context("locating the model")
 }
 

@@ -4,7 +4,7 @@
 //! bench serve`'s, and so are the report, CSV and plots. Parsing and wiring only.
 
 use std::num::NonZeroUsize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
@@ -17,9 +17,9 @@ use kvmesh_bench::probe::Measured;
 use kvmesh_bench::report::{self, BenchReport, MaxGoodput, TargetInfo};
 use kvmesh_bench::search::{MaxGoodputSearch, Probe, SearchConfig};
 use kvmesh_bench::slo::RequestOutcome;
-use kvmesh_bench::workload::{Workload, WorkloadOptions, WorkloadSpec};
-use kvmesh_bench::Api;
+use kvmesh_bench::workload::{Prompt, Workload, WorkloadOptions, WorkloadSpec};
 use kvmesh_common::NodeId;
+use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_sim::cpu::SharedCpu;
 use kvmesh_sim::fault::{Fault, FaultKind};
@@ -30,7 +30,7 @@ use kvmesh_sim::timing::TimingProfile;
 use kvmesh_sim::workload::{multiply, requests};
 
 use crate::bench_serve::outputs;
-use crate::measure_args::{MeasureArgs, Mode};
+use crate::measure_args::{ApiArg, MeasureArgs, Mode};
 
 /// Synthetic prompts built for a point bounded by `--duration` alone.
 const DURATION_ONLY_SYNTHETIC: usize = 100_000;
@@ -101,6 +101,15 @@ pub struct SimArgs {
     /// Compute threads of each node with --host-cores (those its timing was measured with).
     #[arg(long, value_name = "N", default_value_t = 1.0, requires = "host_cores")]
     pub node_threads: f64,
+    /// The endpoint the workload is written for: chat workloads (JSONL or ShareGPT
+    /// conversations) need `chat`. Text prompts and conversations are tokenized with
+    /// --tokenizer's tokenizer and chat template.
+    #[arg(long, value_enum, default_value_t = ApiArg::Completions)]
+    pub api: ApiArg,
+    /// The model whose tokenizer (and chat template) turns text prompts into tokens (.gguf
+    /// or an HF checkpoint directory) [default: the cached SmolLM2, fetched when missing].
+    #[arg(long, value_name = "MODEL")]
+    pub tokenizer: Option<PathBuf>,
     /// Run the workload this many times over, as that many independent user populations:
     /// each copy's prompts share prefixes only with each other, and its conversations start
     /// spread over the workload's span (to load a large cluster from one trace).
@@ -191,10 +200,56 @@ impl SimArgs {
                 self.link,
                 self.copies
             ),
-            api: "completions".into(),
+            api: match self.api {
+                ApiArg::Completions => "completions",
+                ApiArg::Chat => "chat",
+            }
+            .into(),
             model: Some(hardware.model.name.into()),
         }
     }
+}
+
+/// Turns the workload's text prompts and conversations into tokens with `model`'s tokenizer
+/// and chat template, as the router would (the simulator prices tokens, not text). Loads no
+/// tokenizer when every prompt is tokens already.
+fn tokenize(workload: &mut Workload, model: Option<&Path>) -> Result<()> {
+    if workload
+        .items
+        .iter()
+        .all(|i| matches!(i.prompt, Prompt::Tokens(_)))
+    {
+        return Ok(());
+    }
+    let path = crate::model_args::ensure_model(model)?;
+    let text = crate::model_args::read_text(&path)?;
+    let tokenizer = &text.tokenizer;
+    let template = ChatTemplate::from_tokenizer(tokenizer);
+    for (i, item) in workload.items.iter_mut().enumerate() {
+        let ids = match &item.prompt {
+            Prompt::Tokens(_) => continue,
+            Prompt::Text(t) => tokenizer.encode(t, false),
+            Prompt::Messages(messages) => {
+                let template = template.as_ref().map_err(|e| {
+                    anyhow::anyhow!("{} has no usable chat template: {e}", path.display())
+                })?;
+                let messages: Vec<ChatMessage> = messages
+                    .iter()
+                    .map(|m| ChatMessage::new(&m.role, &m.content))
+                    .collect();
+                let rendered = template
+                    .render(&messages, true)
+                    .with_context(|| format!("rendering request {i}'s conversation"))?;
+                tokenizer.encode(&rendered, true)
+            }
+        }
+        .with_context(|| format!("tokenizing request {i}"))?;
+        if ids.is_empty() {
+            bail!("request {i}'s prompt has no tokens");
+        }
+        item.prompt = Prompt::Tokens(ids);
+    }
+    Ok(())
 }
 
 /// `--fault`'s grammar (see [`SimArgs::faults`]).
@@ -367,14 +422,15 @@ pub fn run(args: &SimArgs) -> Result<()> {
         (WorkloadSpec::Synthetic(_), None) => DURATION_ONLY_SYNTHETIC,
         (_, None) => usize::MAX,
     };
-    let workload = m
+    let mut workload = m
         .workload
         .load(&WorkloadOptions {
             seed: m.seed,
             max_tokens: m.max_tokens,
-            ..WorkloadOptions::new(Api::Completions, size)
+            ..WorkloadOptions::new(args.api.api(), size)
         })
         .context("building the workload")?;
+    tokenize(&mut workload, args.tokenizer.as_deref())?;
     let mut report = BenchReport::new(
         args.target(&hardware),
         workload.name.clone(),

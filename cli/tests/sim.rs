@@ -182,6 +182,55 @@ fn sweeps_searches_faults_and_shared_hosts_from_the_command_line() {
 }
 
 #[test]
+fn text_prompts_and_conversations_are_tokenized_with_the_models_tokenizer() {
+    let dir = scratch("text");
+    // Ten prompts sharing a long opening: the second and later hit the prefix cache.
+    let opening = "You are a careful assistant who answers questions about geography. ".repeat(8);
+    let prompts: String = (0..10)
+        .map(|i| format!("{{\"prompt\": \"{opening}Question {i}: which river is longest?\", \"max_tokens\": 8}}\n"))
+        .collect();
+    std::fs::write(dir.join("prompts.jsonl"), prompts).unwrap();
+    let chats: String = (0..10)
+        .map(|i| {
+            format!(
+                "{{\"messages\": [{{\"role\": \"system\", \"content\": \"{opening}\"}}, \
+                 {{\"role\": \"user\", \"content\": \"Question {i}\"}}], \"max_tokens\": 8}}\n"
+            )
+        })
+        .collect();
+    std::fs::write(dir.join("chats.jsonl"), chats).unwrap();
+    for (file, api) in [("prompts.jsonl", "completions"), ("chats.jsonl", "chat")] {
+        let out = dir.join(api);
+        let workload = format!("jsonl:{}", dir.join(file).display());
+        sim(
+            &out,
+            &[
+                "--decode-nodes",
+                "1",
+                "--api",
+                api,
+                "--workload",
+                &workload,
+                "--load",
+                "concurrency:1",
+                "--requests",
+                "10",
+                "--plots",
+                "none",
+            ],
+        );
+        let slo = &report(&out)["points"][0]["slo"];
+        assert_eq!(slo["ok"], 10, "{api}: {slo}");
+        // The opening is over 80 tokens (five 16-token blocks), and every request after the
+        // first finds at least four of its blocks cached.
+        let prompt = slo["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt > 10 * 80, "{api}: {slo}");
+        let cached = slo["cached_tokens"].as_u64().unwrap();
+        assert!(cached >= 9 * 64 && cached < prompt, "{api}: {slo}");
+    }
+}
+
+#[test]
 fn bad_input_exits_nonzero_with_its_message() {
     let out = scratch("bad");
     let out_arg = out.display().to_string();
