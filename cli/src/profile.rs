@@ -147,10 +147,13 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
     );
     let bench = Bench::new(loaded.model.clone(), longest)?;
     let mut samples = Vec::with_capacity(cases.len());
+    let mut spreads = Vec::with_capacity(cases.len());
     for case in &cases {
-        let (shape, time) = bench.time(case, args.repeats)?;
-        tracing::debug!(case = %case.label, ?time, "timed");
+        let (shape, times) = bench.time(case, args.repeats)?;
+        let time = times[times.len() / 2];
+        tracing::debug!(case = %case.label, ?times, "timed");
         samples.push((shape, time));
+        spreads.push((times[times.len() - 1] - times[0]).as_secs_f64() / time.as_secs_f64());
     }
 
     let fit = TimingProfile::fit(&name, "", &samples)?;
@@ -184,7 +187,7 @@ pub fn run(args: &ProfileArgs) -> Result<()> {
         ..fit.profile.clone()
     };
 
-    print_table(&cases, &samples, &profile);
+    print_table(&cases, &samples, &spreads, &profile);
     println!();
     println!("fit: {}", quality(&fit));
     println!("without the attention term: {}", quality(&affine));
@@ -215,19 +218,27 @@ fn quality(fit: &Fit) -> String {
     )
 }
 
-fn print_table(cases: &[Case], samples: &[(StepShape, Duration)], profile: &TimingProfile) {
+/// One row per step: measured (median) and fitted time, the fit's error, and the runs'
+/// spread (slowest minus fastest over the median), which shows a machine too busy to measure.
+fn print_table(
+    cases: &[Case],
+    samples: &[(StepShape, Duration)],
+    spreads: &[f64],
+    profile: &TimingProfile,
+) {
     let width = cases.iter().map(|c| c.label.len()).max().unwrap_or(0);
     println!(
-        "{:<width$}  {:>11}  {:>9}  {:>7}",
-        "step", "measured ms", "fitted ms", "error"
+        "{:<width$}  {:>11}  {:>9}  {:>7}  {:>6}",
+        "step", "measured ms", "fitted ms", "error", "spread"
     );
-    for (case, (shape, time)) in cases.iter().zip(samples) {
+    for ((case, (shape, time)), spread) in cases.iter().zip(samples).zip(spreads) {
         let measured = time.as_secs_f64() * 1e3;
         let fitted = profile.micros(shape) / 1e3;
         println!(
-            "{:<width$}  {measured:>11.2}  {fitted:>9.2}  {:>+6.1}%",
+            "{:<width$}  {measured:>11.2}  {fitted:>9.2}  {:>+6.1}%  {:>5.1}%",
             case.label,
-            (fitted - measured) / measured * 100.0
+            (fitted - measured) / measured * 100.0,
+            spread * 100.0
         );
     }
 }
@@ -297,8 +308,8 @@ impl Bench {
         Ok(Bench { model, prefix })
     }
 
-    /// The median time of `repeats` runs of `case` (after a warm-up), and its shape.
-    fn time(&self, case: &Case, repeats: u32) -> Result<(StepShape, Duration)> {
+    /// `case`'s shape and the times of `repeats` runs of it (after a warm-up), sorted.
+    fn time(&self, case: &Case, repeats: u32) -> Result<(StepShape, Vec<Duration>)> {
         let per_seq: Vec<usize> = case
             .chunks
             .iter()
@@ -338,7 +349,7 @@ impl Bench {
             })
             .collect::<Result<Vec<_>>>()?;
         times.sort();
-        Ok((StepShape::of(&step), times[times.len() / 2]))
+        Ok((StepShape::of(&step), times))
     }
 }
 
