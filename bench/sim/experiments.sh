@@ -16,11 +16,11 @@ KVMESH="$ROOT/target/release/kvmesh"
 OUT="$ROOT/target/sim-experiments"
 PREFILL=300
 DECODE=700
-COPIES=100
+COPIES=200
 REQUESTS=50000
 while (($#)); do
   case "$1" in
-    --quick) PREFILL=30; DECODE=70; COPIES=10; REQUESTS=5000; shift ;;
+    --quick) PREFILL=30; DECODE=70; COPIES=20; REQUESTS=5000; shift ;;
     --out) OUT="$2"; shift 2 ;;
     --kvmesh) KVMESH="$2"; shift 2 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;

@@ -325,7 +325,8 @@ mod tests {
     use super::*;
     use kvmesh_engine::runner::SeqChunk;
 
-    fn chunk(start_pos: usize, n: usize) -> SeqChunk {
+    /// A chunk of `n` tokens after `start_pos` cached ones.
+    pub(super) fn chunk(start_pos: usize, n: usize) -> SeqChunk {
         SeqChunk {
             seq_id: 0,
             tokens: vec![1; n],

@@ -1,87 +1,17 @@
 //! The mesh end to end: determinism, conservation, and a queueing-theory check.
 
-use kvmesh_bench::arrivals::{Arrivals, LoadShape, OpenLoop, RateProfile};
-use kvmesh_bench::slo::{Class, SloSpec};
-use kvmesh_bench::trace::block_token_ids;
-use kvmesh_common::{BlockHasher, ModelFingerprint};
-use kvmesh_engine::scheduler::SchedulerConfig;
-use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+mod common;
+
+use common::{disaggregated, mesh, scheduler, shape, slo, workload};
+use kvmesh_bench::arrivals::LoadShape;
+use kvmesh_bench::slo::Class;
+use kvmesh_router::policy::RoutingConfig;
 use kvmesh_sim::link::LinkClass;
-use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
+use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, SimRequest};
 use kvmesh_sim::node::NodeConfig;
 use kvmesh_sim::timing::TimingProfile;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::num::NonZeroUsize;
 use std::time::Duration;
-
-const BLOCK: usize = 16;
-
-fn shape(rate: f64) -> LoadShape {
-    LoadShape::Open(OpenLoop {
-        profile: RateProfile::Fixed(rate),
-        arrivals: Arrivals::Poisson,
-    })
-}
-
-fn scheduler(num_blocks: usize, max_num_seqs: usize, caching: bool) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size: BLOCK,
-        num_blocks,
-        max_num_batched_tokens: 2048,
-        max_num_seqs,
-        max_model_len: 4096,
-        enable_prefix_caching: caching,
-        host_tier_blocks: 0,
-        disk_tier_blocks: 0,
-        hasher: BlockHasher::new(ModelFingerprint(42), BLOCK),
-    }
-}
-
-fn mesh(nodes: usize, routing: RoutingConfig, seed: u64) -> MeshConfig {
-    let node = NodeConfig {
-        scheduler: scheduler(2048, 64, true),
-        timing: TimingProfile::named("h200-llama8b").unwrap(),
-        vocab_size: 32_000,
-    };
-    MeshConfig {
-        seed,
-        ..MeshConfig::new(nodes, node, routing)
-    }
-}
-
-/// Poisson arrivals at `rate`; each prompt is one of `prefixes` shared system prompts (four
-/// blocks) followed by its own blocks, as in a Mooncake trace's hash ids.
-fn workload(seed: u64, n: usize, rate: f64, prefixes: u64) -> Vec<SimRequest> {
-    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-    let LoadShape::Open(open) = shape(rate) else {
-        unreachable!()
-    };
-    open.schedule(seed)
-        .take(n)
-        .enumerate()
-        .map(|(i, at)| {
-            let shared = rng.gen_range(0..prefixes);
-            let own = rng.gen_range(1..8u64);
-            let mut hash_ids: Vec<u64> = (0..4).map(|b| shared * 100 + b).collect();
-            hash_ids.extend((0..own).map(|b| 1_000_000 + i as u64 * 10 + b));
-            let prompt = hash_ids
-                .iter()
-                .flat_map(|&h| block_token_ids(h, BLOCK, &(1..32_000)))
-                .collect();
-            SimRequest {
-                at,
-                prompt,
-                max_tokens: rng.gen_range(1..64),
-                after: None,
-            }
-        })
-        .collect()
-}
-
-fn slo() -> SloSpec {
-    "ttft=500ms,itl=50ms".parse().unwrap()
-}
 
 fn report_json(run: &MeshRun, rate: f64) -> String {
     serde_json::to_string(&run.point("sim", &shape(rate), &slo())).unwrap()
@@ -91,7 +21,7 @@ fn report_json(run: &MeshRun, rate: f64) -> String {
 fn the_same_seed_gives_the_same_report_byte_for_byte() {
     let run = |seed| {
         let requests = workload(seed, 2_000, 400.0, 8);
-        let config = mesh(16, "kv_aware".parse().unwrap(), seed);
+        let config = mesh(16, "kv_aware", seed);
         report_json(&simulate(&config, &requests).unwrap(), 400.0)
     };
     let a = run(7);
@@ -106,7 +36,7 @@ fn the_same_seed_gives_the_same_report_byte_for_byte() {
     // With prefill nodes and KV transfers too.
     let disagg = |seed| {
         let requests = workload(seed, 1_000, 200.0, 4);
-        let run = simulate(&disaggregated(LinkClass::Rdma50, seed), &requests).unwrap();
+        let run = simulate(&disaggregated(8, 4, LinkClass::Rdma50, seed), &requests).unwrap();
         assert!(run.stats.remote_prefills > 0);
         report_json(&run, 200.0)
     };
@@ -141,7 +71,7 @@ fn assert_conserved(run: &MeshRun, requests: &[SimRequest]) {
 fn every_request_ends_once_and_no_block_leaks_under_every_policy() {
     let requests = workload(3, 1_500, 300.0, 6);
     for policy in RoutingConfig::NAMES {
-        let config = mesh(12, policy.parse().unwrap(), 3);
+        let config = mesh(12, policy, 3);
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
         let busy = run.stats.nodes.iter().filter(|n| n.requests > 0).count();
@@ -153,7 +83,7 @@ fn every_request_ends_once_and_no_block_leaks_under_every_policy() {
 fn memory_pressure_preempts_and_still_conserves() {
     // 96 blocks a node: a few long requests fill it, so the scheduler preempts.
     let requests = workload(5, 400, 200.0, 4);
-    let mut config = mesh(2, "round_robin".parse().unwrap(), 5);
+    let mut config = mesh(2, "round_robin", 5);
     config.node.scheduler = scheduler(96, 64, true);
     let run = simulate(&config, &requests).unwrap();
     assert_conserved(&run, &requests);
@@ -168,7 +98,7 @@ fn memory_pressure_preempts_and_still_conserves() {
 fn kv_aware_routing_finds_more_cache_than_round_robin() {
     let requests = workload(9, 3_000, 300.0, 8);
     let cached = |policy: &str| {
-        let run = simulate(&mesh(16, policy.parse().unwrap(), 9), &requests).unwrap();
+        let run = simulate(&mesh(16, policy, 9), &requests).unwrap();
         assert_conserved(&run, &requests);
         run.outcomes
             .iter()
@@ -182,7 +112,7 @@ fn kv_aware_routing_finds_more_cache_than_round_robin() {
 #[test]
 fn a_thousand_nodes() {
     let requests = workload(11, 20_000, 20_000.0, 64);
-    let run = simulate(&mesh(1_000, "kv_aware".parse().unwrap(), 11), &requests).unwrap();
+    let run = simulate(&mesh(1_000, "kv_aware", 11), &requests).unwrap();
     assert_conserved(&run, &requests);
     let used = run.stats.nodes.iter().filter(|n| n.requests > 0).count();
     assert!(used > 900, "only {used} of 1000 nodes served");
@@ -206,7 +136,7 @@ fn one_fixed_time_server_matches_md1() {
             .take(n)
             .map(|at| SimRequest {
                 at,
-                prompt: vec![1, 2, 3, 4, 5, 6, 7, 8],
+                prompt: vec![1, 2, 3, 4, 5, 6, 7, 8].into(),
                 max_tokens: 1,
                 after: None,
             })
@@ -231,27 +161,10 @@ fn one_fixed_time_server_matches_md1() {
     }
 }
 
-fn disaggregated(link: LinkClass, seed: u64) -> MeshConfig {
-    let mut config = mesh(8, "kv_aware".parse().unwrap(), seed);
-    config.prefill = Some(PrefillPool {
-        nodes: 4,
-        node: config.node.clone(),
-        disaggregation: DisaggConfig {
-            // Every prompt here has at least five blocks: all but well-cached ones go remote.
-            local_prefill_max_tokens: 64,
-            ..DisaggConfig::default()
-        },
-        link,
-        // Llama 3.1 8B: 32 layers, 8 KV heads of 128, f16 K and V.
-        kv_bytes_per_token: 2 * 32 * 8 * 128 * 2,
-    });
-    config
-}
-
 #[test]
 fn disaggregated_prefill_moves_kv_and_conserves() {
     let requests = workload(13, 1_000, 200.0, 4);
-    let run = simulate(&disaggregated(LinkClass::Rdma100, 13), &requests).unwrap();
+    let run = simulate(&disaggregated(8, 4, LinkClass::Rdma100, 13), &requests).unwrap();
     assert_conserved(&run, &requests);
     assert!(
         run.stats.remote_prefills > 100,
@@ -274,7 +187,7 @@ fn disaggregated_prefill_moves_kv_and_conserves() {
 fn a_slower_link_delays_the_first_token() {
     let requests = workload(17, 600, 100.0, 4);
     let mean_ttft = |link| {
-        let run = simulate(&disaggregated(link, 17), &requests).unwrap();
+        let run = simulate(&disaggregated(8, 4, link, 17), &requests).unwrap();
         assert_conserved(&run, &requests);
         let sum: f64 = run
             .outcomes
@@ -306,7 +219,7 @@ fn a_closed_loop_sends_each_request_when_one_ends() {
     let requests: Vec<SimRequest> = (0..20)
         .map(|_| SimRequest {
             at: Duration::from_secs(999),
-            prompt: vec![1, 2, 3],
+            prompt: vec![1, 2, 3].into(),
             max_tokens: 1,
             after: None,
         })
@@ -332,7 +245,7 @@ fn a_closed_loop_sends_each_request_when_one_ends() {
 fn periodic_load_reports_are_stale_and_change_decisions() {
     let requests = workload(23, 1_500, 400.0, 6);
     let run = |interval| {
-        let mut config = mesh(12, "least_loaded".parse().unwrap(), 23);
+        let mut config = mesh(12, "least_loaded", 23);
         config.report_interval = interval;
         let run = simulate(&config, &requests).unwrap();
         assert_conserved(&run, &requests);
@@ -349,7 +262,7 @@ fn periodic_load_reports_are_stale_and_change_decisions() {
         simulate(
             &MeshConfig {
                 report_interval: Some(Duration::ZERO),
-                ..mesh(1, "least_loaded".parse().unwrap(), 1)
+                ..mesh(1, "least_loaded", 1)
             },
             &requests
         ),
@@ -363,7 +276,7 @@ fn a_turn_waits_for_the_turn_it_follows() {
     let ms = Duration::from_millis;
     let turn = |at, after| SimRequest {
         at,
-        prompt: vec![1, 2, 3],
+        prompt: vec![1, 2, 3].into(),
         max_tokens: 3,
         after,
     };

@@ -103,7 +103,7 @@ fn under_memory_pressure_lower_tiers_serve_hits() {
     // prefixes are evicted from the device pool and come back from the lower tiers.
     let requests = workload(71, 600, 200.0, 24);
     let mut config = mesh(2, "round_robin", 71);
-    config.node.scheduler = scheduler(96, 64);
+    config.node.scheduler = scheduler(96, 64, true);
     config.node.scheduler.host_tier_blocks = 64;
     config.node.scheduler.disk_tier_blocks = 512;
     let run = simulate(&config, &requests).unwrap();

@@ -247,17 +247,8 @@ impl Basis {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvmesh_engine::runner::{SeqChunk, StepInput};
-
-    fn chunk(start_pos: usize, n: usize) -> SeqChunk {
-        SeqChunk {
-            seq_id: 0,
-            tokens: vec![1; n],
-            start_pos,
-            block_table: vec![],
-            want_logits: true,
-        }
-    }
+    use crate::timing::tests::chunk;
+    use kvmesh_engine::runner::StepInput;
 
     fn prefill(n: usize, cached: usize) -> StepShape {
         StepShape::of(&StepInput {

@@ -1,4 +1,4 @@
-//! What the fault and statistics tests share: small meshes, workloads and checks.
+//! What the simulator's integration tests share: small meshes, workloads and checks.
 
 #![allow(dead_code)]
 
@@ -30,14 +30,14 @@ pub fn slo() -> SloSpec {
     "ttft=500ms,itl=50ms".parse().unwrap()
 }
 
-pub fn scheduler(num_blocks: usize, max_num_seqs: usize) -> SchedulerConfig {
+pub fn scheduler(num_blocks: usize, max_num_seqs: usize, caching: bool) -> SchedulerConfig {
     SchedulerConfig {
         block_size: BLOCK,
         num_blocks,
         max_num_batched_tokens: 2048,
         max_num_seqs,
         max_model_len: 4096,
-        enable_prefix_caching: true,
+        enable_prefix_caching: caching,
         host_tier_blocks: 0,
         disk_tier_blocks: 0,
         hasher: BlockHasher::new(ModelFingerprint(42), BLOCK),
@@ -47,7 +47,7 @@ pub fn scheduler(num_blocks: usize, max_num_seqs: usize) -> SchedulerConfig {
 /// `nodes` decode nodes with the H200 roofline profile.
 pub fn mesh(nodes: usize, policy: &str, seed: u64) -> MeshConfig {
     let node = NodeConfig {
-        scheduler: scheduler(2048, 64),
+        scheduler: scheduler(2048, 64, true),
         timing: TimingProfile::named("h200-llama8b").unwrap(),
         vocab_size: 32_000,
     };
@@ -78,7 +78,7 @@ pub fn disaggregated(decode: usize, prefill: usize, link: LinkClass, seed: u64) 
 /// Nodes that take `service` for every step, whatever it holds.
 pub fn fixed(nodes: usize, service: Duration) -> MeshConfig {
     let node = NodeConfig {
-        scheduler: scheduler(64, 8),
+        scheduler: scheduler(64, 8, true),
         timing: TimingProfile::fixed(service),
         vocab_size: 100,
     };
