@@ -61,6 +61,7 @@ use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 pub use import::Import;
 
@@ -239,13 +240,15 @@ impl Scheduler {
         }
     }
 
-    /// Queues a sequence; it is admitted by a later `schedule`.
+    /// Queues a sequence; it is admitted by a later `schedule`. The prompt is kept as given
+    /// when it is an `Arc<[TokenId]>` (a caller that holds it elsewhere shares it; a `Vec`
+    /// is copied once).
     pub fn add_sequence(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: impl Into<Arc<[TokenId]>>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt, Vec::new(), None)
+        self.add(seq_id, prompt.into(), Vec::new(), None)
     }
 
     /// Queues a sequence that already generated `output` elsewhere (a migrated request): its
@@ -253,25 +256,25 @@ impl Scheduler {
     pub fn add_resumed_sequence(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: impl Into<Arc<[TokenId]>>,
         output: Vec<TokenId>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt, output, None)
+        self.add(seq_id, prompt.into(), output, None)
     }
 
     /// Queues a sequence whose prompt KV will arrive from another node (see the module docs).
     pub fn add_remote_sequence(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: impl Into<Arc<[TokenId]>>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt, Vec::new(), Some(RemotePrefill))
+        self.add(seq_id, prompt.into(), Vec::new(), Some(RemotePrefill))
     }
 
     fn add(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: Arc<[TokenId]>,
         output: Vec<TokenId>,
         remote: Option<RemotePrefill>,
     ) -> Result<(), SchedulerError> {
@@ -296,7 +299,7 @@ impl Scheduler {
             return Err(SchedulerError::DuplicateSeqId(seq_id));
         }
         let mut seq = Sequence::new(self.next_generation, prompt);
-        seq.tokens.extend(output);
+        seq.output = output;
         seq.remote = remote;
         self.next_generation += 1;
         if self.config.enable_prefix_caching {
@@ -407,11 +410,11 @@ impl Scheduler {
                 cache_computed_blocks(&mut self.pool, seq, self.config.block_size);
             }
             if let Some(&token) = tokens.get(&r.seq_id) {
-                seq.tokens.push(token);
+                seq.output.push(token);
                 if self.config.enable_prefix_caching {
                     seq.extend_hashes(&self.config.hasher);
                 }
-                if seq.tokens.len() >= max_len {
+                if seq.len() >= max_len {
                     outcome.context_full.push(r.seq_id);
                 }
             }
@@ -464,15 +467,15 @@ impl Scheduler {
             .get_mut(&seq_id)
             .expect("awaiting sequences exist");
         seq.remote = None;
-        seq.num_computed = seq.tokens.len();
+        seq.num_computed = seq.len();
         if self.config.enable_prefix_caching {
             cache_computed_blocks(&mut self.pool, seq, self.config.block_size);
         }
-        seq.tokens.push(first_token);
+        seq.output.push(first_token);
         if self.config.enable_prefix_caching {
             seq.extend_hashes(&self.config.hasher);
         }
-        let full = seq.tokens.len() >= self.max_seq_len();
+        let full = seq.len() >= self.max_seq_len();
         self.running.push(seq_id);
         let mut outcome = StepOutcome::default();
         if full {
@@ -581,9 +584,9 @@ impl Scheduler {
     }
 
     pub fn sequence_tokens(&self, seq_id: SeqId) -> Option<SequenceTokens<'_>> {
-        self.seqs.get(&seq_id).map(|s| {
-            let (prompt, output) = s.tokens.split_at(s.num_prompt_tokens);
-            SequenceTokens { prompt, output }
+        self.seqs.get(&seq_id).map(|s| SequenceTokens {
+            prompt: &s.prompt,
+            output: &s.output,
         })
     }
 
@@ -675,9 +678,9 @@ impl Scheduler {
     fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<(usize, Admission)> {
         let bs = self.config.block_size;
         let seq = &self.seqs[&id];
-        let (hits, host) = self.cached_prefix(&seq.hashes, seq.tokens.len());
+        let (hits, host) = self.cached_prefix(&seq.hashes, seq.len());
         let num_cached = (hits.len() + host) * bs;
-        let n = (seq.tokens.len() - num_cached).min(budget);
+        let n = (seq.len() - num_cached).min(budget);
         let new_blocks = blocks_for(num_cached + n, bs) - hits.len();
         if new_blocks + self.revived(&hits) > self.pool.num_free() {
             return None;
@@ -707,8 +710,8 @@ impl Scheduler {
     fn try_admit_remote(&mut self, id: SeqId) -> Option<RemoteAdmission> {
         let bs = self.config.block_size;
         let seq = &self.seqs[&id];
-        let (hits, host) = self.cached_prefix(&seq.hashes, seq.tokens.len());
-        let new_blocks = blocks_for(seq.tokens.len(), bs) - hits.len();
+        let (hits, host) = self.cached_prefix(&seq.hashes, seq.len());
+        let new_blocks = blocks_for(seq.len(), bs) - hits.len();
         if new_blocks + self.revived(&hits) > self.pool.num_free() {
             return None;
         }
@@ -742,10 +745,10 @@ impl Scheduler {
     fn push_chunk(&self, id: SeqId, n: usize, out: &mut SchedulerOutput) {
         let seq = &self.seqs[&id];
         let start = seq.num_computed;
-        let want_logits = start + n == seq.tokens.len();
+        let want_logits = start + n == seq.len();
         out.step.chunks.push(SeqChunk {
             seq_id: id,
-            tokens: seq.tokens[start..start + n].to_vec(),
+            tokens: seq.tokens(start..start + n),
             start_pos: start,
             block_table: seq.blocks.clone(),
             want_logits,

@@ -64,12 +64,97 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A request's prompt tokens, shared rather than copied. A multiplied trace
+/// ([`crate::workload::multiply`]) holds tens of thousands of prompts of thousands of tokens
+/// each, and its copies differ from the original only in their first token: every copy
+/// shares the original's buffer and keeps its own first token apart. The mesh makes one
+/// buffer of the actual tokens when the request arrives ([`SimPrompt::tokens`]), shared by
+/// the router, the decode node and the prefill node, and drops it when the request ends.
+#[derive(Clone, Debug)]
+pub struct SimPrompt {
+    /// The tokens, but for the first, which is `first`.
+    shared: Arc<[TokenId]>,
+    first: TokenId,
+}
+
+impl SimPrompt {
+    pub fn len(&self) -> usize {
+        self.shared.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.shared.is_empty()
+    }
+
+    pub fn first(&self) -> Option<TokenId> {
+        (!self.is_empty()).then_some(self.first)
+    }
+
+    pub fn last(&self) -> Option<TokenId> {
+        match self.shared.len() {
+            0 => None,
+            1 => Some(self.first),
+            n => Some(self.shared[n - 1]),
+        }
+    }
+
+    /// The same prompt but for its first token, which becomes `first` (sharing the buffer).
+    pub fn with_first(&self, first: TokenId) -> SimPrompt {
+        SimPrompt {
+            shared: self.shared.clone(),
+            first,
+        }
+    }
+
+    /// The tokens, in one buffer: the shared one when the first token is its own, else a copy.
+    pub fn tokens(&self) -> Arc<[TokenId]> {
+        match self.shared.first() {
+            Some(&f) if f != self.first => {
+                let mut t = self.shared.to_vec();
+                t[0] = self.first;
+                t.into()
+            }
+            _ => self.shared.clone(),
+        }
+    }
+
+    pub fn to_vec(&self) -> Vec<TokenId> {
+        self.tokens().to_vec()
+    }
+}
+
+impl From<Vec<TokenId>> for SimPrompt {
+    fn from(tokens: Vec<TokenId>) -> SimPrompt {
+        let first = tokens.first().copied().unwrap_or_default();
+        SimPrompt {
+            shared: tokens.into(),
+            first,
+        }
+    }
+}
+
+impl FromIterator<TokenId> for SimPrompt {
+    fn from_iter<I: IntoIterator<Item = TokenId>>(iter: I) -> SimPrompt {
+        iter.into_iter().collect::<Vec<_>>().into()
+    }
+}
+
+impl PartialEq for SimPrompt {
+    fn eq(&self, other: &SimPrompt) -> bool {
+        self.len() == other.len()
+            && (self.is_empty()
+                || (self.first == other.first && self.shared[1..] == other.shared[1..]))
+    }
+}
+
+impl Eq for SimPrompt {}
+
 /// One request offered to the mesh.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SimRequest {
     /// Arrival, from the run's start.
     pub at: Duration,
-    pub prompt: Vec<TokenId>,
+    pub prompt: SimPrompt,
     pub max_tokens: usize,
     /// The previous turn of its conversation (an earlier request): this one is not sent
     /// before that one has ended, as bench does not send it.
@@ -81,7 +166,7 @@ impl SimRequest {
     pub fn from_scaled(r: &ScaledRequest) -> SimRequest {
         SimRequest {
             at: r.at,
-            prompt: r.prompt_tokens.clone(),
+            prompt: r.prompt_tokens.clone().into(),
             max_tokens: r.max_tokens as usize,
             after: r.previous_turn,
         }
@@ -93,7 +178,7 @@ impl SimRequest {
         match &item.prompt {
             Prompt::Tokens(ids) => Ok(SimRequest {
                 at,
-                prompt: ids.clone(),
+                prompt: ids.clone().into(),
                 max_tokens: item.max_tokens as usize,
                 after: item.previous_turn,
             }),
@@ -216,6 +301,8 @@ enum Event {
 
 /// A request from arrival to its end.
 struct Live {
+    /// Its prompt's tokens, shared with the nodes that hold it.
+    prompt: Arc<[TokenId]>,
     /// Its decode node.
     node: usize,
     /// Its prefill node, while the prefill is remote and not yet complete.
@@ -506,13 +593,15 @@ impl Mesh<'_> {
             return;
         }
         self.sent[i] = now;
-        match self.open(i, &[], &[]) {
+        let prompt = self.requests[i].prompt.tokens();
+        match self.open(i, &prompt, &[], &[]) {
             Opened::On {
                 decode,
                 prefill,
                 tracked,
             } => {
                 self.live[i] = Some(Live {
+                    prompt,
                     node: decode,
                     prefill,
                     transfer_blocks: 0,
@@ -534,12 +623,18 @@ impl Mesh<'_> {
     /// `resume`, the tokens it delivered before its node died, it is routed by everything
     /// its KV will hold and the decode node recomputes them itself (no prefill node), as the
     /// router's `MeshBackend::open` does.
-    fn open(&mut self, i: usize, resume: &[TokenId], tried: &[usize]) -> Opened {
+    fn open(
+        &mut self,
+        i: usize,
+        prompt: &Arc<[TokenId]>,
+        resume: &[TokenId],
+        tried: &[usize],
+    ) -> Opened {
         let r = &self.requests[i];
         let tokens: Cow<[TokenId]> = if resume.is_empty() {
-            Cow::Borrowed(&r.prompt)
+            Cow::Borrowed(prompt)
         } else {
-            Cow::Owned([&r.prompt[..], resume].concat())
+            Cow::Owned([&prompt[..], resume].concat())
         };
         let untried: Vec<NodeEntry>;
         let decode = if tried.is_empty() {
@@ -565,7 +660,7 @@ impl Mesh<'_> {
         let d = route.decode.0 as usize;
         let p = route.prefill.map(|p| p.0 as usize);
         let tracked = self.routing.track_route(route.decode, route.prefill);
-        let (seq, prompt) = (i as u64, r.prompt.clone());
+        let (seq, prompt) = (i as u64, prompt.clone());
         let submitted = match p {
             Some(_) => self.nodes[d].submit_remote(seq, prompt, r.max_tokens),
             None if resume.is_empty() => self.nodes[d].submit(seq, prompt, r.max_tokens),
@@ -604,10 +699,10 @@ impl Mesh<'_> {
             let live = self.live[i].as_mut().expect("an admitted request is live");
             let p = live.prefill.expect("a remote admission has a prefill node");
             live.transfer_blocks = a.blocks.len();
-            let r = &self.requests[i];
+            let prompt = live.prompt.clone();
             // The prefill node computes the prompt and samples the first token.
             self.nodes[p]
-                .submit(a.seq_id, r.prompt.clone(), 1)
+                .submit(a.seq_id, prompt, 1)
                 .expect("the decode node accepted the same prompt");
             self.routed[p] += 1;
             self.remote_prefills += 1;
@@ -727,7 +822,7 @@ impl Mesh<'_> {
             return Ok(());
         }
         let prompt = &self.requests[i].prompt;
-        let last = *prompt.last().expect("prompts are never empty");
+        let last = prompt.last().expect("prompts are never empty");
         let first = MockRunner::favoured_token(last, prompt.len(), self.vocab_size);
         let live = self.live[i].as_mut().expect("checked above");
         live.prefill = None;
@@ -807,7 +902,7 @@ impl Mesh<'_> {
             self.end_failed(i, now, Some(200), "stream_error".into());
             return touched;
         }
-        match self.open(i, &resume, &live.tried) {
+        match self.open(i, &live.prompt, &resume, &live.tried) {
             Opened::On {
                 decode,
                 prefill,

@@ -31,6 +31,7 @@ use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
@@ -148,7 +149,7 @@ impl SimNode {
     pub fn submit(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: Arc<[TokenId]>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
         self.track(seq_id, max_tokens, 0, |scheduler| {
@@ -162,7 +163,7 @@ impl SimNode {
     pub fn submit_resumed(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: Arc<[TokenId]>,
         output: Vec<TokenId>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
@@ -178,7 +179,7 @@ impl SimNode {
     pub fn submit_remote(
         &mut self,
         seq_id: SeqId,
-        prompt: Vec<TokenId>,
+        prompt: Arc<[TokenId]>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
         self.track(seq_id, max_tokens, 0, |scheduler| {
@@ -647,7 +648,7 @@ mod tests {
         assert_eq!(steps[0].1.tokens, [(3, 2)]);
         assert_eq!(steps[1].1.finished[0].output_tokens, 4);
         assert!(matches!(
-            node.submit_resumed(4, vec![1], vec![5], 1),
+            node.submit_resumed(4, Arc::new([1]), vec![5], 1),
             Err(NodeError::NoTokensWanted)
         ));
         node.submit(5, (1..=10).collect(), 3).unwrap();
@@ -659,18 +660,21 @@ mod tests {
             "the cut step counts to the death"
         );
         assert_eq!(node.start_step(20 * MS), None);
-        assert!(matches!(node.submit(6, vec![1], 1), Err(NodeError::Dead)));
+        assert!(matches!(
+            node.submit(6, Arc::new([1]), 1),
+            Err(NodeError::Dead)
+        ));
     }
 
     #[test]
     fn bad_input_is_an_error_not_a_panic() {
         let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
         assert!(matches!(
-            node.submit(1, vec![1], 0),
+            node.submit(1, Arc::new([1]), 0),
             Err(NodeError::NoTokensWanted)
         ));
         assert!(matches!(
-            node.submit(1, vec![], 1),
+            node.submit(1, Arc::new([]), 1),
             Err(NodeError::Scheduler(SchedulerError::EmptyPrompt))
         ));
         assert!(matches!(node.finish_step(), Err(NodeError::NoStepInFlight)));

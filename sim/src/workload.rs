@@ -127,10 +127,13 @@ pub fn multiply(requests: &[SimRequest], copies: NonZeroUsize) -> Vec<SimRequest
     out.iter()
         .map(|&(at, k, i)| {
             let r = &requests[i];
-            let mut prompt = r.prompt.clone();
-            if let Some(first) = prompt.first_mut() {
-                *first += k as TokenId * COPY_TOKEN_STRIDE;
-            }
+            // Every copy shares the original's tokens but for the first.
+            let prompt = match r.prompt.first() {
+                Some(first) if k > 0 => r
+                    .prompt
+                    .with_first(first + k as TokenId * COPY_TOKEN_STRIDE),
+                _ => r.prompt.clone(),
+            };
             SimRequest {
                 at,
                 prompt,
@@ -177,7 +180,7 @@ mod tests {
         let at: Vec<_> = r.iter().map(|r| r.at).collect();
         assert_eq!(at, [0, 50, 250].map(Duration::from_millis));
         assert_eq!(r[0].max_tokens, 4);
-        assert_eq!(r[0].prompt, [1, 2, 3]);
+        assert_eq!(r[0].prompt.to_vec(), [1, 2, 3]);
     }
 
     #[test]
@@ -209,7 +212,7 @@ mod tests {
     fn req(at_ms: u64, prompt: Vec<TokenId>, after: Option<usize>) -> SimRequest {
         SimRequest {
             at: Duration::from_millis(at_ms),
-            prompt,
+            prompt: prompt.into(),
             max_tokens: 2,
             after,
         }
@@ -229,7 +232,7 @@ mod tests {
         let at: Vec<_> = copies.iter().map(|r| r.at.as_micros()).collect();
         assert_eq!(at, [0, 49_500, 150_500, 200_000, 300_000, 450_500]);
         let s = COPY_TOKEN_STRIDE;
-        let prompts: Vec<_> = copies.iter().map(|r| r.prompt.clone()).collect();
+        let prompts: Vec<_> = copies.iter().map(|r| r.prompt.to_vec()).collect();
         assert_eq!(
             prompts,
             [

@@ -2,6 +2,7 @@
 //! the chained hashes of its full blocks (its prefix-cache identity).
 
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
+use std::sync::Arc;
 
 /// Marks a sequence whose prompt KV comes from another node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -12,9 +13,11 @@ pub(super) struct Sequence {
     /// Distinguishes this sequence from an earlier one with the same id, so a step that was
     /// in flight when the earlier one finished cannot touch this one.
     pub(super) generation: u64,
-    /// Prompt followed by every generated token.
-    pub(super) tokens: Vec<TokenId>,
-    pub(super) num_prompt_tokens: usize,
+    /// The prompt, shared with the caller: prompts run to tens of thousands of tokens, and a
+    /// simulated mesh holds the same prompt on a prefill and a decode node at once.
+    pub(super) prompt: Arc<[TokenId]>,
+    /// Every token generated after the prompt (or delivered before a migration).
+    pub(super) output: Vec<TokenId>,
     /// Leading tokens whose KV is in `blocks`.
     pub(super) num_computed: usize,
     pub(super) blocks: Vec<BlockId>,
@@ -29,11 +32,11 @@ pub(super) struct Sequence {
 }
 
 impl Sequence {
-    pub(super) fn new(generation: u64, prompt: Vec<TokenId>) -> Self {
+    pub(super) fn new(generation: u64, prompt: Arc<[TokenId]>) -> Self {
         Sequence {
             generation,
-            num_prompt_tokens: prompt.len(),
-            tokens: prompt,
+            prompt,
+            output: Vec::new(),
             num_computed: 0,
             blocks: Vec::new(),
             hashes: Vec::new(),
@@ -43,16 +46,45 @@ impl Sequence {
         }
     }
 
+    /// Prompt and output tokens.
+    pub(super) fn len(&self) -> usize {
+        self.prompt.len() + self.output.len()
+    }
+
     pub(super) fn num_uncomputed(&self) -> usize {
-        self.tokens.len() - self.num_computed
+        self.len() - self.num_computed
+    }
+
+    /// Tokens `range` of prompt-then-output, copied out.
+    pub(super) fn tokens(&self, range: std::ops::Range<usize>) -> Vec<TokenId> {
+        let p = self.prompt.len();
+        if range.end <= p {
+            return self.prompt[range].to_vec();
+        }
+        if range.start >= p {
+            return self.output[range.start - p..range.end - p].to_vec();
+        }
+        let mut out = Vec::with_capacity(range.len());
+        out.extend_from_slice(&self.prompt[range.start..]);
+        out.extend_from_slice(&self.output[..range.end - p]);
+        out
     }
 
     /// Hashes every full block of `tokens` not hashed yet.
     pub(super) fn extend_hashes(&mut self, hasher: &BlockHasher) {
         let bs = hasher.block_size;
-        while (self.hashes.len() + 1) * bs <= self.tokens.len() {
+        while (self.hashes.len() + 1) * bs <= self.len() {
             let i = self.hashes.len();
-            let block = hasher.block_hash(&self.tokens[i * bs..(i + 1) * bs]);
+            let range = i * bs..(i + 1) * bs;
+            // Within the prompt or the output, hash in place; a block across both is copied.
+            let p = self.prompt.len();
+            let block = if range.end <= p {
+                hasher.block_hash(&self.prompt[range])
+            } else if range.start >= p {
+                hasher.block_hash(&self.output[range.start - p..range.end - p])
+            } else {
+                hasher.block_hash(&self.tokens(range))
+            };
             self.hashes
                 .push(hasher.chain(self.hashes.last().copied(), block));
         }
@@ -75,8 +107,11 @@ mod tests {
         let mut seq = Sequence::new(0, (0..6).collect());
         seq.extend_hashes(&hasher);
         assert_eq!(seq.hashes.len(), 1);
-        seq.tokens.extend([6, 7, 8, 9, 10]);
+        // The second block spans prompt and output; the third is all output.
+        seq.output.extend([6, 7, 8, 9, 10, 11, 12]);
         seq.extend_hashes(&hasher);
-        assert_eq!(seq.hashes, hasher.sequence_hashes(&seq.tokens));
+        assert_eq!(seq.hashes, hasher.sequence_hashes(&seq.tokens(0..13)));
+        assert_eq!(seq.hashes.len(), 3);
+        assert_eq!(seq.tokens(4..8), [4, 5, 6, 7]);
     }
 }
