@@ -1,0 +1,191 @@
+//! What the planner decides: a target count per role, the role switches that reach part of
+//! it, why, and whether it is to be acted on.
+
+use serde::Serialize;
+use std::time::Duration;
+
+/// A node's role in the mesh.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 2] = [Role::Prefill, Role::Decode];
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Role::Prefill => 0,
+            Role::Decode => 1,
+        }
+    }
+}
+
+/// Which way a count moves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Direction {
+    Up,
+    Down,
+    Hold,
+}
+
+/// What a consolidation check measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// Queued prefill tokens per node.
+    QueuedPrefillTokens,
+    /// KV usage per decode node (`0..=1`).
+    KvUsage,
+    /// Prefill demand over the capacity of the remaining nodes.
+    PrefillUtilization,
+    /// Predicted TTFT, in seconds.
+    TtftSeconds,
+    /// Running sequences per decode node.
+    DecodeBatch,
+}
+
+/// Why a role's target is what it is. Variants that override another decision keep it in
+/// `because`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum Reason {
+    /// Nothing crossed a threshold; the current count meets the demand.
+    Hold,
+    /// Called before the interval since the last decision passed.
+    NotDue { next: Duration },
+    /// No observation yet: the actual counts are unknown.
+    NoObservation,
+    /// Fewer nodes than the configured minimum are alive: restore it.
+    BelowMinimum { min: u32 },
+    /// More nodes than the configured maximum are alive: remove the excess.
+    AboveMaximum { max: u32 },
+    /// Load policy: the most loaded prefill node's queue reached the threshold.
+    PrefillQueueHigh { queued_tokens: u64, threshold: f64 },
+    /// Load policy: every prefill node's queue stayed below the threshold.
+    PrefillQueueLow { queued_tokens: u64, threshold: f64 },
+    /// Load policy: some decode node's KV usage reached the threshold.
+    KvUsageHigh { usage: f64, threshold: f64 },
+    /// Load policy: every decode node's KV usage stayed below the threshold.
+    KvUsageLow { usage: f64, threshold: f64 },
+    /// SLO policy: the replicas the predicted demand needs. `demand` is prompt tokens per
+    /// second (prefill) or concurrent sequences (decode); `per_replica` is what one node
+    /// serves within the target, after `correction`.
+    PredictedDemand {
+        demand: f64,
+        per_replica: f64,
+        correction: f64,
+        replicas: u32,
+        /// False when no step size meets the target even on an idle node.
+        meets_target: bool,
+    },
+    /// A scale-down to `wanted` was refused: the remaining nodes would carry `projected`
+    /// (in `metric`) against `limit`.
+    ConsolidationRefused {
+        wanted: u32,
+        metric: Metric,
+        projected: f64,
+        limit: f64,
+        because: Box<Reason>,
+    },
+    /// The policy wanted `wanted`, but the role changed too recently.
+    Cooldown {
+        wanted: u32,
+        remaining: Duration,
+        because: Box<Reason>,
+    },
+    /// The policy wanted `wanted`, outside the role's `min..=max`.
+    RoleLimit {
+        wanted: u32,
+        limit: u32,
+        because: Box<Reason>,
+    },
+    /// The policy wanted `wanted`, but prefill + decode may not exceed `budget`.
+    BudgetClamp {
+        wanted: u32,
+        budget: u32,
+        because: Box<Reason>,
+    },
+}
+
+/// One role's part of a decision.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RoleDecision {
+    /// Nodes alive when the decision was made (from the latest observation).
+    pub observed: u32,
+    /// Nodes the role should have.
+    pub target: u32,
+    pub reason: Reason,
+}
+
+impl RoleDecision {
+    pub(crate) fn hold(observed: u32, reason: Reason) -> RoleDecision {
+        RoleDecision {
+            observed,
+            target: observed,
+            reason,
+        }
+    }
+
+    /// `target - observed`.
+    pub fn delta(&self) -> i64 {
+        i64::from(self.target) - i64::from(self.observed)
+    }
+
+    pub fn direction(&self) -> Direction {
+        match self.delta() {
+            d if d > 0 => Direction::Up,
+            d if d < 0 => Direction::Down,
+            _ => Direction::Hold,
+        }
+    }
+}
+
+/// Nodes to flip instead of removing one and adding another. They are part of the targets:
+/// with `decode_to_prefill: 1`, a prefill target one above the observed count and a decode
+/// target one below are reached by draining one decode node, flipping it and republishing it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RoleSwitches {
+    pub prefill_to_decode: u32,
+    pub decode_to_prefill: u32,
+}
+
+/// The planner's answer for one interval.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    /// The `now` it was made at.
+    pub at: Duration,
+    pub prefill: RoleDecision,
+    pub decode: RoleDecision,
+    pub switches: RoleSwitches,
+    /// Advisory mode: decided and reported, not to be acted on (and the planner's cooldowns
+    /// did not start).
+    pub advisory: bool,
+}
+
+impl Decision {
+    pub fn role(&self, role: Role) -> &RoleDecision {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+
+    /// Whether any count changes.
+    pub fn is_change(&self) -> bool {
+        self.prefill.delta() != 0 || self.decode.delta() != 0
+    }
+
+    /// Whether the caller is to act on it: a change, outside advisory mode.
+    pub fn acted(&self) -> bool {
+        self.is_change() && !self.advisory
+    }
+
+    /// Total nodes after the decision.
+    pub fn total_target(&self) -> u32 {
+        self.prefill.target + self.decode.target
+    }
+}

@@ -1,0 +1,67 @@
+//! What the mesh publishes and the planner reads: one snapshot of load, latency and counts.
+//!
+//! An observation carries no timestamp: the caller passes `now` to
+//! [`Planner::observe`](crate::Planner::observe), so tests drive the planner in virtual time.
+
+use std::time::Duration;
+
+/// A latency distribution's two quantiles the planner reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatencyQuantiles {
+    pub p50: Duration,
+    pub p99: Duration,
+}
+
+/// One engine step a node measured: its shape and how long it took. The SLO policy refits its
+/// [`PerfModel`](crate::PerfModel) from these.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepSample {
+    /// Tokens the step's prefill chunks computed.
+    pub prefill_tokens: u64,
+    /// Tokens of KV the prefill chunks read but did not compute (cached prefix).
+    pub prefill_cached_tokens: u64,
+    /// Sequences the step decoded one token for.
+    pub decode_seqs: u64,
+    /// Their total context, in tokens.
+    pub decode_context_tokens: u64,
+    pub duration: Duration,
+}
+
+/// A snapshot of the mesh, as published by its nodes and router.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Observation {
+    /// Requests arriving per second (router).
+    pub arrival_rate: f64,
+    /// Mean prompt length of recent requests, in tokens.
+    pub mean_prompt_tokens: f64,
+    /// Mean output length of recent requests, in tokens.
+    pub mean_output_tokens: f64,
+    /// Share of prompt tokens served from a prefix cache, `0..=1`.
+    pub prefix_hit_rate: f64,
+    /// Prompt tokens waiting to be computed, one entry per prefill node.
+    pub prefill_queued_tokens: Vec<u64>,
+    /// Sequences decoding, one entry per decode node.
+    pub decode_running: Vec<u32>,
+    /// Share of KV blocks in use, `0..=1`, one entry per decode node.
+    pub decode_kv_usage: Vec<f64>,
+    /// Time to first token, if any request finished its prefill recently.
+    pub ttft: Option<LatencyQuantiles>,
+    /// Inter-token latency, if any token was generated recently.
+    pub itl: Option<LatencyQuantiles>,
+    /// Prefill nodes alive now (from discovery), whoever started them.
+    pub prefill_nodes: u32,
+    /// Decode nodes alive now (from discovery), whoever started them.
+    pub decode_nodes: u32,
+    /// Engine steps measured since the last observation.
+    pub steps: Vec<StepSample>,
+}
+
+impl Observation {
+    /// The actual node count of a role.
+    pub fn nodes(&self, role: crate::Role) -> u32 {
+        match role {
+            crate::Role::Prefill => self.prefill_nodes,
+            crate::Role::Decode => self.decode_nodes,
+        }
+    }
+}
