@@ -1,0 +1,350 @@
+//! The load policy over a fluid mesh in virtual time.
+
+mod common;
+
+use common::{direction_changes, run, Load, Mesh};
+use kvmesh_planner::{
+    Direction, Metric, Observation, Planner, PlannerConfig, Reason, Role, RoleBounds,
+};
+use std::time::Duration;
+
+const CTX: u64 = 1000;
+
+fn config() -> PlannerConfig {
+    let mut c = PlannerConfig::default();
+    c.load.context_length = CTX;
+    c.load.interval = Duration::from_secs(5);
+    c.cooldown.up = Duration::from_secs(10);
+    c.cooldown.down = Duration::from_secs(30);
+    c.cooldown.down_stable_for = Duration::from_secs(30);
+    c.prefill = RoleBounds { min: 1, max: 10 };
+    c.decode = RoleBounds { min: 1, max: 10 };
+    c.budget = 20;
+    c
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+#[test]
+fn a_load_step_scales_up_within_a_bounded_number_of_decisions() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    // 5.5 context lengths queued and 3.5 nodes' worth of KV: 6 prefill nodes bring each
+    // queue under one context length, 4 decode nodes bring KV usage under 0.9.
+    let load = |_| Load {
+        queued_tokens: 5.5 * CTX as f64,
+        kv_nodes: 3.5,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 200, load);
+    assert_eq!((mesh.prefill, mesh.decode), (6, 4));
+    // One node per step, a step at most every up-cooldown (two intervals) plus one interval.
+    let reached = decisions
+        .iter()
+        .position(|d| d.prefill.target == 6)
+        .unwrap();
+    assert!(
+        reached < 5 * 3,
+        "reached 6 prefill nodes after {reached} decisions"
+    );
+    assert!(decisions
+        .iter()
+        .all(|d| d.prefill.delta() <= 1 && d.decode.delta() <= 1));
+    assert_eq!(direction_changes(&decisions, Role::Prefill), 0);
+    assert_eq!(direction_changes(&decisions, Role::Decode), 0);
+}
+
+#[test]
+fn idle_scales_down_to_the_minimum_and_never_below_one() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 8,
+        decode: 8,
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 3600, |_| Load::default());
+    assert_eq!((mesh.prefill, mesh.decode), (1, 1));
+    assert!(decisions
+        .iter()
+        .all(|d| d.prefill.target >= 1 && d.decode.target >= 1));
+    let last = decisions.last().unwrap();
+    assert_eq!(last.prefill.direction(), Direction::Hold);
+    // At the minimum the policy still wants one fewer; the limit says no.
+    assert!(matches!(
+        last.prefill.reason,
+        Reason::RoleLimit {
+            wanted: 0,
+            limit: 1,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn an_oscillating_load_does_not_flap() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    // 10 s of 3 context lengths queued and 2.5 nodes of KV, then 10 s of nothing, for an hour.
+    let load = |now: Duration| {
+        if now.as_secs() % 20 < 10 {
+            Load {
+                queued_tokens: 3.0 * CTX as f64,
+                kv_nodes: 2.5,
+                ..Load::default()
+            }
+        } else {
+            Load::default()
+        }
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 3600, load);
+    assert_eq!(direction_changes(&decisions, Role::Prefill), 0);
+    assert_eq!(direction_changes(&decisions, Role::Decode), 0);
+    let changes = decisions.iter().filter(|d| d.acted()).count();
+    assert!(changes <= 6, "{changes} changes");
+    assert_eq!((mesh.prefill, mesh.decode), (4, 3));
+    // When the oscillation stops, the mesh shrinks back.
+    let decisions = run(&mut planner, &mut mesh, secs(3600), 1800, |_| {
+        Load::default()
+    });
+    assert_eq!((mesh.prefill, mesh.decode), (1, 1));
+    assert_eq!(direction_changes(&decisions, Role::Decode), 0);
+}
+
+#[test]
+fn the_consolidation_check_refuses_an_unsafe_scale_down() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 1,
+        decode: 2,
+    };
+    // Each decode node at 0.45 KV: below the down threshold (0.5), but one node would hold
+    // 0.9, the up threshold.
+    let load = |_| Load {
+        kv_nodes: 0.9,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 600, load);
+    assert_eq!(mesh.decode, 2);
+    let last = decisions.last().unwrap();
+    match &last.decode.reason {
+        Reason::ConsolidationRefused {
+            wanted: 1,
+            metric: Metric::KvUsage,
+            projected,
+            limit,
+            because,
+        } => {
+            assert!((projected - 0.9).abs() < 1e-9 && (limit - 0.9).abs() < 1e-9);
+            assert!(matches!(**because, Reason::KvUsageLow { .. }));
+        }
+        other => panic!("{other:?}"),
+    }
+    // At 0.4 per node, one node holds 0.8 and the scale-down goes ahead.
+    run(&mut planner, &mut mesh, secs(600), 600, |_| Load {
+        kv_nodes: 0.8,
+        ..Load::default()
+    });
+    assert_eq!(mesh.decode, 1);
+}
+
+#[test]
+fn the_budget_clamp_never_reverses_a_decision() {
+    // Every combination of counts (including over budget, as after a manual edit) and loads.
+    let mut clamped = 0;
+    for budget in 2..=8u32 {
+        for p in 1..=8u32 {
+            for d in 1..=8u32 {
+                for (queued, kv) in [
+                    (0u64, 0.0),
+                    (5000, 0.0),
+                    (0, 0.95),
+                    (5000, 0.95),
+                    (5000, 0.1),
+                ] {
+                    let mut c = config();
+                    c.budget = budget;
+                    c.cooldown.down_stable_for = Duration::ZERO;
+                    c.prefill = RoleBounds { min: 1, max: 8 };
+                    c.decode = RoleBounds { min: 1, max: 8 };
+                    let mut planner = Planner::new(c).unwrap();
+                    planner.observe(
+                        secs(0),
+                        Observation {
+                            prefill_nodes: p,
+                            decode_nodes: d,
+                            prefill_queued_tokens: vec![queued; p as usize],
+                            decode_kv_usage: vec![kv; d as usize],
+                            ..Observation::default()
+                        },
+                    );
+                    let decision = planner.decide(secs(0));
+                    for role in Role::ALL {
+                        let r = decision.role(role);
+                        if let Reason::BudgetClamp {
+                            wanted, because, ..
+                        } = &r.reason
+                        {
+                            clamped += 1;
+                            // The policy wanted growth; the clamp granted less, never a loss.
+                            assert!(*wanted > r.observed, "{decision:?}");
+                            assert!(r.target >= r.observed && r.target < *wanted, "{decision:?}");
+                            assert!(!matches!(**because, Reason::BudgetClamp { .. }));
+                        }
+                    }
+                    // Growth never takes the mesh over budget.
+                    let growth = decision.prefill.delta().max(0) + decision.decode.delta().max(0);
+                    if growth > 0 {
+                        assert!(decision.total_target() <= budget, "{decision:?}");
+                    }
+                }
+            }
+        }
+    }
+    assert!(clamped > 100, "the clamp was exercised {clamped} times");
+}
+
+#[test]
+fn advisory_mode_reports_but_does_not_act() {
+    let mut c = config();
+    c.advisory = true;
+    let mut planner = Planner::new(c).unwrap();
+    let mut mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    let load = |_| Load {
+        queued_tokens: 5.0 * CTX as f64,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 60, load);
+    assert_eq!(decisions.len(), 12);
+    for d in &decisions {
+        // The same advice every interval, from the counts that are, with no cooldown.
+        assert!(d.advisory && d.is_change() && !d.acted());
+        assert_eq!((d.prefill.observed, d.prefill.target), (1, 2));
+        assert!(matches!(d.prefill.reason, Reason::PrefillQueueHigh { .. }));
+    }
+    assert_eq!((mesh.prefill, mesh.decode), (1, 1));
+}
+
+#[test]
+fn a_scale_down_works_after_a_manual_edit() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    // The planner grows decode to 2.
+    let busy = |_| Load {
+        kv_nodes: 1.2,
+        ..Load::default()
+    };
+    run(&mut planner, &mut mesh, secs(0), 10, busy);
+    assert_eq!(mesh.decode, 2);
+    // An operator scales decode to 5 by hand, and the load goes away.
+    mesh.decode = 5;
+    let decisions = run(&mut planner, &mut mesh, secs(10), 120, |_| Load::default());
+    let first_down = decisions
+        .iter()
+        .find(|d| d.decode.direction() == Direction::Down)
+        .expect("a scale-down");
+    // From the 5 observed, not the 2 it last asked for.
+    assert_eq!(
+        (first_down.decode.observed, first_down.decode.target),
+        (5, 4)
+    );
+    run(&mut planner, &mut mesh, secs(130), 600, |_| Load::default());
+    assert_eq!(mesh.decode, 1);
+}
+
+#[test]
+fn a_role_switch_is_chosen_when_prefill_is_over_and_decode_under_at_full_budget() {
+    let mut c = config();
+    c.budget = 4;
+    let mut planner = Planner::new(c.clone()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    let load = |_| Load {
+        queued_tokens: 2.5 * CTX as f64,
+        kv_nodes: 0.2,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 60, load);
+    // Until decode has been low long enough, prefill growth is cut by the budget.
+    let first = &decisions[0];
+    assert!(matches!(
+        first.prefill.reason,
+        Reason::BudgetClamp {
+            wanted: 3,
+            budget: 4,
+            ..
+        }
+    ));
+    assert_eq!(first.prefill.direction(), Direction::Hold);
+    let switch = decisions.iter().find(|d| d.acted()).expect("a switch");
+    assert_eq!(switch.switches.decode_to_prefill, 1);
+    assert_eq!(switch.switches.prefill_to_decode, 0);
+    assert_eq!((switch.prefill.target, switch.decode.target), (3, 1));
+    assert_eq!((mesh.prefill, mesh.decode), (3, 1));
+
+    // Without role switching the counts are the same, reached by a stop and a start.
+    c.allow_role_switch = false;
+    let mut planner = Planner::new(c).unwrap();
+    let mut mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 60, load);
+    let change = decisions.iter().find(|d| d.acted()).unwrap();
+    assert_eq!(change.switches, Default::default());
+    assert_eq!((mesh.prefill, mesh.decode), (3, 1));
+}
+
+#[test]
+fn a_lost_node_is_replaced_at_once() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    // Up one decode node (starting its cooldown), then both prefill nodes crash.
+    run(&mut planner, &mut mesh, secs(0), 1, |_| Load {
+        kv_nodes: 2.0,
+        ..Load::default()
+    });
+    mesh.prefill = 0;
+    planner.observe(secs(5), mesh.observe(&Load::default()));
+    let d = planner.decide(secs(5));
+    assert_eq!((d.prefill.observed, d.prefill.target), (0, 1));
+    assert_eq!(d.prefill.reason, Reason::BelowMinimum { min: 1 });
+}
+
+#[test]
+fn decisions_are_due_once_per_interval_and_need_fresh_observations() {
+    let mut planner = Planner::new(config()).unwrap();
+    let d = planner.decide(secs(0));
+    assert_eq!(d.prefill.reason, Reason::NoObservation);
+    let mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    planner.observe(secs(0), mesh.observe(&Load::default()));
+    planner.decide(secs(0));
+    planner.observe(secs(1), mesh.observe(&Load::default()));
+    let d = planner.decide(secs(2));
+    assert_eq!(d.prefill.reason, Reason::NotDue { next: secs(5) });
+    assert_eq!(planner.decide(secs(5)).prefill.reason, Reason::Hold);
+    assert_eq!(
+        planner.decide(secs(10)).prefill.reason,
+        Reason::NoObservation
+    );
+}
