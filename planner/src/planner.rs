@@ -164,7 +164,7 @@ impl Planner {
             PolicyState::Load(p) => {
                 p.propose(role, now, cooldown.down_stable_for, latest, observed)
             }
-            PolicyState::Slo(p) => p.propose(role, observed),
+            PolicyState::Slo(p) => p.propose(role, now, cooldown.down_stable_for, observed),
         };
         let target = wanted.clamp(bounds.min, bounds.max);
         if target != wanted {

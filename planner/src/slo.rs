@@ -233,9 +233,11 @@ impl SloPolicy {
         for role in Role::ALL {
             let h = &mut self.history[role.index()];
             h.push_back((now, wanted[role.index()].0));
+            // Keep the newest entry at or before `now - stable_for`: it shows the window is
+            // covered (no scale-down before the planner has watched that long).
             while h
-                .front()
-                .is_some_and(|&(t, _)| now.saturating_sub(t) > stable_for)
+                .get(1)
+                .is_some_and(|&(t, _)| now.saturating_sub(t) >= stable_for)
             {
                 h.pop_front();
             }
@@ -314,31 +316,35 @@ impl SloPolicy {
 
     /// The replicas the last plan wants; a scale-down only as far as the largest count
     /// wanted over the stabilization window.
-    pub fn propose(&self, role: Role, observed: u32) -> (u32, Reason) {
+    pub fn propose(
+        &self,
+        role: Role,
+        now: Duration,
+        stable_for: Duration,
+        observed: u32,
+    ) -> (u32, Reason) {
         let Some(plan) = &self.plan else {
             return (observed, Reason::Hold);
         };
         let (replicas, demand, per_replica, correction, meets_target) = plan.wanted[role.index()];
-        let stabilized = self.history[role.index()]
-            .iter()
-            .map(|&(_, r)| r)
-            .max()
-            .unwrap_or(replicas);
+        let history = &self.history[role.index()];
+        let covered = history
+            .front()
+            .is_some_and(|&(t, _)| now.saturating_sub(t) >= stable_for);
+        let stabilized = history.iter().map(|&(_, r)| r).max().unwrap_or(replicas);
         let target = if replicas >= observed {
             replicas
-        } else {
+        } else if covered {
             stabilized.min(observed)
-        };
-        let reason = if target == observed {
-            Reason::Hold
         } else {
-            Reason::PredictedDemand {
-                demand,
-                per_replica,
-                correction,
-                replicas,
-                meets_target,
-            }
+            observed
+        };
+        let reason = Reason::PredictedDemand {
+            demand,
+            per_replica,
+            correction,
+            replicas,
+            meets_target,
         };
         (target, reason)
     }

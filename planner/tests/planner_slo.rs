@@ -1,0 +1,351 @@
+//! The SLO policy over a fluid mesh in virtual time.
+
+mod common;
+
+use common::{direction_changes, run, Load, Mesh};
+use kvmesh_planner::{
+    Direction, LatencyQuantiles, Metric, Observation, PerfCoefficients, Planner, PlannerConfig,
+    Policy, PredictorConfig, Reason, Role, RoleBounds, StepSample,
+};
+use std::time::Duration;
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+fn coefficients() -> PerfCoefficients {
+    PerfCoefficients {
+        step_overhead_us: 5000.0,
+        prefill_per_token_us: 50.0,
+        prefill_per_cached_token_us: 0.0,
+        decode_per_seq_us: 100.0,
+        decode_per_context_token_us: 0.1,
+    }
+}
+
+fn config(predictor: PredictorConfig) -> PlannerConfig {
+    let mut c = PlannerConfig {
+        policy: Policy::Slo,
+        prefill: RoleBounds { min: 1, max: 10 },
+        decode: RoleBounds { min: 1, max: 10 },
+        budget: 20,
+        ..PlannerConfig::default()
+    };
+    c.slo.interval = secs(10);
+    c.slo.ttft = Duration::from_millis(250);
+    c.slo.itl = Duration::from_millis(50);
+    c.slo.perf = coefficients();
+    c.slo.predictor = predictor;
+    c.slo.max_decode_batch = 1024;
+    c.cooldown.up = secs(10);
+    c.cooldown.down = secs(30);
+    c.cooldown.down_stable_for = secs(30);
+    c
+}
+
+/// 20 req/s of 2,000-token prompts and 200-token answers. By hand, with the coefficients:
+/// prefill steps of 2,048 tokens take 0.1074 s (TTFT 0.215 s <= 0.25 s), 19,069 tokens/s a
+/// node, 15,255 at 80%: 40,000 tokens/s need 3 nodes. Decode: 310 us a sequence of 2,100
+/// tokens' context, (50,000 - 5,000) / 310 = 145 a batch, a step of 49.95 ms; Little:
+/// 20 * 200 * 0.04995 = 199.8 sequences in flight, 2 nodes.
+fn busy(_: Duration) -> Load {
+    Load {
+        arrival_rate: 20.0,
+        prompt: 2000.0,
+        output: 200.0,
+        ..Load::default()
+    }
+}
+
+fn idle(_: Duration) -> Load {
+    Load {
+        prompt: 2000.0,
+        output: 200.0,
+        ..Load::default()
+    }
+}
+
+#[test]
+fn the_replica_formulas_match_the_hand_computation() {
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    let mesh = Mesh {
+        prefill: 1,
+        decode: 1,
+    };
+    planner.observe(secs(0), mesh.observe(&busy(secs(0))));
+    let d = planner.decide(secs(0));
+    assert_eq!((d.prefill.target, d.decode.target), (3, 2));
+    match d.prefill.reason {
+        Reason::PredictedDemand {
+            demand,
+            per_replica,
+            correction,
+            replicas,
+            meets_target,
+        } => {
+            assert_eq!(demand, 40_000.0);
+            assert!((per_replica - 0.8 * 2048.0 / 0.1074).abs() < 1e-6);
+            assert_eq!((correction, replicas, meets_target), (1.0, 3, true));
+        }
+        ref other => panic!("{other:?}"),
+    }
+    match d.decode.reason {
+        Reason::PredictedDemand {
+            demand,
+            per_replica,
+            replicas,
+            ..
+        } => {
+            assert!((demand - 199.8).abs() < 1e-6);
+            assert_eq!((per_replica, replicas), (145.0, 2));
+        }
+        ref other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_load_step_is_met_within_a_bounded_number_of_decisions() {
+    for (predictor, bound) in [
+        (PredictorConfig::Constant, 2),
+        (PredictorConfig::Ewma { alpha: 0.5 }, 4),
+        (
+            PredictorConfig::Kalman {
+                process_noise: 1.0,
+                measurement_noise: 1.0,
+            },
+            4,
+        ),
+    ] {
+        let mut planner = Planner::new(config(predictor.clone())).unwrap();
+        let mut mesh = Mesh {
+            prefill: 1,
+            decode: 1,
+        };
+        run(&mut planner, &mut mesh, secs(0), 60, idle);
+        assert_eq!((mesh.prefill, mesh.decode), (1, 1));
+        let decisions = run(&mut planner, &mut mesh, secs(60), 300, busy);
+        let met = decisions
+            .iter()
+            .position(|d| d.prefill.target >= 3 && d.decode.target >= 2)
+            .map(|i| i + 1);
+        assert!(
+            met.is_some_and(|n| n <= bound),
+            "{predictor:?}: met after {met:?} decisions"
+        );
+        // And it settles where the formulas say (the Kalman may overshoot once and return).
+        assert_eq!((mesh.prefill, mesh.decode), (3, 2), "{predictor:?}");
+    }
+}
+
+#[test]
+fn idle_scales_down_to_the_minimum_and_never_below_one() {
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    let mut mesh = Mesh {
+        prefill: 6,
+        decode: 6,
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 600, idle);
+    assert_eq!((mesh.prefill, mesh.decode), (1, 1));
+    assert!(decisions
+        .iter()
+        .all(|d| d.prefill.target >= 1 && d.decode.target >= 1));
+    assert_eq!(direction_changes(&decisions, Role::Prefill), 0);
+    // The first scale-down waits out the stabilization window.
+    let first = decisions.iter().position(|d| d.acted()).unwrap();
+    assert!(decisions[first].at >= secs(30), "{:?}", decisions[first]);
+}
+
+#[test]
+fn a_scale_down_goes_only_as_far_as_the_running_load_allows() {
+    let mut c = config(PredictorConfig::Constant);
+    c.cooldown.down_stable_for = Duration::ZERO;
+    let mut planner = Planner::new(c).unwrap();
+    // Arrivals stopped, but 400 sequences still decode on 4 nodes: 1 node would hold 400,
+    // 2 would hold 200, both above the 145 a node decodes within ITL; 3 hold 133.
+    let mesh = Mesh {
+        prefill: 1,
+        decode: 4,
+    };
+    planner.observe(
+        secs(0),
+        mesh.observe(&Load {
+            running: 400.0,
+            ..idle(secs(0))
+        }),
+    );
+    let d = planner.decide(secs(0));
+    assert_eq!((d.decode.observed, d.decode.target), (4, 3));
+    assert!(matches!(
+        d.decode.reason,
+        Reason::PredictedDemand { replicas: 1, .. }
+    ));
+
+    // On 2 nodes with 300 running, no smaller count is safe: refused.
+    let mut c = config(PredictorConfig::Constant);
+    c.cooldown.down_stable_for = Duration::ZERO;
+    let mut planner = Planner::new(c).unwrap();
+    let mesh = Mesh {
+        prefill: 1,
+        decode: 2,
+    };
+    planner.observe(
+        secs(0),
+        mesh.observe(&Load {
+            running: 300.0,
+            ..idle(secs(0))
+        }),
+    );
+    let d = planner.decide(secs(0));
+    assert_eq!(d.decode.direction(), Direction::Hold);
+    match d.decode.reason {
+        Reason::ConsolidationRefused {
+            wanted: 1,
+            metric: Metric::DecodeBatch,
+            projected,
+            limit,
+            ..
+        } => assert_eq!((projected, limit), (300.0, 145.0)),
+        ref other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn observed_latency_above_the_model_adds_capacity_within_the_clamp() {
+    let decode_target = |itl_ratio: f64| {
+        let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+        let mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        let mut obs = mesh.observe(&Load {
+            running: 200.0,
+            ..busy(secs(0))
+        });
+        // The model's step at 100 sequences of 2,100 tokens' context: 36 ms.
+        let predicted = 5000.0 + 100.0 * 310.0;
+        let itl = Duration::from_secs_f64(predicted * itl_ratio / 1e6);
+        obs.itl = Some(LatencyQuantiles {
+            p50: itl,
+            p99: itl * 2,
+        });
+        planner.observe(secs(0), obs);
+        let d = planner.decide(secs(0));
+        let Reason::PredictedDemand { correction, .. } = d.decode.reason else {
+            return (d.decode.target, 1.0);
+        };
+        (d.decode.target, correction)
+    };
+    assert_eq!(decode_target(1.0), (2, 1.0));
+    let (slow, k) = decode_target(2.0);
+    assert!((k - 2.0).abs() < 1e-9);
+    // ITL budget halves: batch (25,000 - 5,000) / 310 = 64 -> step 24.8 ms * 2 = 49.7 ms;
+    // 20 * 200 * 0.0497 = 198.8 in flight / 64 = 4 nodes.
+    assert_eq!(slow, 4);
+    // Ten times slower is clamped to twice.
+    assert_eq!(decode_target(10.0), (4, 2.0));
+}
+
+#[test]
+fn the_perf_model_learns_from_measured_steps() {
+    let truth = PerfCoefficients {
+        step_overhead_us: 8000.0,
+        prefill_per_token_us: 90.0,
+        prefill_per_cached_token_us: 0.0,
+        decode_per_seq_us: 150.0,
+        decode_per_context_token_us: 0.2,
+    };
+    let time = |p: u64, s: u64, c: u64| {
+        Duration::from_secs_f64(
+            (truth.step_overhead_us
+                + truth.prefill_per_token_us * p as f64
+                + truth.decode_per_seq_us * s as f64
+                + truth.decode_per_context_token_us * c as f64)
+                / 1e6,
+        )
+    };
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    let mesh = Mesh {
+        prefill: 3,
+        decode: 2,
+    };
+    for i in 0..30u64 {
+        let mut obs = mesh.observe(&busy(secs(i)));
+        for j in 0..4u64 {
+            let (p, s, c) = (
+                512 + 256 * ((i + j) % 8),
+                8 + 9 * j + i % 5,
+                4000 * (1 + j + i % 7),
+            );
+            obs.steps.push(StepSample {
+                prefill_tokens: p,
+                duration: time(p, 0, 0),
+                ..StepSample::default()
+            });
+            obs.steps.push(StepSample {
+                decode_seqs: s,
+                decode_context_tokens: c,
+                duration: time(0, s, c),
+                ..StepSample::default()
+            });
+        }
+        planner.observe(secs(i), obs);
+    }
+    // Sized with the old coefficients until a decision refits the model.
+    assert_eq!(planner.perf_model().unwrap().coefficients(), coefficients());
+    planner.decide(secs(30));
+    let got = planner.perf_model().unwrap().coefficients();
+    assert!((got.prefill_per_token_us - 90.0).abs() < 0.01, "{got:?}");
+    assert!((got.decode_per_seq_us - 150.0).abs() < 0.1, "{got:?}");
+    assert!((got.step_overhead_us - 8000.0).abs() < 1.0, "{got:?}");
+}
+
+#[test]
+fn the_kalman_predictor_leads_a_ramp_where_a_constant_lags() {
+    let ramp = |now: Duration| Load {
+        arrival_rate: 2.0 + now.as_secs_f64() / 10.0,
+        prompt: 2000.0,
+        output: 200.0,
+        ..Load::default()
+    };
+    let plan = |predictor: PredictorConfig| {
+        let mut planner = Planner::new(config(predictor)).unwrap();
+        let mut mesh = Mesh {
+            prefill: 1,
+            decode: 1,
+        };
+        let decisions = run(&mut planner, &mut mesh, secs(0), 240, ramp);
+        let Reason::PredictedDemand { demand, .. } = decisions.last().unwrap().prefill.reason
+        else {
+            panic!("{decisions:?}")
+        };
+        demand
+    };
+    let kalman = plan(PredictorConfig::Kalman {
+        process_noise: 0.01,
+        measurement_noise: 0.01,
+    });
+    let constant = plan(PredictorConfig::Constant);
+    // The last decision's window (221..=230 s) averaged 24.55 req/s; the next one (231..=240)
+    // will average 25.55.
+    assert!((constant - 24.55 * 2000.0).abs() < 1.0, "{constant}");
+    assert!(
+        (kalman - 25.55 * 2000.0).abs() < 0.01 * 25.55 * 2000.0,
+        "{kalman}"
+    );
+}
+
+#[test]
+fn an_observation_without_latencies_or_nodes_reporting_still_decides() {
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    planner.observe(
+        secs(0),
+        Observation {
+            prefill_nodes: 2,
+            decode_nodes: 2,
+            ..Observation::default()
+        },
+    );
+    let d = planner.decide(secs(0));
+    assert_eq!((d.prefill.observed, d.decode.observed), (2, 2));
+    assert!(d.prefill.target >= 1 && d.decode.target >= 1);
+}
