@@ -308,8 +308,9 @@ impl PlannerConfig {
             1.0,
             "(0, 1]",
         )?;
-        if !(s.correction_min > 0.0 && s.correction_min <= s.correction_max)
-            || !s.correction_max.is_finite()
+        if !(s.correction_min > 0.0
+            && s.correction_min <= s.correction_max
+            && s.correction_max.is_finite())
         {
             return Err(ConfigError::CorrectionBounds {
                 min: s.correction_min,

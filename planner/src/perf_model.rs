@@ -220,8 +220,9 @@ fn solve(
         b.swap(col, pivot);
         for row in col + 1..NUM_TERMS {
             let f = a[row][col] / a[col][col];
-            for k in col..NUM_TERMS {
-                a[row][k] -= f * a[col][k];
+            let pivot_row = a[col];
+            for (x, p) in a[row][col..].iter_mut().zip(&pivot_row[col..]) {
+                *x -= f * p;
             }
             b[row] -= f * b[col];
         }

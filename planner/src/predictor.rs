@@ -44,7 +44,7 @@ impl PredictorConfig {
     pub fn problem(&self) -> Option<String> {
         match *self {
             PredictorConfig::Constant => None,
-            PredictorConfig::MovingAverage { window } if window == 0 => {
+            PredictorConfig::MovingAverage { window: 0 } => {
                 Some("moving_average window must be at least 1".into())
             }
             PredictorConfig::MovingAverage { .. } => None,
