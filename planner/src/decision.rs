@@ -189,3 +189,40 @@ impl Decision {
         self.prefill.target + self.decode.target
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_decision_serializes_for_reports() {
+        let d = Decision {
+            at: Duration::from_secs(5),
+            prefill: RoleDecision {
+                observed: 2,
+                target: 3,
+                reason: Reason::BudgetClamp {
+                    wanted: 4,
+                    budget: 6,
+                    because: Box::new(Reason::PrefillQueueHigh {
+                        queued_tokens: 9000,
+                        threshold: 8192.0,
+                    }),
+                },
+            },
+            decode: RoleDecision::hold(3, Reason::Hold),
+            switches: RoleSwitches::default(),
+            advisory: true,
+        };
+        let json = serde_json::to_value(&d).unwrap();
+        assert_eq!(json["prefill"]["reason"]["kind"], "budget_clamp");
+        assert_eq!(
+            json["prefill"]["reason"]["because"]["kind"],
+            "prefill_queue_high"
+        );
+        assert_eq!(json["decode"]["reason"]["kind"], "hold");
+        assert_eq!(json["advisory"], true);
+        assert_eq!(d.prefill.direction(), Direction::Up);
+        assert!(d.is_change() && !d.acted());
+    }
+}
