@@ -4,11 +4,15 @@ use super::{RouteRequest, RoutingPolicy};
 use kvmesh_common::NodeId;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// The next node by position among the candidates. The counter is global to the policy, so
-/// when the candidate set changes the turn continues from the same count, not the same node.
+/// The next node by position among the candidates. Each role's candidates take their own
+/// turns: with one counter, a disaggregated request (a decode turn, then a prefill turn)
+/// advanced it by two, and with an even number of decode nodes every request landed on the
+/// even half of them. The counter is global to the role, so when the candidate set changes the
+/// turn continues from the same count, not the same node.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
-    next: AtomicUsize,
+    /// By `NodeRole`: router, prefill, decode.
+    next: [AtomicUsize; 3],
 }
 
 impl RoundRobin {
@@ -26,7 +30,8 @@ impl RoutingPolicy for RoundRobin {
         if request.nodes.is_empty() {
             return None;
         }
-        let turn = self.next.fetch_add(1, Ordering::Relaxed);
+        let counter = &self.next[request.nodes[0].info.role as usize];
+        let turn = counter.fetch_add(1, Ordering::Relaxed);
         Some(request.nodes[turn % request.nodes.len()].info.node_id)
     }
 }
@@ -45,5 +50,25 @@ mod tests {
             .map(|_| policy.select(&s.request()).unwrap().0)
             .collect();
         assert_eq!(picks, [1, 2, 3, 1, 2, 3]);
+    }
+
+    #[test]
+    fn decode_and_prefill_nodes_take_turns_apart() {
+        use kvmesh_common::NodeRole;
+        let policy = RoundRobin::new();
+        let decode = Snapshot::with_loads(&[0, 0], 0);
+        let mut prefill = Snapshot::with_loads(&[0, 0], 0);
+        for n in &mut prefill.nodes {
+            n.info.role = NodeRole::Prefill;
+        }
+        // A request picks a decode node, then a prefill node: each set is still covered.
+        let picks: Vec<(u64, u64)> = (0..4)
+            .map(|_| {
+                let d = policy.select(&decode.request()).unwrap().0;
+                let p = policy.select(&prefill.request()).unwrap().0;
+                (d, p)
+            })
+            .collect();
+        assert_eq!(picks, [(1, 1), (2, 2), (1, 1), (2, 2)]);
     }
 }
