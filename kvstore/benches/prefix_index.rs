@@ -10,6 +10,7 @@
 //! `cargo bench -p kvmesh-kvstore --bench prefix_index` (add `-- <filter>` to pick cases).
 
 use criterion::{BenchmarkId, Criterion, Throughput};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
 use kvmesh_kvstore::{
     InMemoryPrefixIndex, PrefixIndex, Tier, TierSet, TieredKvEvent, TieredOverlap,
@@ -18,7 +19,6 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -138,24 +138,7 @@ fn prompts(w: &Workload, kind: &str) -> Vec<Vec<SequenceHash>> {
 
 // ---- the trie alternative ----
 
-#[derive(Default)]
-struct MulHasher(u64);
-
-impl Hasher for MulHasher {
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-    fn finish(&self) -> u64 {
-        self.0
-    }
-}
-
-type Map<V> = HashMap<SequenceHash, V, BuildHasherDefault<MulHasher>>;
+type Map<V> = U64Map<SequenceHash, V>;
 
 struct TrieNode {
     parent: usize,
