@@ -303,12 +303,9 @@ impl Simulation<'_> {
         let m = &self.args.measure;
         let copies = self.args.copies.get();
         let wanted = m.requests().map(|n| n.saturating_mul(length as usize));
-        let items = wanted.map_or(self.workload.items.len(), |n| n.div_ceil(copies));
-        let part = Workload {
-            name: self.workload.name.clone(),
-            items: self.workload.items[..items.min(self.workload.items.len())].to_vec(),
-        };
-        let mut reqs = multiply(&requests(&part, shape, m.seed)?, self.args.copies);
+        let all = &self.workload.items;
+        let items = wanted.map_or(all.len(), |n| n.div_ceil(copies).min(all.len()));
+        let mut reqs = multiply(&requests(&all[..items], shape, m.seed)?, self.args.copies);
         if let Some(n) = wanted {
             reqs.truncate(n);
         }

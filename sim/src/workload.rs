@@ -6,7 +6,7 @@
 use crate::mesh::{simulate, simulate_closed, MeshConfig, MeshError, MeshRun, SimRequest};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::trace::paced_offsets;
-use kvmesh_bench::workload::Workload;
+use kvmesh_bench::workload::{WorkItem, Workload};
 use kvmesh_common::TokenId;
 use std::num::NonZeroUsize;
 use std::time::Duration;
@@ -25,7 +25,7 @@ pub enum WorkloadError {
     Item { item: usize, source: MeshError },
 }
 
-/// The workload's requests at their send offsets under `shape` (open-loop offsets drawn from
+/// The requests of a workload's `items` at their send offsets under `shape` (open-loop offsets drawn from
 /// `seed`, as bench draws them), sorted by arrival. An open loop whose profile ends before
 /// the workload does takes the requests that fit. A closed loop has no offsets: every
 /// request is at zero, in workload order, for [`simulate_closed`].
@@ -33,16 +33,15 @@ pub enum WorkloadError {
 /// A turn's `previous_turn` becomes its [`SimRequest::after`]: the mesh holds it until the
 /// previous turn has ended.
 pub fn requests(
-    workload: &Workload,
+    items: &[WorkItem],
     shape: &LoadShape,
     seed: u64,
 ) -> Result<Vec<SimRequest>, WorkloadError> {
     let offsets: Vec<_> = match shape {
-        LoadShape::Concurrency(_) => vec![Duration::ZERO; workload.items.len()],
-        LoadShape::Open(open) => open.schedule(seed).take(workload.items.len()).collect(),
+        LoadShape::Concurrency(_) => vec![Duration::ZERO; items.len()],
+        LoadShape::Open(open) => open.schedule(seed).take(items.len()).collect(),
         LoadShape::Trace(pacing) => {
-            let ms = workload
-                .items
+            let ms = items
                 .iter()
                 .enumerate()
                 .map(|(i, item)| {
@@ -54,8 +53,7 @@ pub fn requests(
             paced_offsets(&ms, *pacing)
         }
     };
-    let out = workload
-        .items
+    let out = items
         .iter()
         .zip(offsets)
         .enumerate()
@@ -84,7 +82,7 @@ pub fn simulate_workload(
     shape: &LoadShape,
     seed: u64,
 ) -> Result<MeshRun, WorkloadError> {
-    let reqs = requests(workload, shape, seed)?;
+    let reqs = requests(&workload.items, shape, seed)?;
     let run = match shape {
         LoadShape::Concurrency(n) => simulate_closed(config, &reqs, *n),
         _ => simulate(config, &reqs),
@@ -176,7 +174,7 @@ mod tests {
     #[test]
     fn trace_pacing_keeps_the_traces_gaps_scaled() {
         let w = workload(vec![tokens(1000), tokens(1100), tokens(1500)]);
-        let r = requests(&w, &LoadShape::Trace(Pacing::Speedup(2.0)), 0).unwrap();
+        let r = requests(&w.items, &LoadShape::Trace(Pacing::Speedup(2.0)), 0).unwrap();
         let at: Vec<_> = r.iter().map(|r| r.at).collect();
         assert_eq!(at, [0, 50, 250].map(Duration::from_millis));
         assert_eq!(r[0].max_tokens, 4);
@@ -188,7 +186,7 @@ mod tests {
         let mut follows = tokens(60);
         follows.previous_turn = Some(0);
         let w = workload(vec![tokens(50), tokens(0), follows]);
-        let r = requests(&w, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap();
+        let r = requests(&w.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap();
         let at: Vec<_> = r.iter().map(|r| r.at).collect();
         assert_eq!(at, [0, 50, 60].map(Duration::from_millis));
         assert_eq!(
@@ -204,7 +202,7 @@ mod tests {
             arrivals: Arrivals::Poisson,
         };
         let w = workload((0..5).map(|_| tokens(0)).collect());
-        let r = requests(&w, &LoadShape::Open(open.clone()), 3).unwrap();
+        let r = requests(&w.items, &LoadShape::Open(open.clone()), 3).unwrap();
         let expected: Vec<_> = open.schedule(3).take(5).collect();
         assert_eq!(r.iter().map(|r| r.at).collect::<Vec<_>>(), expected);
     }
@@ -253,7 +251,7 @@ mod tests {
     #[test]
     fn unsupported_input_is_a_clear_error() {
         let w = workload(vec![item(Prompt::Text("hi".into()), Some(0))]);
-        let err = requests(&w, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap_err();
+        let err = requests(&w.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap_err();
         assert!(matches!(
             err,
             WorkloadError::Item {
@@ -263,15 +261,15 @@ mod tests {
         ));
         let closed = LoadShape::Concurrency(NonZeroUsize::new(4).unwrap());
         let timed = workload(vec![tokens(5), tokens(9)]);
-        let r = requests(&timed, &closed, 0).unwrap();
+        let r = requests(&timed.items, &closed, 0).unwrap();
         assert!(r.iter().all(|r| r.at == Duration::ZERO));
         assert!(matches!(
-            requests(&w, &closed, 0),
+            requests(&w.items, &closed, 0),
             Err(WorkloadError::Item { item: 0, .. })
         ));
         let untimed = workload(vec![tokens(0), item(Prompt::Tokens(vec![1]), None)]);
         assert!(matches!(
-            requests(&untimed, &LoadShape::Trace(Pacing::Speedup(1.0)), 0),
+            requests(&untimed.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0),
             Err(WorkloadError::NoTraceTime(1))
         ));
     }

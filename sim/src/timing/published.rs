@@ -81,12 +81,13 @@ pub(super) fn h200_llama8b_fp8(name: &str) -> TimingProfile {
     // Relative error: median 3.5%; every decode step and prefill of 2,000 tokens or more
     // within 16% (see the test).
     let data = Published::parse(DYNAMO_H200_LLAMA8B_FP8);
+    let samples = data.samples();
     let source = format!(
         "fitted by kvmesh to published measurements: {} ({} steps; prefill TTFT includes the request's handling outside the step)",
         data.source,
-        data.samples().len()
+        samples.len()
     );
-    TimingProfile::fit(name, &source, &data.samples())
+    TimingProfile::fit(name, &source, &samples)
         .expect("the bundled measurements fit")
         .profile
 }
