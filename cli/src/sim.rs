@@ -16,7 +16,6 @@ use kvmesh_bench::load::Run;
 use kvmesh_bench::probe::Measured;
 use kvmesh_bench::report::{self, BenchReport, MaxGoodput, TargetInfo};
 use kvmesh_bench::search::{MaxGoodputSearch, Probe, SearchConfig};
-use kvmesh_bench::slo::RequestOutcome;
 use kvmesh_bench::workload::{Prompt, Workload, WorkloadOptions, WorkloadSpec};
 use kvmesh_common::NodeId;
 use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
@@ -351,21 +350,13 @@ impl Simulation<'_> {
 
 /// A simulated run in the load generator's terms (for the per-request CSV and the notes).
 fn as_run(run: MeshRun) -> Run {
-    let mut error_examples = std::collections::BTreeMap::new();
-    for o in &run.outcomes {
-        if let Some(e) = &o.error {
-            error_examples
-                .entry(error_kind(o))
-                .or_insert_with(|| e.clone());
-        }
-    }
     Run {
         outcomes: run.outcomes,
         duration: run.duration,
         max_lateness: Duration::ZERO,
         waited: 0,
         held: 0,
-        error_examples,
+        error_examples: run.error_examples,
     }
 }
 
@@ -392,11 +383,6 @@ fn max_goodput(
         search.record(probe)?;
     }
     Ok((points, search))
-}
-
-fn error_kind(o: &RequestOutcome) -> String {
-    o.status
-        .map_or_else(|| "failed".to_string(), |s| s.to_string())
 }
 
 pub fn run(args: &SimArgs) -> Result<()> {

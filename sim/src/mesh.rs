@@ -274,6 +274,8 @@ pub struct MeshRun {
     /// KV blocks each node still holds at the end, by node id; `None` for a dead node. Every
     /// surviving node's is 0 unless a request was stranded: nothing leaked.
     pub blocks_in_use: Vec<Option<usize>>,
+    /// The first message of each error kind in `outcomes` (as bench's `Run` carries them).
+    pub error_examples: BTreeMap<String, String>,
 }
 
 impl MeshRun {
@@ -422,6 +424,7 @@ struct Mesh<'a> {
     migrations: u64,
     max_migrations: usize,
     faults: &'a [Fault],
+    error_examples: BTreeMap<String, String>,
     /// When each request arrived (its `at`, or when a closed loop sent it).
     sent: Vec<Duration>,
     /// Closed loop: the next request to send when one ends.
@@ -566,6 +569,7 @@ fn run(
         migrations: 0,
         max_migrations: config.max_migrations,
         faults: &config.faults,
+        error_examples: BTreeMap::new(),
         sent: vec![Duration::ZERO; requests.len()],
         next_closed: first_sent,
         report_interval: config.report_interval,
@@ -613,9 +617,12 @@ impl Mesh<'_> {
                 self.kick(decode, now);
             }
             // The router has no decode node to send it to: 503.
-            Opened::NoNode => self.end_failed(i, now, Some(503), "http_503".into()),
+            Opened::NoNode => {
+                let why = "no decode node is alive".to_string();
+                self.end_failed(i, now, Some(503), "http_503", why)
+            }
             // The node refuses it as the real engine would (a 400 from the server).
-            Opened::Refused(e) => self.end_failed(i, now, Some(400), e.to_string()),
+            Opened::Refused(e) => self.end_failed(i, now, Some(400), "http_400", e.to_string()),
         }
     }
 
@@ -899,7 +906,11 @@ impl Mesh<'_> {
         // Every node it was sent to but the first was a migration.
         if live.tried.len() > self.max_migrations {
             self.live[i] = Some(live);
-            self.end_failed(i, now, Some(200), "stream_error".into());
+            let why = format!(
+                "its decode node died after {} migrations",
+                self.max_migrations
+            );
+            self.end_failed(i, now, Some(200), "stream_error", why);
             return touched;
         }
         match self.open(i, &live.prompt, &resume, &live.tried) {
@@ -923,7 +934,8 @@ impl Mesh<'_> {
             }
             Opened::NoNode | Opened::Refused(_) => {
                 self.live[i] = Some(live);
-                self.end_failed(i, now, Some(200), "stream_error".into());
+                let why = "its decode node died and no other could take it".to_string();
+                self.end_failed(i, now, Some(200), "stream_error", why);
             }
         }
         touched
@@ -953,14 +965,24 @@ impl Mesh<'_> {
         self.ended(i, now);
     }
 
-    fn end_failed(&mut self, i: usize, now: Duration, status: Option<u16>, error: String) {
+    /// Request `i` ends without completing: `kind` in its outcome, as bench's driver names
+    /// failures, and `message` as the kind's example if it is the first.
+    fn end_failed(
+        &mut self,
+        i: usize,
+        now: Duration,
+        status: Option<u16>,
+        kind: &str,
+        message: String,
+    ) {
+        self.error_examples.entry(kind.into()).or_insert(message);
         let delivered = self.live[i].take().map_or(0, |l| l.tokens.len());
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
             sent: self.sent[i],
             ended: now,
             status,
-            error: Some(error),
+            error: Some(kind.into()),
             prompt_tokens: Some(self.requests[i].prompt.len() as u64),
             output_tokens: delivered as u64,
             ..RequestOutcome::default()
@@ -975,14 +997,16 @@ impl Mesh<'_> {
         for i in 0..self.live.len() {
             if let Some(live) = &self.live[i] {
                 let node = live.node;
-                self.end_failed(i, end, None, format!("stranded on node {node}"));
+                let why = format!("stranded on node {node}: it waits for memory nothing frees");
+                self.end_failed(i, end, None, "stranded", why);
             }
         }
         // A closed loop behind stranded requests never sent the rest.
         for i in 0..self.outcomes.len() {
             if self.outcomes[i].is_none() {
                 self.sent[i] = end;
-                self.end_failed(i, end, None, "never sent".into());
+                let why = "the closed loop stopped before sending it".to_string();
+                self.end_failed(i, end, None, "never_sent", why);
             }
         }
         let outcomes: Vec<RequestOutcome> = self
@@ -1014,6 +1038,7 @@ impl Mesh<'_> {
             duration,
             stats,
             blocks_in_use,
+            error_examples: self.error_examples,
         }
     }
 }
