@@ -111,6 +111,29 @@ pub enum Reason {
     },
 }
 
+impl Reason {
+    /// Its kind as it serializes (`predicted_demand`, `cooldown`, ...): a label for counting
+    /// decisions by reason.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Reason::Hold => "hold",
+            Reason::NotDue { .. } => "not_due",
+            Reason::NoObservation => "no_observation",
+            Reason::BelowMinimum { .. } => "below_minimum",
+            Reason::AboveMaximum { .. } => "above_maximum",
+            Reason::PrefillQueueHigh { .. } => "prefill_queue_high",
+            Reason::PrefillQueueLow { .. } => "prefill_queue_low",
+            Reason::KvUsageHigh { .. } => "kv_usage_high",
+            Reason::KvUsageLow { .. } => "kv_usage_low",
+            Reason::PredictedDemand { .. } => "predicted_demand",
+            Reason::ConsolidationRefused { .. } => "consolidation_refused",
+            Reason::Cooldown { .. } => "cooldown",
+            Reason::RoleLimit { .. } => "role_limit",
+            Reason::BudgetClamp { .. } => "budget_clamp",
+        }
+    }
+}
+
 /// One role's part of a decision.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RoleDecision {
@@ -221,6 +244,12 @@ mod tests {
             "prefill_queue_high"
         );
         assert_eq!(json["decode"]["reason"]["kind"], "hold");
+        assert_eq!(json["prefill"]["reason"]["kind"], d.prefill.reason.kind());
+        let queue = Reason::PrefillQueueHigh {
+            queued_tokens: 1,
+            threshold: 1.0,
+        };
+        assert_eq!(serde_json::to_value(&queue).unwrap()["kind"], queue.kind());
         assert_eq!(json["advisory"], true);
         assert_eq!(d.prefill.direction(), Direction::Up);
         assert!(d.is_change() && !d.acted());

@@ -6,9 +6,13 @@
 //! prefix index, disaggregation rule) picks nodes; [`link`] models KV transfer time. One
 //! thread, a min-heap of timestamped events ([`events`]), a seeded RNG: the same seed gives
 //! the same report, byte for byte. [`fault`]s (a node dying, a link slowing) happen at
-//! instants of virtual time; [`stats`] gathers what bench's report carries of the mesh. See
+//! instants of virtual time; [`stats`] gathers what bench's report carries of the mesh. With
+//! [`autoscale`] the real planner adds, drains and switches nodes as the run goes. See
 //! `README.md` for what is built and what is not yet.
 
+pub use kvmesh_planner as planner;
+
+pub mod autoscale;
 pub mod clock;
 pub mod cpu;
 pub mod events;

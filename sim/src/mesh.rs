@@ -39,6 +39,7 @@
 //! worker pushes blocks after each step, overlapping the two), transfers fail only when a
 //! node dies, no pull of cached prefixes from another node.
 
+use crate::autoscale::{self, AutoscaleReport, ChangeError, NodeChange};
 use crate::cpu::{CpuError, Hosts, SharedCpu};
 use crate::events::EventQueue;
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
@@ -53,6 +54,7 @@ use kvmesh_bench::workload::{Prompt, WorkItem};
 use kvmesh_common::{NodeId, NodeInfo, NodeRole, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
+use kvmesh_planner::PlannerConfig;
 use kvmesh_router::policy::{DisaggConfig, KvAwareConfig, RoutingConfig};
 use kvmesh_router::routing::{Routing, Tracked};
 use kvmesh_router::MeshBackendConfig;
@@ -63,6 +65,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
+
+mod lifecycle;
+mod scaler;
+
+use lifecycle::{Life, NodeTimes};
+use scaler::Scaler;
 
 /// A request's prompt tokens, shared rather than copied. A multiplied trace
 /// ([`crate::workload::multiply`]) holds tens of thousands of prompts of thousands of tokens
@@ -207,6 +215,16 @@ pub struct MeshConfig {
     pub max_migrations: usize,
     /// Nodes that share their host's cores; `None`: every node has its own.
     pub cpu: Option<SharedCpu>,
+    /// Nodes added, drained or switched to the other role at instants of virtual time (any
+    /// order), as an operator changes a mesh.
+    pub changes: Vec<NodeChange>,
+    /// The planner adds, drains and switches nodes every interval ([`crate::autoscale`]);
+    /// `None`: only `changes` do.
+    pub planner: Option<PlannerConfig>,
+    /// From a node's request to its first request served (loading weights, registering).
+    pub startup: Duration,
+    /// From a drained node's flip to serving in its other role (weights kept).
+    pub switch_delay: Duration,
 }
 
 impl MeshConfig {
@@ -223,6 +241,10 @@ impl MeshConfig {
             faults: Vec::new(),
             max_migrations: MeshBackendConfig::default().max_migrations,
             cpu: None,
+            changes: Vec::new(),
+            planner: None,
+            startup: autoscale::DEFAULT_STARTUP,
+            switch_delay: autoscale::DEFAULT_SWITCH_DELAY,
         }
     }
 }
@@ -254,6 +276,14 @@ pub enum MeshError {
     ZeroReportInterval,
     #[error("prefill and decode nodes must share the KV block size and model")]
     MismatchedPools,
+    #[error("adding nodes needs a prefill pool (its node kind and link), even of 0 nodes")]
+    NoPrefillPool,
+    #[error("nodes cannot come and go while they share hosts' cores")]
+    ChangesWithSharedCpu,
+    #[error(transparent)]
+    Change(#[from] ChangeError),
+    #[error("the planner's config: {0}")]
+    Planner(#[from] kvmesh_planner::ConfigError),
     #[error(transparent)]
     Fault(#[from] FaultError),
     #[error(transparent)]
@@ -276,6 +306,9 @@ pub struct MeshRun {
     pub blocks_in_use: Vec<Option<usize>>,
     /// The first message of each error kind in `outcomes` (as bench's `Run` carries them).
     pub error_examples: BTreeMap<String, String>,
+    /// What the planner and the scripted changes did to the node set, with
+    /// [`MeshConfig::planner`] or [`MeshConfig::changes`].
+    pub autoscale: Option<AutoscaleReport>,
 }
 
 impl MeshRun {
@@ -299,6 +332,14 @@ enum Event {
     Report,
     /// `faults[.0]` happens.
     Fault(usize),
+    /// Node `.0` has started (or switched roles) and joins the routing candidates.
+    Ready(usize),
+    /// Draining prefill node `.0`'s last KV has left: it may be gone.
+    Drained(usize),
+    /// The planner observes the mesh and decides.
+    Plan,
+    /// `changes[.0]` happens.
+    Change(usize),
 }
 
 /// A request from arrival to its end.
@@ -371,7 +412,11 @@ impl Candidates {
     }
 
     fn index(&mut self) {
-        let n = self.decode.len() + self.prefill.len();
+        let ids = self.decode.iter().chain(&self.prefill);
+        let n = ids
+            .map(|e| e.info.node_id.0 as usize + 1)
+            .max()
+            .unwrap_or(0);
         let mut slot = vec![None; self.slot.len().max(n)];
         for (role, list) in [
             (NodeRole::Decode, &self.decode),
@@ -391,9 +436,18 @@ impl Candidates {
         }
     }
 
+    /// A node joins.
+    fn add(&mut self, entry: NodeEntry) {
+        match entry.info.role {
+            NodeRole::Decode => self.decode.push(entry),
+            _ => self.prefill.push(entry),
+        }
+        self.index();
+    }
+
     /// Node `n` leaves.
     fn remove(&mut self, n: usize) {
-        match self.slot[n] {
+        match self.slot.get(n).copied().flatten() {
             Some((NodeRole::Decode, pos)) => drop(self.decode.remove(pos)),
             Some((_, pos)) => drop(self.prefill.remove(pos)),
             None => return,
@@ -405,9 +459,24 @@ impl Candidates {
 
 struct Mesh<'a> {
     requests: &'a [SimRequest],
-    /// Decode nodes `0..decode`, then prefill nodes; a node's id is its index.
+    /// Decode nodes `0..decode`, then prefill nodes, then the nodes a planner added; a node's
+    /// id is its index.
     nodes: Vec<SimNode>,
     roles: Vec<NodeRole>,
+    /// Where each node is in its life, and when it got there.
+    life: Vec<Life>,
+    times: Vec<NodeTimes>,
+    /// Until when each prefill node's KV is on the wire.
+    sending_until: Vec<Duration>,
+    /// What a new decode node is.
+    decode_node: NodeConfig,
+    startup: Duration,
+    switch_delay: Duration,
+    changes: &'a [NodeChange],
+    /// The planner and what it measures, with `MeshConfig::planner`.
+    scaler: Option<Box<Scaler>>,
+    /// The node set's changes and bill, when it can change.
+    ledger: Option<AutoscaleReport>,
     candidates: Candidates,
     routing: Routing,
     index: Arc<InMemoryPrefixIndex>,
@@ -496,6 +565,21 @@ fn run(
         }
     }
     let cpu = config.cpu.map(Hosts::new).transpose()?;
+    let dynamic = config.planner.is_some() || !config.changes.is_empty();
+    if dynamic && config.prefill.is_none() {
+        return Err(MeshError::NoPrefillPool);
+    }
+    if dynamic && config.cpu.is_some() {
+        return Err(MeshError::ChangesWithSharedCpu);
+    }
+    autoscale::validate_changes(&config.changes, config.nodes + prefill_nodes)?;
+    let scaler = match &config.planner {
+        None => None,
+        Some(p) => Some(Box::new(Scaler::new(p.clone())?)),
+    };
+    let ledger = dynamic.then(|| {
+        AutoscaleReport::new(config.planner.as_ref(), config.startup, config.switch_delay)
+    });
     let mut rng = StdRng::seed_from_u64(config.seed);
     let index = Arc::new(InMemoryPrefixIndex::new());
     let disaggregation = config
@@ -522,6 +606,9 @@ fn run(
     for (i, (role, node_config)) in roles.enumerate() {
         let mut node = SimNode::new(node_config.clone())?;
         node.set_record_kv_events(node_config.scheduler.enable_prefix_caching);
+        if scaler.is_some() {
+            node.set_record_steps(scaler::STEPS_KEPT);
+        }
         nodes.push(node);
         entries.push(entry(i, role, node_config));
     }
@@ -548,8 +635,23 @@ fn run(
     if let Some(interval) = config.report_interval {
         queue.push_at(interval, Event::Report);
     }
+    if let Some(s) = &scaler {
+        queue.push_at(s.interval(), Event::Plan);
+    }
+    for (k, c) in config.changes.iter().enumerate() {
+        queue.push_at(c.at, Event::Change(k));
+    }
     let mut mesh = Mesh {
         requests,
+        life: vec![Life::Serving; nodes.len()],
+        times: vec![NodeTimes::initial(); nodes.len()],
+        sending_until: vec![Duration::ZERO; nodes.len()],
+        decode_node: config.node.clone(),
+        startup: config.startup,
+        switch_delay: config.switch_delay,
+        changes: &config.changes,
+        scaler,
+        ledger,
         routed: vec![0; nodes.len()],
         step_event: vec![0; nodes.len()],
         cpu,
@@ -575,6 +677,7 @@ fn run(
         report_interval: config.report_interval,
         held: BTreeMap::new(),
     };
+    mesh.record_counts(Duration::ZERO);
     while let Some((now, event)) = mesh.queue.pop() {
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
@@ -582,6 +685,10 @@ fn run(
             Event::KvArrived(i, placement) => mesh.kv_arrived(i, placement, now)?,
             Event::Report => mesh.report_loads(),
             Event::Fault(k) => mesh.fault(k, now),
+            Event::Ready(n) => mesh.ready(n, now),
+            Event::Drained(n) => mesh.settle(n, now),
+            Event::Plan => mesh.plan(now),
+            Event::Change(k) => mesh.change(k, now),
         }
     }
     Ok(mesh.finish())
@@ -597,6 +704,9 @@ impl Mesh<'_> {
             return;
         }
         self.sent[i] = now;
+        if let Some(s) = self.scaler.as_mut() {
+            s.window.arrived(self.requests[i].prompt.len());
+        }
         let prompt = self.requests[i].prompt.tokens();
         match self.open(i, &prompt, &[], &[]) {
             Opened::On {
@@ -720,7 +830,8 @@ impl Mesh<'_> {
     /// What a real node announces: its KV events to the index, its load to discovery.
     fn publish(&mut self, n: usize) {
         let events = self.nodes[n].drain_kv_events();
-        if !events.is_empty() {
+        // A node out of routing (draining) is out of the index too.
+        if !events.is_empty() && self.life[n] == Life::Serving {
             self.index.apply(NodeId(n as u64), &events);
         }
         if self.report_interval.is_none() {
@@ -787,7 +898,11 @@ impl Mesh<'_> {
             }
         } else {
             for (seq, _) in &report.tokens {
-                if let Some(live) = self.live[*seq as usize].as_mut() {
+                let i = *seq as usize;
+                if let Some(live) = self.live[i].as_mut() {
+                    if let Some(s) = self.scaler.as_mut() {
+                        s.token(&live.tokens, self.sent[i], now);
+                    }
                     live.tokens.push(now);
                 }
             }
@@ -796,6 +911,7 @@ impl Mesh<'_> {
             }
         }
         self.kick(n, now);
+        self.settle(n, now);
         Ok(())
     }
 
@@ -816,6 +932,7 @@ impl Mesh<'_> {
             .or_insert_with(|| Link::new(model));
         link.set_model(model);
         let transfer = link.enqueue(now, bytes);
+        self.sending_until[p] = self.sending_until[p].max(transfer.done);
         self.queue
             .push_at(transfer.done, Event::KvArrived(i, live.placement));
     }
@@ -832,14 +949,19 @@ impl Mesh<'_> {
         let last = prompt.last().expect("prompts are never empty");
         let first = MockRunner::favoured_token(last, prompt.len(), self.vocab_size);
         let live = self.live[i].as_mut().expect("checked above");
-        live.prefill = None;
+        let p = live.prefill.take().expect("checked above");
         live.tracked.prefilled();
+        if let Some(s) = self.scaler.as_mut() {
+            s.token(&live.tokens, self.sent[i], now);
+        }
         live.tokens.push(now);
         let d = live.node;
         if let Some(f) = self.nodes[d].complete_remote(i as u64, first)? {
             self.end_ok(&f, now);
         }
         self.kick(d, now);
+        self.settle(d, now);
+        self.settle(p, now);
         Ok(())
     }
 
@@ -856,13 +978,13 @@ impl Mesh<'_> {
     /// Node `n` dies: it leaves the candidates and the index; its decode requests migrate,
     /// the remote prefills it was computing fall back to their decode nodes.
     fn node_dies(&mut self, n: usize, now: Duration) {
-        if self.nodes[n].died_at().is_some() {
+        if self.nodes[n].died_at().is_some() || self.life[n] == Life::Gone {
             return;
         }
         self.nodes[n].die(now);
         self.step_over(n, now);
-        self.candidates.remove(n);
-        self.index.remove_node(NodeId(n as u64));
+        self.leave_routing(n);
+        self.gone(n, now);
         let mut touched = BTreeSet::new();
         for i in 0..self.live.len() {
             let Some(live) = self.live[i].as_mut() else {
@@ -882,6 +1004,7 @@ impl Mesh<'_> {
         }
         for d in touched {
             self.kick(d, now);
+            self.settle(d, now);
         }
     }
 
@@ -948,6 +1071,11 @@ impl Mesh<'_> {
         let sent = self.sent[i];
         let first = live.tokens[0];
         let prompt_tokens = self.requests[i].prompt.len();
+        if let Some(s) = self.scaler.as_mut() {
+            let cached = f.cached_tokens.min(prompt_tokens) as u64;
+            s.window
+                .completed(prompt_tokens as u64, cached, f.output_tokens as u64);
+        }
         self.outcomes[i] = Some(RequestOutcome {
             item: i,
             sent,
@@ -1019,8 +1147,19 @@ impl Mesh<'_> {
             .nodes
             .iter()
             .enumerate()
-            .map(|(i, n)| n.totals(i as u64, self.roles[i].as_str(), self.routed[i]))
+            .map(|(i, n)| {
+                let mut t = n.totals(i as u64, self.roles[i].as_str(), self.routed[i]);
+                let times = &self.times[i];
+                // A node that never served has no lifetime: it joined as it left.
+                t.joined_at = times.serving.or(times.left).unwrap_or(duration);
+                t.left_at = times.left.filter(|_| n.died_at().is_none());
+                t
+            })
             .collect();
+        let autoscale = self.ledger.take().map(|mut ledger| {
+            ledger.billed(lifecycle::billed(&self.roles, &self.times, duration));
+            ledger
+        });
         let stats = mesh_stats(
             &totals,
             duration,
@@ -1039,6 +1178,7 @@ impl Mesh<'_> {
             stats,
             blocks_in_use,
             error_examples: self.error_examples,
+            autoscale,
         }
     }
 }

@@ -30,7 +30,7 @@ use kvmesh_engine::runner::SeqId;
 use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -92,6 +92,10 @@ struct Tracking {
     max_tokens: usize,
     generated: usize,
     cached_tokens: Option<usize>,
+    /// Tokens its prefill must cover (the prompt, and a migrated request's resent output).
+    to_prefill: usize,
+    /// How far its prefill chunks have reached.
+    prefilled: usize,
 }
 
 #[derive(Debug)]
@@ -120,6 +124,10 @@ pub struct SimNode {
     kv: KvUsage,
     prefix: PrefixTally,
     died_at: Option<Duration>,
+    /// The shapes and times of its latest steps, at most `keep_steps` (for a planner's
+    /// performance model, as a real node's step metrics feed it).
+    recent_steps: VecDeque<(StepShape, Duration)>,
+    keep_steps: usize,
 }
 
 impl SimNode {
@@ -142,6 +150,8 @@ impl SimNode {
             kv: KvUsage::default(),
             prefix: PrefixTally::default(),
             died_at: None,
+            recent_steps: VecDeque::new(),
+            keep_steps: 0,
         })
     }
 
@@ -152,7 +162,8 @@ impl SimNode {
         prompt: Arc<[TokenId]>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
-        self.track(seq_id, max_tokens, 0, |scheduler| {
+        let len = prompt.len();
+        self.track(seq_id, max_tokens, 0, len, |scheduler| {
             scheduler.add_sequence(seq_id, prompt)
         })
     }
@@ -168,7 +179,8 @@ impl SimNode {
         max_tokens: usize,
     ) -> Result<(), NodeError> {
         let generated = output.len();
-        self.track(seq_id, max_tokens, generated, |scheduler| {
+        let len = prompt.len() + generated;
+        self.track(seq_id, max_tokens, generated, len, |scheduler| {
             scheduler.add_resumed_sequence(seq_id, prompt, output)
         })
     }
@@ -182,7 +194,8 @@ impl SimNode {
         prompt: Arc<[TokenId]>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
-        self.track(seq_id, max_tokens, 0, |scheduler| {
+        // Its prefill is computed elsewhere: nothing of it is queued here.
+        self.track(seq_id, max_tokens, 0, 0, |scheduler| {
             scheduler.add_remote_sequence(seq_id, prompt)
         })
     }
@@ -194,6 +207,7 @@ impl SimNode {
         seq_id: SeqId,
         max_tokens: usize,
         generated: usize,
+        to_prefill: usize,
         add: impl FnOnce(&mut Scheduler) -> Result<(), E>,
     ) -> Result<(), NodeError>
     where
@@ -212,6 +226,8 @@ impl SimNode {
                 max_tokens,
                 generated,
                 cached_tokens: None,
+                to_prefill,
+                prefilled: 0,
             },
         );
         Ok(())
@@ -343,7 +359,14 @@ impl SimNode {
             self.scheduler.abort_step(output);
             return None;
         }
-        let time = self.timing.step_time(&StepShape::of(&output.step));
+        let shape = StepShape::of(&output.step);
+        let time = self.timing.step_time(&shape);
+        if self.keep_steps > 0 {
+            if self.recent_steps.len() == self.keep_steps {
+                self.recent_steps.pop_front();
+            }
+            self.recent_steps.push_back((shape, time));
+        }
         self.steps += 1;
         let ends_at = now + time;
         self.in_flight = Some(InFlight {
@@ -418,6 +441,11 @@ impl SimNode {
                 )
             })
             .collect();
+        for c in &output.step.chunks {
+            if let Some(t) = self.requests.get_mut(&c.seq_id) {
+                t.prefilled = t.prefilled.max(c.start_pos + c.tokens.len());
+            }
+        }
         let preempted = output.preempted.len();
         let outcome = self.scheduler.update_from_output(output, &sampled)?;
         let context_full: U64Set<SeqId> = outcome.context_full.into_iter().collect();
@@ -465,6 +493,31 @@ impl SimNode {
     /// Requests submitted and not finished.
     pub fn num_requests(&self) -> usize {
         self.requests.len()
+    }
+
+    /// Prompt tokens its requests still have to prefill here (the step in flight's included),
+    /// a cached prefix excluded once admission found it: what a prefill node has queued.
+    pub fn queued_prefill_tokens(&self) -> u64 {
+        self.requests
+            .values()
+            .map(|t| {
+                let done = t.prefilled.max(t.cached_tokens.unwrap_or(0));
+                t.to_prefill.saturating_sub(done) as u64
+            })
+            .sum()
+    }
+
+    /// Keep the shapes and modelled times of the latest `keep` steps ([`Self::take_steps`]).
+    pub fn set_record_steps(&mut self, keep: usize) {
+        self.keep_steps = keep;
+        while self.recent_steps.len() > keep {
+            self.recent_steps.pop_front();
+        }
+    }
+
+    /// The recorded steps since the last call, oldest first.
+    pub fn take_steps(&mut self) -> Vec<(StepShape, Duration)> {
+        self.recent_steps.drain(..).collect()
     }
 
     /// The load report a real node would send.
@@ -520,6 +573,8 @@ impl SimNode {
             preemptions: self.scheduler.num_preemptions(),
             prefix: self.prefix,
             died_at: self.died_at,
+            joined_at: Duration::ZERO,
+            left_at: None,
         }
     }
 }

@@ -29,12 +29,19 @@ impl KvUsage {
     /// The mean fraction of `blocks` in use over `0..until`, in [0, 1]. Observations after
     /// `until` (a node's last step running past the run's end) are cut off at 1.
     pub fn mean(&self, until: Duration, blocks: usize) -> f64 {
-        if until.is_zero() || blocks == 0 {
+        self.mean_over(Duration::ZERO, until, blocks)
+    }
+
+    /// The mean fraction of `blocks` in use over `from..until`, for a node that joined at
+    /// `from` (it held nothing before).
+    pub fn mean_over(&self, from: Duration, until: Duration, blocks: usize) -> f64 {
+        let span = until.saturating_sub(from);
+        if span.is_zero() || blocks == 0 {
             return 0.0;
         }
         let tail = self.used as u128 * until.saturating_sub(self.since).as_nanos();
         let total = (self.block_nanos + tail) as f64;
-        (total / (blocks as f64 * until.as_nanos() as f64)).min(1.0)
+        (total / (blocks as f64 * span.as_nanos() as f64)).min(1.0)
     }
 
     /// The peak fraction of `blocks` in use.
@@ -81,13 +88,22 @@ pub struct NodeTotals {
     pub preemptions: u64,
     pub prefix: PrefixTally,
     pub died_at: Option<Duration>,
+    /// When it joined the mesh (0 for the nodes it starts with; a planner adds others).
+    pub joined_at: Duration,
+    /// When it left without dying (drained away by a planner).
+    pub left_at: Option<Duration>,
 }
 
 impl NodeTotals {
-    /// The node over a run of `duration` (its lifetime ends there, or at its death if
-    /// sooner).
+    /// The node over a run of `duration` (its lifetime runs from its joining to the end, its
+    /// leaving or its death, whichever is first).
     pub fn stats(&self, duration: Duration) -> NodeStats {
-        let lifetime = self.died_at.map_or(duration, |d| d.min(duration));
+        let end = [Some(duration), self.died_at, self.left_at]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(duration);
+        let lifetime = end.saturating_sub(self.joined_at);
         let utilization = if lifetime.is_zero() {
             0.0
         } else {
@@ -99,7 +115,7 @@ impl NodeTotals {
             requests: self.requests,
             steps: self.steps,
             utilization,
-            kv_usage_mean: self.kv.mean(lifetime, self.kv_blocks),
+            kv_usage_mean: self.kv.mean_over(self.joined_at, end, self.kv_blocks),
             kv_usage_peak: self.kv.peak(self.kv_blocks),
             kv_blocks: self.kv_blocks as u64,
             preemptions: self.preemptions,
@@ -163,6 +179,8 @@ mod tests {
             preemptions: 0,
             prefix: PrefixTally::default(),
             died_at: Some(500 * MS),
+            joined_at: Duration::ZERO,
+            left_at: None,
         };
         let s = node.stats(1000 * MS);
         assert_eq!(s.utilization, 0.5, "over its 500 ms of life");
