@@ -61,9 +61,10 @@ const ERROR_MARGIN: f64 = 2.0;
 /// A request that breaks the target multiplies the headroom by this...
 const TIGHTEN: f64 = 0.8;
 
-/// ...and one that keeps it adds this back (up to 1): at a headroom `h` the loop settles
-/// where about `RELAX / ((1 - TIGHTEN) * h)` of the requests break the target (1% at 1).
-const RELAX: f64 = 0.002;
+/// ...and one that keeps it multiplies it by `1 + RELAX` (up to 1). The loop settles where
+/// the steps balance, `p * ln(1 / TIGHTEN) = (1 - p) * RELAX`: about 0.5% of the requests
+/// break the target whatever the headroom, so the target bounds the p99.
+const RELAX: f64 = 0.0011;
 
 /// The headroom never falls below this: stalls that shedding cannot cure (a request alone
 /// breaks the target) must not shut the door.
@@ -335,7 +336,7 @@ impl Estimator {
             self.headroom = if ttft > target {
                 (self.headroom * TIGHTEN).max(MIN_HEADROOM)
             } else {
-                (self.headroom + RELAX).min(1.0)
+                (self.headroom * (1.0 + RELAX)).min(1.0)
             };
         }
         let x = (request.ahead + request.own) as f64;
@@ -748,7 +749,7 @@ mod tests {
         );
         e.finish(held);
         // Requests that keep the target give the headroom back, and the second is admitted.
-        for _ in 0..250 {
+        for _ in 0..600 {
             serve_alone(&mut e, &mut now, 100, ms(10));
         }
         assert_eq!(e.headroom, 1.0);
