@@ -367,6 +367,37 @@ pub fn health_reply(
         serving,
         load: Some((&load).into()),
         requests_total,
+        role: pb::NodeRole::Unspecified as i32,
+    }
+}
+
+/// The wire form of a worker role (`Router` has none: it is never a node's worker role).
+pub fn node_role_to_pb(role: crate::protocol::NodeRole) -> pb::NodeRole {
+    use crate::protocol::NodeRole;
+    match role {
+        NodeRole::Prefill => pb::NodeRole::Prefill,
+        NodeRole::Decode => pb::NodeRole::Decode,
+        NodeRole::Router => pb::NodeRole::Unspecified,
+    }
+}
+
+/// A worker role from the wire: prefill or decode, nothing else.
+pub fn node_role_from_pb(
+    message: &'static str,
+    role: i32,
+) -> Result<crate::protocol::NodeRole, WireError> {
+    use crate::protocol::NodeRole;
+    match pb::NodeRole::try_from(role) {
+        Ok(pb::NodeRole::Prefill) => Ok(NodeRole::Prefill),
+        Ok(pb::NodeRole::Decode) => Ok(NodeRole::Decode),
+        _ => Err(WireError {
+            message,
+            reason: format!(
+                "role {role} is neither prefill ({}) nor decode ({})",
+                pb::NodeRole::Prefill as i32,
+                pb::NodeRole::Decode as i32
+            ),
+        }),
     }
 }
 
@@ -498,5 +529,19 @@ mod tests {
             worker_error_from_status(&internal),
             WorkerError::Internal(_)
         ));
+    }
+
+    #[test]
+    fn worker_roles_round_trip_and_others_are_refused() {
+        use crate::protocol::NodeRole;
+        for role in [NodeRole::Prefill, NodeRole::Decode] {
+            let wire = node_role_to_pb(role) as i32;
+            assert_eq!(node_role_from_pb("SwitchRoleRequest", wire), Ok(role));
+        }
+        assert_eq!(node_role_to_pb(NodeRole::Router), pb::NodeRole::Unspecified);
+        for bad in [pb::NodeRole::Unspecified as i32, 7, -1] {
+            let e = node_role_from_pb("SwitchRoleRequest", bad).unwrap_err();
+            assert!(e.to_string().contains("neither prefill"), "{e}");
+        }
     }
 }

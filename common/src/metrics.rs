@@ -46,6 +46,16 @@ pub const WORKER_KV_PULL_FAILURES_TOTAL: &str = "kvmesh_worker_kv_pull_failures_
 pub const WORKER_KV_EXPORTED_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_exported_blocks_total";
 pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
 
+// Node processes (labels: node; `to` on switches, `role` on the role gauge).
+/// Role switches done in place (label `to`: the role switched to).
+pub const NODE_ROLE_SWITCHES_TOTAL: &str = "kvmesh_node_role_switches_total";
+/// Time from a switch request to serving the new role (registered), drain included.
+pub const NODE_ROLE_SWITCH_SECONDS: &str = "kvmesh_node_role_switch_seconds";
+/// 1 for the role the node serves now, 0 for the other (both 0 while switching).
+pub const NODE_ROLE: &str = "kvmesh_node_role";
+/// Times the process loaded model weights (1: role switches reuse them).
+pub const NODE_MODEL_LOADS_TOTAL: &str = "kvmesh_node_model_loads_total";
+
 // KV transfer.
 pub const TRANSFER_BYTES_TOTAL: &str = "kvmesh_transfer_bytes_total";
 pub const TRANSFER_SECONDS: &str = "kvmesh_transfer_duration_seconds";
@@ -80,6 +90,7 @@ pub const HISTOGRAM_BUCKETS: &[(&str, &[f64])] = &[
     (ROUTER_E2E_SECONDS, ROUTER_E2E_BUCKETS),
     (WORKER_QUEUE_SECONDS, WORKER_LATENCY_BUCKETS),
     (TRANSFER_SECONDS, WORKER_LATENCY_BUCKETS),
+    (NODE_ROLE_SWITCH_SECONDS, WORKER_LATENCY_BUCKETS),
 ];
 
 /// The sum of the samples of `name` in Prometheus text `scrape` whose labels include every

@@ -13,8 +13,8 @@ use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
-    CancelToken, EngineThread, ExportSource, IncomingTransfer, KvDestination, LoadPublisher,
-    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+    CancelToken, EngineReturn, EngineThread, ExportSource, IncomingTransfer, KvDestination,
+    LoadPublisher, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -41,8 +41,28 @@ impl DecodeWorker {
     /// starts the thread.
     pub fn spawn<R: ModelRunner + 'static>(
         config: DecodeConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+    ) -> Result<DecodeWorker, DecodeError> {
+        Self::start(config, engine, transport, None)
+    }
+
+    /// `spawn`, and when the thread exits (drained or stopped) it leaves the engine, with its
+    /// weights and warm KV pool, in `back`: a role switch hands it to a prefill worker.
+    pub fn spawn_returning<R: ModelRunner + 'static>(
+        config: DecodeConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+        back: EngineReturn<R>,
+    ) -> Result<DecodeWorker, DecodeError> {
+        Self::start(config, engine, transport, Some(back))
+    }
+
+    fn start<R: ModelRunner + 'static>(
+        config: DecodeConfig,
         mut engine: LlmEngine<R>,
         transport: Arc<dyn Transport>,
+        back: Option<EngineReturn<R>>,
     ) -> Result<DecodeWorker, DecodeError> {
         engine.set_record_kv_events(config.kv_events.is_some());
         let sc = engine.scheduler().config();
@@ -88,7 +108,14 @@ impl DecodeWorker {
             kv_closed: false,
         };
         let name = format!("decode-{node_id}");
-        let thread = match EngineThread::spawn(name, (*inbox).clone(), move || state.run()) {
+        let run = move || {
+            state.run();
+            if let Some(back) = back {
+                state.metrics.retire();
+                back.give_back(state.engine);
+            }
+        };
+        let thread = match EngineThread::spawn(name, (*inbox).clone(), run) {
             Ok(t) => t,
             Err(e) => {
                 transport.unbind(node_id);
@@ -164,6 +191,7 @@ impl<R: ModelRunner> Loop<R> {
     fn run(&mut self) {
         let total = self.engine.scheduler().pool().num_blocks();
         self.metrics.kv_blocks_total.set(total as f64);
+        self.publisher.start(&mut self.engine);
         self.publish_load();
         loop {
             let idle =

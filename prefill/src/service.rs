@@ -132,12 +132,14 @@ impl pb::prefill_server::Prefill for PrefillService {
         _request: Request<pb::HealthRequest>,
     ) -> Result<Response<pb::HealthReply>, Status> {
         let h = &self.handle;
-        Ok(Response::new(grpc::health_reply(
+        let mut reply = grpc::health_reply(
             h.node_id(),
             !h.is_draining(),
             h.load(),
             self.accepted.load(Ordering::Relaxed),
-        )))
+        );
+        reply.role = pb::NodeRole::Prefill as i32;
+        Ok(Response::new(reply))
     }
 
     async fn drain(

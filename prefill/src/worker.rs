@@ -9,9 +9,9 @@ use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
-    CancelToken, Control, EngineThread, ExportError, ExportJob, ExportReply, ExportRequest,
-    KvExporter, KvPull, LoadPublisher, NodeState, PrefillClient, PrefillDone, PrefillError,
-    PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+    CancelToken, Control, EngineReturn, EngineThread, ExportError, ExportJob, ExportReply,
+    ExportRequest, KvExporter, KvPull, LoadPublisher, NodeState, PrefillClient, PrefillDone,
+    PrefillError, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -176,8 +176,28 @@ impl PrefillWorker {
     /// it pulls.
     pub fn spawn<R: ModelRunner + 'static>(
         config: PrefillConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+    ) -> std::io::Result<PrefillWorker> {
+        Self::start(config, engine, transport, None)
+    }
+
+    /// `spawn`, and when the thread exits (drained or stopped) it leaves the engine, with its
+    /// weights and warm KV pool, in `back`: a role switch hands it to a decode worker.
+    pub fn spawn_returning<R: ModelRunner + 'static>(
+        config: PrefillConfig,
+        engine: LlmEngine<R>,
+        transport: Arc<dyn Transport>,
+        back: EngineReturn<R>,
+    ) -> std::io::Result<PrefillWorker> {
+        Self::start(config, engine, transport, Some(back))
+    }
+
+    fn start<R: ModelRunner + 'static>(
+        config: PrefillConfig,
         mut engine: LlmEngine<R>,
         transport: Arc<dyn Transport>,
+        back: Option<EngineReturn<R>>,
     ) -> std::io::Result<PrefillWorker> {
         engine.set_record_kv_events(config.kv_events.is_some());
         let kv_rx = transport.bind(config.node_id).map_err(|e| {
@@ -209,7 +229,11 @@ impl PrefillWorker {
             next_seq_id: 0,
         };
         let thread = EngineThread::spawn(format!("prefill-{node_id}"), tx.clone(), move || {
-            state.run()
+            state.run();
+            if let Some(back) = back {
+                state.metrics.retire();
+                back.give_back(state.engine);
+            }
         })
         .inspect_err(|_| transport.unbind(node_id))?;
         Ok(PrefillWorker {
@@ -277,6 +301,7 @@ impl<R: ModelRunner> Loop<R> {
     fn run(&mut self) {
         let pool = self.engine.scheduler().pool();
         self.metrics.kv_blocks_total.set(pool.num_blocks() as f64);
+        self.publisher.start(&mut self.engine);
         loop {
             let idle = !self.engine.has_work() || self.engine.last_step_tokens() == 0;
             if idle {

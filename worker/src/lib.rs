@@ -13,6 +13,8 @@
 //!   a [`Puller`]: a decode worker from the node the router names, a prefill worker from the
 //!   request's destination, which holds the prefix it did not ask for. [`IncomingTransfer`]
 //!   checks each chunk that arrives, for a pull or a prompt's KV.
+//! - Role switching ([`role`]): the node's role state ([`RoleMachine`]) and the hand-back of
+//!   a worker's engine ([`EngineReturn`]) to the other role's worker.
 //! - The peer clients: a prefill worker as a decode worker sees it ([`PrefillClient`]; across
 //!   the network [`RemotePrefill`]), the messages between them ([`PrefillRequest`],
 //!   [`PrefillReply`]) and their wire form ([`wire`]).
@@ -28,6 +30,7 @@ mod publish;
 mod pull;
 mod remote;
 mod request;
+pub mod role;
 pub mod wire;
 
 pub use crate::metrics::WorkerMetrics;
@@ -45,4 +48,5 @@ pub use remote::RemotePrefill;
 pub use request::{
     CancelToken, KvDestination, PrefillDone, PrefillError, PrefillReply, PrefillRequest,
 };
+pub use role::{engine_return, EngineReturn, RoleMachine, RoleState, SwitchError, SwitchPlan};
 pub use wire::DestinationAddresses;

@@ -96,6 +96,12 @@ impl TotalCounter {
         self.counter.increment(total.saturating_sub(self.seen));
         self.seen = self.seen.max(total);
     }
+
+    /// Counts from `total` on: what is below it was counted elsewhere (by the worker that
+    /// ran the same engine in the other role).
+    pub fn count_from(&mut self, total: u64) {
+        self.seen = self.seen.max(total);
+    }
 }
 
 /// One lower tier's metrics.
@@ -163,6 +169,29 @@ impl WorkerMetrics {
                     )),
                 }
             }),
+        }
+    }
+
+    /// Counts tier promotions from `pool`'s totals as they are now.
+    pub fn count_tiers_from(&mut self, pool: &BlockPool) {
+        for t in &mut self.tiers {
+            t.promoted.count_from(pool.num_promoted(t.tier));
+        }
+    }
+
+    /// Zeroes the gauges of a worker that handed its engine to the other role's worker, so
+    /// the node's series of the role it left do not count its pool twice.
+    pub fn retire(&self) {
+        for g in [
+            &self.running,
+            &self.waiting,
+            &self.kv_blocks_used,
+            &self.kv_blocks_total,
+        ] {
+            g.set(0.0);
+        }
+        for t in &self.tiers {
+            t.blocks.set(0.0);
         }
     }
 

@@ -2,8 +2,9 @@
 
 use crate::load::LoadCell;
 use crate::metrics::WorkerMetrics;
-use kvmesh_common::kv_tier::KvEventSink;
+use kvmesh_common::kv_tier::{KvEventSink, Tier, TieredKvEvent};
 use kvmesh_common::{LoadReport, NodeId};
+use kvmesh_engine::block_pool::Held;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
 use std::sync::Arc;
@@ -30,6 +31,33 @@ impl LoadPublisher {
             kv_events,
             metrics,
             last_preemptions: 0,
+        }
+    }
+
+    /// Called once as the worker's thread starts, before it takes requests: announces what
+    /// the pool holds (a fresh engine's disk tier, or the warm cache of an engine taken over
+    /// in a role switch), and counts the engine's running totals from where they are now.
+    pub fn start<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) {
+        let pool = engine.scheduler().pool();
+        self.last_preemptions = engine.scheduler().num_preemptions();
+        self.metrics.count_tiers_from(pool);
+        let Some(sink) = &self.kv_events else {
+            return;
+        };
+        let snapshot: Vec<TieredKvEvent> = pool
+            .cached_hashes()
+            .filter_map(|hash| {
+                let tier = match pool.locate(hash)? {
+                    Held::Device(_) => Tier::Device,
+                    Held::Lower(tier) => tier,
+                };
+                Some(TieredKvEvent::stored(tier, hash))
+            })
+            .collect();
+        // What the engine recorded so far (its disk tier) is in the snapshot.
+        let _ = engine.drain_kv_events();
+        if !snapshot.is_empty() {
+            sink.publish(self.node_id, snapshot);
         }
     }
 
