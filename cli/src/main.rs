@@ -50,6 +50,10 @@ enum Command {
     Prefill(node::prefill::PrefillArgs),
     /// Run a decode node of a multi-process mesh.
     Decode(node::decode::DecodeArgs),
+    /// Operate a running prefill or decode node: switch its role in place, show its status,
+    /// drain it.
+    #[command(subcommand)]
+    Node(node::control::NodeCommand),
     /// Make a cluster CA and node certificates for mutual TLS between nodes.
     Certs(certs::CertsArgs),
     /// Generate text for one prompt on this machine.
@@ -112,6 +116,7 @@ fn main() -> Result<()> {
         Command::Router(args) => config::run(&args, &env, node::router::run),
         Command::Prefill(args) => config::run(&args, &env, node::prefill::run),
         Command::Decode(args) => config::run(&args, &env, node::decode::run),
+        Command::Node(command) => node::control::run(&command),
         Command::Certs(args) => certs::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Tune(args) => tune::run(&args),

@@ -1,16 +1,25 @@
-//! `kvmesh prefill | decode | router`: one mesh role per process, found through etcd.
+//! `kvmesh prefill | decode | router`: the mesh's node processes, found through etcd, and
+//! `kvmesh node`, which operates a running one.
 //!
 //! Every node registers `/{cluster}/nodes/{role}/{node_id}` under an etcd lease, refreshes
 //! its load report under that lease, and on SIGINT/SIGTERM (or a `Drain` RPC) drains: it
 //! revokes the lease first (routers stop sending within a watch round trip), finishes what it
-//! accepted, then exits.
+//! accepted, then exits. A prefill or decode node switches to the other role in place on
+//! `Node.SwitchRole` (`kvmesh node switch-role`): the same drain, then the same engine, its
+//! weights and KV pool, serves the other role under a new registration
+//! ([`lifecycle`]).
 
 pub mod config;
+pub mod control;
 pub mod decode;
 pub mod engine_args;
+pub mod lifecycle;
 pub mod metrics;
 pub mod prefill;
+pub mod process;
+pub mod roles;
 pub mod router;
+pub mod switchboard;
 
 use crate::config::{env_vars, node_id_hex};
 use anyhow::{Context, Result};
@@ -19,14 +28,14 @@ use config::MeshNodeConfig;
 use humantime_serde::re::humantime;
 use kvmesh_common::kv_tier::{KvEventSink, TieredKvEvent};
 use kvmesh_common::tls::ClusterTls;
-use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
-use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, KvEventPublisher, NodeLease};
+use kvmesh_common::{NodeId, NodeRole};
+use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, KvEventPublisher, PublisherStats};
 use kvmesh_transfer::{NetworkTransport, QuicConfig, QuicTransport, RdmaConfig, TlsConfig};
 use serde::Serialize;
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Flags every mesh node takes; each sets the key of the same name under `[mesh]`.
@@ -216,22 +225,62 @@ pub fn forget_departed_nodes(
     });
 }
 
-/// Where a node's workers announce prefix-cache changes: the etcd publisher, once the node
-/// is registered (it publishes under the node's lease).
-pub type KvPublisherSlot = Arc<OnceLock<KvEventPublisher>>;
+/// Where a node's workers announce prefix-cache changes: the etcd publisher of the node's
+/// current registration. Events that come while the node is not registered (before its
+/// first registration, or between two roles) are kept and handed to the next publisher, so
+/// the prefix index never misses what the pool holds.
+#[derive(Clone, Default)]
+pub struct KvPublisherSlot(Arc<Mutex<PublisherState>>);
+
+#[derive(Default)]
+struct PublisherState {
+    publisher: Option<KvEventPublisher>,
+    pending: Vec<TieredKvEvent>,
+}
+
+impl KvPublisherSlot {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PublisherState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes through `publisher` from now on, starting with the events kept meanwhile.
+    pub fn install(&self, publisher: KvEventPublisher) {
+        let mut state = self.lock();
+        let pending = std::mem::take(&mut state.pending);
+        if !pending.is_empty() {
+            publisher.publish(pending);
+        }
+        state.publisher = Some(publisher);
+    }
+
+    /// Stops publishing (the registration ends); events are kept for the next publisher.
+    pub fn retire(&self) {
+        self.lock().publisher = None;
+    }
+
+    pub fn stats(&self) -> Option<PublisherStats> {
+        self.lock().publisher.as_ref().map(|p| p.stats())
+    }
+
+    fn publish(&self, events: Vec<TieredKvEvent>) {
+        let mut state = self.lock();
+        match &state.publisher {
+            Some(p) => p.publish(events),
+            None => state.pending.extend(events),
+        }
+    }
+}
 
 /// A worker's event sink that forwards to the node's publisher.
 pub fn kv_event_sink(slot: &KvPublisherSlot) -> Arc<dyn KvEventSink> {
     Arc::new(PublisherSink(slot.clone()))
 }
 
-/// Forwards to the node's publisher; events before it is registered are dropped (the pool is
-/// empty until the first request, which comes only after registration).
 struct PublisherSink(KvPublisherSlot);
 
 impl std::fmt::Debug for PublisherSink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let registered = self.0.get().is_some();
+        let registered = self.0.lock().publisher.is_some();
         f.debug_struct("PublisherSink")
             .field("registered", &registered)
             .finish()
@@ -241,134 +290,8 @@ impl std::fmt::Debug for PublisherSink {
 impl KvEventSink for PublisherSink {
     /// The publisher writes under this node's lease: its only worker is `_node`.
     fn publish(&self, _node: NodeId, events: Vec<TieredKvEvent>) {
-        if let Some(publisher) = self.0.get() {
-            publisher.publish(events);
-        }
+        self.0.publish(events);
     }
-}
-
-/// Registers the node, then reports its load every `interval` until a signal arrives or
-/// `draining()` turns true; then revokes the lease (leaving routing at once).
-pub async fn serve_lease(
-    discovery: &EtcdDiscovery,
-    info: NodeInfo,
-    kv_events: &KvPublisherSlot,
-    mut load: impl FnMut() -> LoadReport,
-    draining: impl Fn() -> bool,
-) -> Result<()> {
-    let node = info.node_id;
-    let role = info.role;
-    let lease: NodeLease = discovery
-        .register(info)
-        .await
-        .with_context(|| format!("registering {} node {node}", role.as_str()))?;
-    tracing::info!(%node, role = role.as_str(), "registered");
-    // The pool is empty until the first request, which comes only after registration.
-    let _ = kv_events.set(KvEventPublisher::start(&lease));
-    let mut publisher_metrics = metrics::PublisherMetrics::new(node);
-    let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let signal = crate::serve::shutdown_signal();
-    tokio::pin!(signal);
-    loop {
-        tokio::select! {
-            () = &mut signal => break,
-            _ = tick.tick() => {
-                lease.report_load(load());
-                if let Some(p) = kv_events.get() {
-                    publisher_metrics.update(&p.stats());
-                }
-                if draining() {
-                    tracing::info!("drain requested");
-                    break;
-                }
-            }
-        }
-    }
-    if let Err(e) = lease.revoke().await {
-        tracing::warn!("revoking the lease: {e}; the node leaves when it expires");
-    }
-    tracing::info!(%node, "left the mesh; draining");
-    Ok(())
-}
-
-/// A worker as the node process drives it.
-pub trait NodeWorker: Send + 'static {
-    fn load(&self) -> LoadReport;
-    fn is_draining(&self) -> bool;
-    /// Stops taking requests and waits until those accepted are done, or `timeout` passes
-    /// (blocking). Returns whether they all finished.
-    fn drain_and_join(self, timeout: Duration) -> bool;
-}
-
-/// Both worker kinds have the same handle surface; one impl each, written once.
-macro_rules! node_worker {
-    ($($worker:ty),*) => {$(
-        impl NodeWorker for $worker {
-            fn load(&self) -> LoadReport {
-                self.handle().load()
-            }
-
-            fn is_draining(&self) -> bool {
-                self.handle().is_draining()
-            }
-
-            fn drain_and_join(self, timeout: Duration) -> bool {
-                self.handle().drain();
-                self.join_within(timeout)
-            }
-        }
-    )*};
-}
-
-node_worker!(kvmesh_decode::DecodeWorker, kvmesh_prefill::PrefillWorker);
-
-/// The life of a node: serves `routes` (gRPC, mutual TLS with `tls`) on `--listen`,
-/// registers `info`, reports load until a signal or a `Drain` RPC, leaves the mesh, drains
-/// the worker, stops the server.
-pub async fn run_node(
-    args: &MeshNodeConfig,
-    tls: Option<&ClusterTls>,
-    discovery: &EtcdDiscovery,
-    routes: tonic::service::Routes,
-    info: NodeInfo,
-    kv_events: &KvPublisherSlot,
-    worker: impl NodeWorker,
-) -> Result<()> {
-    if let Some(addr) = args.metrics_listen {
-        metrics::serve(addr);
-    }
-    let listen = args.listen()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server
-            .tls_config(tls.grpc_server())
-            .context("gRPC server TLS")?;
-    }
-    let server = server
-        .add_routes(routes)
-        .serve_with_shutdown(listen, async {
-            let _ = stopped.await;
-        });
-    let server = tokio::spawn(server);
-    tracing::info!(node = %info.node_id, role = info.role.as_str(), listen = %listen, "serving");
-    serve_lease(
-        discovery,
-        info,
-        kv_events,
-        || worker.load(),
-        || worker.is_draining(),
-    )
-    .await?;
-    let timeout = args.drain_timeout;
-    if !tokio::task::spawn_blocking(move || worker.drain_and_join(timeout)).await? {
-        tracing::warn!(
-            "drain timeout ({timeout:?}) passed; stopped with requests open (the router \
-             moves them to other nodes)"
-        );
-    }
-    let _ = stop.send(());
-    server.await?.context("gRPC server")
 }
 
 /// The async runtime of a node process (its compute runs on its own threads).

@@ -1,24 +1,19 @@
 //! `kvmesh decode`: a decode node. Takes Generate calls from routers, has the prefill node
 //! they name compute the prompt (its KV arrives over QUIC on this node's port), pulls cached
 //! prefixes from the node they name, decodes with continuous batching and streams tokens
-//! back. Serves its own cache to other nodes' pulls (`KvCache`).
+//! back. Serves its own cache to other nodes' pulls (`KvCache`). It can switch to the prefill
+//! role in place (`kvmesh node switch-role`).
 
 use super::config::DecodeNodeConfig;
 use super::engine_args::EngineArgs;
-use super::{
-    forget_departed_nodes, kv_event_sink, run_node, runtime, KvPublisherSlot, MeshArgs, PullArgs,
-};
+use super::process::{self, WorkerNode};
+use super::{MeshArgs, PullArgs};
 use crate::config::{env_vars, ConfigArgs};
-use crate::model_args::{self, ModelArgs};
-use anyhow::{Context, Result};
+use crate::model_args::ModelArgs;
+use anyhow::Result;
 use clap::Args;
-use kvmesh_common::{NodeInfo, NodeRole};
-use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
-use kvmesh_transfer::Transport;
-use kvmesh_worker::{DestinationAddresses, KvCacheService, LearnPeer};
+use kvmesh_common::NodeRole;
 use serde::Serialize;
-use std::sync::Arc;
-use std::time::Duration;
 
 /// The flags of `kvmesh decode`, layered over its TOML (`DecodeNodeConfig`).
 #[derive(Args, Debug, Serialize)]
@@ -48,65 +43,14 @@ pub struct DecodeArgs {
 }
 
 pub fn run(args: &DecodeNodeConfig) -> Result<()> {
-    let path = model_args::prepare(args.model.as_deref(), args.threads)?;
-    let loaded = model_args::load(&path)?;
-    let node_id = args.mesh.node_id();
-    let engine = args
-        .engine
-        .llama_engine(&loaded)
-        .context("building the engine")?;
-    let block_size = engine.scheduler().config().block_size;
-    let tls = args.mesh.cluster_tls()?;
-    let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
-    let transport: Arc<dyn Transport> = network.clone();
-    let kv_events = KvPublisherSlot::default();
-    let mut config = DecodeConfig::new(node_id);
-    config.kv_events = Some(kv_event_sink(&kv_events));
-    config.prefill_pulls = args.prefill_pulls;
-    config.pull_timeout = args.pull_timeout;
-    config.local_prefill_max_tokens = args.local_prefill_max_tokens;
-    let worker =
-        DecodeWorker::spawn(config, engine, transport).context("starting the decode worker")?;
-    let handle = worker.handle();
-    let advertise = args.mesh.advertise()?.to_string();
-    let info = NodeInfo {
-        node_id,
+    process::run(WorkerNode {
         role: NodeRole::Decode,
-        address: advertise.clone(),
-        transfer_address: advertise.clone(),
-        model_fingerprint: loaded.fingerprint,
-        block_size,
-        kv_blocks_total: handle.kv_blocks_total(),
-    };
-    // gRPC (with KvCache) and QUIC share the advertised host:port.
-    let addresses = DestinationAddresses {
-        transfer: advertise.clone(),
-        holder: advertise.clone(),
-    };
-    let peers = network.clone();
-    runtime()?.block_on(async {
-        let discovery = args.mesh.connect().await?;
-        let prefill = Arc::new(
-            PrefillDirectory::new(addresses, tls.clone(), Duration::from_secs(1))
-                .with_rdma(node_id, network.clone()),
-        );
-        let directory = prefill.clone();
-        forget_departed_nodes(&discovery, move |alive| directory.retain(alive));
-        let learn: LearnPeer = Arc::new(move |node, addr| peers.add_peer(node, addr));
-        let kv_cache = KvCacheService::new(Arc::new(handle.clone()), learn);
-        let routes = tonic::service::Routes::new(DecodeService::new(handle, prefill).into_server())
-            .add_service(kv_cache.into_server());
-        run_node(
-            &args.mesh,
-            tls.as_ref(),
-            &discovery,
-            routes,
-            info,
-            &kv_events,
-            worker,
-        )
-        .await
-    })?;
-    tracing::info!("stopped");
-    Ok(())
+        mesh: &args.mesh,
+        model: args.model.as_deref(),
+        threads: args.threads,
+        engine: &args.engine,
+        pull_timeout: args.pull_timeout,
+        local_prefill_max_tokens: Some(args.local_prefill_max_tokens),
+        prefill_pulls: Some(args.prefill_pulls),
+    })
 }

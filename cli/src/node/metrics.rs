@@ -1,12 +1,16 @@
-//! What a node process exports to Prometheus beyond its workers' metrics: the prefix index's
-//! publishing (nodes) and watching (routers), and a `/metrics` endpoint for node processes,
+//! What a node process exports to Prometheus beyond its workers' metrics: its role and role
+//! switches, its model loads, the prefix index's publishing (nodes) and watching (routers),
+//! and a `/metrics` endpoint for node processes,
 //! which have no HTTP server of their own.
 
 use kvmesh_common::metrics as names;
-use kvmesh_common::NodeId;
+use kvmesh_common::{NodeId, NodeRole};
 use kvmesh_kvstore::{EtcdPrefixIndex, PrefixIndex, PublisherStats};
 use kvmesh_worker::metrics::TotalCounter;
-use metrics::{counter, describe_counter, describe_gauge, gauge, Gauge};
+use metrics::{
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
+    Gauge, Histogram,
+};
 use std::net::SocketAddr;
 
 fn total_counter(name: &'static str, help: &'static str, node: NodeId) -> TotalCounter {
@@ -56,6 +60,68 @@ impl PublisherMetrics {
         self.write_failures.catch_up(s.write_failures);
         self.held_blocks.set(s.held_blocks as f64);
     }
+}
+
+/// A node's roles: which it serves, its switches and how long they took.
+pub struct RoleMetrics {
+    /// Per role (prefill, decode): 1 while the node serves it.
+    serving: [Gauge; 2],
+    /// Per role switched to (prefill, decode).
+    switches: [Counter; 2],
+    switch_seconds: Histogram,
+}
+
+const ROLES: [NodeRole; 2] = [NodeRole::Prefill, NodeRole::Decode];
+
+impl RoleMetrics {
+    pub fn new(node: NodeId) -> Self {
+        describe_gauge!(
+            names::NODE_ROLE,
+            "1 for the role the node serves now (both 0 while it switches)."
+        );
+        describe_counter!(
+            names::NODE_ROLE_SWITCHES_TOTAL,
+            "Role switches done in place, by the role switched to."
+        );
+        describe_histogram!(
+            names::NODE_ROLE_SWITCH_SECONDS,
+            "Time from a role switch request to serving the new role, draining included."
+        );
+        let node = node.to_string();
+        RoleMetrics {
+            serving: ROLES.map(|r| {
+                gauge!(names::NODE_ROLE, "node" => node.clone(), "role" => r.as_str())
+            }),
+            switches: ROLES.map(|r| {
+                counter!(names::NODE_ROLE_SWITCHES_TOTAL, "node" => node.clone(), "to" => r.as_str())
+            }),
+            switch_seconds: histogram!(names::NODE_ROLE_SWITCH_SECONDS, "node" => node),
+        }
+    }
+
+    /// The node serves `role` now (`None`: it is switching).
+    pub fn serving(&self, role: Option<NodeRole>) {
+        for (gauge, r) in self.serving.iter().zip(ROLES) {
+            gauge.set(f64::from(u8::from(role == Some(r))));
+        }
+    }
+
+    /// A switch to `to` ended after `seconds`.
+    pub fn switched(&self, to: NodeRole, seconds: f64) {
+        if let Some(i) = ROLES.iter().position(|&r| r == to) {
+            self.switches[i].increment(1);
+        }
+        self.switch_seconds.record(seconds);
+    }
+}
+
+/// Counts a load of the model's weights (a role switch reuses them: this stays at 1).
+pub fn count_model_load(node: NodeId) {
+    describe_counter!(
+        names::NODE_MODEL_LOADS_TOTAL,
+        "Times this process loaded the model's weights."
+    );
+    counter!(names::NODE_MODEL_LOADS_TOTAL, "node" => node.to_string()).increment(1);
 }
 
 /// A router's view of the cluster's prefix index, refreshed every second.

@@ -1,0 +1,247 @@
+//! The life of a prefill or decode node process. It serves its front end
+//! ([`Switchboard`]) on `--listen` from start to end, registers the role it serves, reports
+//! load, and:
+//!
+//! - on `Node.SwitchRole`, leaves the mesh in its old role (revokes the lease: routers stop
+//!   sending within a watch round trip), lets the old worker finish what it accepted (up to
+//!   `--drain-timeout`; past it the router migrates what is still open), takes the engine
+//!   back from it, starts the other role's worker over the same engine (weights and KV pool
+//!   kept), registers in the new role and answers;
+//! - on SIGINT/SIGTERM or `Drain`, leaves the mesh, drains the worker and stops.
+
+use super::metrics::{PublisherMetrics, RoleMetrics};
+use super::roles::{RoleKit, RoleWorker, Serving};
+use super::switchboard::{SwitchCall, SwitchDone, Switchboard};
+use super::KvPublisherSlot;
+use crate::node::config::MeshNodeConfig;
+use anyhow::{Context, Result};
+use kvmesh_common::grpc::pb;
+use kvmesh_common::tls::ClusterTls;
+use kvmesh_common::NodeInfo;
+use kvmesh_engine::llm_engine::LlmEngine;
+use kvmesh_engine::runner::ModelRunner;
+use kvmesh_kvstore::{EtcdDiscovery, KvEventPublisher, NodeLease};
+use kvmesh_worker::KvCacheService;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tonic::Status;
+
+/// Runs the node until it has drained after a signal or `Drain`. `info` names the role it
+/// starts in; `kit` starts either role's worker over `engine`.
+pub async fn run_node<R: ModelRunner + 'static>(
+    args: &MeshNodeConfig,
+    tls: Option<&ClusterTls>,
+    discovery: &EtcdDiscovery,
+    mut info: NodeInfo,
+    kv_events: &KvPublisherSlot,
+    kit: RoleKit,
+    engine: LlmEngine<R>,
+) -> Result<()> {
+    if let Some(addr) = args.metrics_listen {
+        super::metrics::serve(addr);
+    }
+    let node = info.node_id;
+    let (worker, mut returned) = kit.start(info.role, engine)?;
+    let (switch_tx, mut switches) = mpsc::unbounded_channel();
+    let board = Arc::new(Switchboard::new(worker.serving().clone(), switch_tx)?);
+    let mut worker = Some(worker);
+    let role_metrics = RoleMetrics::new(node);
+    role_metrics.serving(Some(info.role));
+
+    let listen = args.listen()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server
+            .tls_config(tls.grpc_server())
+            .context("gRPC server TLS")?;
+    }
+    let kv_cache = KvCacheService::new(board.clone(), kit.learn.clone());
+    let server = server
+        .add_service(pb::decode_server::DecodeServer::from_arc(board.clone()))
+        .add_service(pb::prefill_server::PrefillServer::from_arc(board.clone()))
+        .add_service(kv_cache.into_server())
+        .add_service(pb::node_server::NodeServer::from_arc(board.clone()))
+        .serve_with_shutdown(listen, async {
+            let _ = stopped.await;
+        });
+    let server = tokio::spawn(server);
+    tracing::info!(%node, role = info.role.as_str(), listen = %listen, "serving");
+    {
+        let board = board.clone();
+        tokio::spawn(async move {
+            crate::serve::shutdown_signal().await;
+            board.shut_down();
+        });
+    }
+
+    // A switch answers once the node is registered in its new role.
+    let mut answer: Option<(SwitchCall, SwitchDone)> = None;
+    loop {
+        info.role = worker
+            .as_ref()
+            .expect("a worker serves between switches")
+            .role();
+        let lease = register(discovery, info.clone(), kv_events).await?;
+        role_metrics.serving(Some(info.role));
+        if let Some((call, mut done)) = answer.take() {
+            done.seconds = call.asked_at.elapsed().as_secs_f64();
+            role_metrics.switched(done.role, done.seconds);
+            tracing::info!(%node, role = done.role.as_str(), seconds = done.seconds,
+                drain_seconds = done.drain_seconds, "switched roles");
+            let _ = call.reply.send(Ok(done));
+        }
+        let next = serve_lease(&lease, kv_events, &board, &mut switches).await;
+        leave(lease, kv_events).await;
+        let Some(call) = next else {
+            break;
+        };
+        role_metrics.serving(None);
+        let from = info.role;
+        tracing::info!(%node, from = from.as_str(), to = call.to.as_str(),
+            "switching roles: left the mesh; finishing the accepted requests");
+        let old = worker.take().expect("a worker serves until it is drained");
+        let drain = drain(old, args.drain_timeout).await?;
+        let Ok(engine) = returned.try_recv() else {
+            let e = "the old role's worker did not hand back its engine (its thread panicked)";
+            let _ = call.reply.send(Err(Status::internal(e)));
+            let _ = stop.send(());
+            anyhow::bail!("{e}");
+        };
+        let finished = board.machine().finish_switch();
+        let to = match finished {
+            Ok(to) => to,
+            Err(e) => {
+                // A shutdown began meanwhile: the old worker has drained, the node stops.
+                let _ = call
+                    .reply
+                    .send(Err(Status::failed_precondition(e.to_string())));
+                break;
+            }
+        };
+        let (next, back) = match kit.start(to, engine) {
+            Ok(started) => started,
+            Err(e) => {
+                let _ = call.reply.send(Err(Status::internal(format!(
+                    "starting the {} worker: {e:#}",
+                    to.as_str()
+                ))));
+                board.shut_down();
+                let _ = stop.send(());
+                return Err(e);
+            }
+        };
+        board.hand_over(next.serving().clone(), drain.requests_total);
+        worker = Some(next);
+        returned = back;
+        answer = Some((
+            call,
+            SwitchDone {
+                role: to,
+                drained: drain.finished,
+                seconds: 0.0,
+                drain_seconds: drain.seconds,
+            },
+        ));
+    }
+    // Switches asked for as the shutdown began.
+    while let Ok(call) = switches.try_recv() {
+        let _ = call.reply.send(Err(Status::failed_precondition(
+            "the node is draining for shutdown",
+        )));
+    }
+    if let Some(worker) = worker {
+        drain(worker, args.drain_timeout).await?;
+    }
+    let _ = stop.send(());
+    server.await?.context("gRPC server")
+}
+
+/// Registers `info` and starts publishing the node's prefix-cache changes under its lease.
+async fn register(
+    discovery: &EtcdDiscovery,
+    info: NodeInfo,
+    kv_events: &KvPublisherSlot,
+) -> Result<NodeLease> {
+    let (node, role) = (info.node_id, info.role);
+    let lease = discovery
+        .register(info)
+        .await
+        .with_context(|| format!("registering {} node {node}", role.as_str()))?;
+    tracing::info!(%node, role = role.as_str(), "registered");
+    kv_events.install(KvEventPublisher::start(&lease));
+    Ok(lease)
+}
+
+/// Leaves the mesh at once: routers stop sending within a watch round trip, and the node's
+/// prefix-index entries go with the lease.
+async fn leave(lease: NodeLease, kv_events: &KvPublisherSlot) {
+    let node = lease.node_id();
+    kv_events.retire();
+    if let Err(e) = lease.revoke().await {
+        tracing::warn!("revoking the lease: {e}; the node leaves when it expires");
+    }
+    tracing::info!(%node, "left the mesh");
+}
+
+/// Reports load until a shutdown or a switch is asked for (`None`: shutdown).
+async fn serve_lease(
+    lease: &NodeLease,
+    kv_events: &KvPublisherSlot,
+    board: &Switchboard,
+    switches: &mut mpsc::UnboundedReceiver<SwitchCall>,
+) -> Option<SwitchCall> {
+    let mut publisher_metrics = PublisherMetrics::new(lease.node_id());
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            biased;
+            () = board.shutdown_asked() => return None,
+            Some(call) = switches.recv() => return Some(call),
+            _ = tick.tick() => {
+                lease.report_load(board.serving().load());
+                if let Some(stats) = kv_events.stats() {
+                    publisher_metrics.update(&stats);
+                }
+            }
+        }
+    }
+}
+
+/// How a worker's drain went.
+struct Drained {
+    finished: bool,
+    seconds: f64,
+    /// What its service accepted over its life.
+    requests_total: u64,
+}
+
+/// Drains `worker` (blocking, off the runtime) within `timeout`.
+async fn drain(worker: RoleWorker, timeout: Duration) -> Result<Drained> {
+    let serving = worker.serving().clone();
+    let started = Instant::now();
+    let finished = tokio::task::spawn_blocking(move || worker.drain_and_join(timeout)).await?;
+    if !finished {
+        tracing::warn!(
+            "drain timeout ({timeout:?}) passed; stopped with requests open (the router \
+             moves them to other nodes)"
+        );
+    }
+    Ok(Drained {
+        finished,
+        seconds: started.elapsed().as_secs_f64(),
+        requests_total: requests_total(&serving).await,
+    })
+}
+
+async fn requests_total(serving: &Serving) -> u64 {
+    let ask = || tonic::Request::new(pb::HealthRequest {});
+    let reply = match serving {
+        Serving::Prefill(service, _) => {
+            pb::prefill_server::Prefill::health(&**service, ask()).await
+        }
+        Serving::Decode(service, _) => pb::decode_server::Decode::health(&**service, ask()).await,
+    };
+    reply.map_or(0, |r| r.into_inner().requests_total)
+}
