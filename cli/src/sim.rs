@@ -20,11 +20,13 @@ use kvmesh_bench::workload::{Prompt, Workload, WorkloadOptions, WorkloadSpec};
 use kvmesh_common::NodeId;
 use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
+use kvmesh_sim::autoscale::{load_planner_config, AutoscaleReport, ChangeKind, NodeChange};
 use kvmesh_sim::cpu::SharedCpu;
 use kvmesh_sim::fault::{Fault, FaultKind};
 use kvmesh_sim::hardware::Hardware;
 use kvmesh_sim::link::LinkClass;
 use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
+use kvmesh_sim::planner::Role;
 use kvmesh_sim::timing::TimingProfile;
 use kvmesh_sim::workload::{multiply, requests};
 
@@ -40,6 +42,7 @@ const DURATION_ONLY_SYNTHETIC: usize = 100_000;
   kvmesh sim --decode-nodes 700 --prefill-nodes 300 --workload mooncake --load trace --copies 40
   kvmesh sim --profile target/profile/cpu.json --decode-nodes 2 --prefill-nodes 2 --workload mooncake --load trace --requests 60
   kvmesh sim --decode-nodes 16 --max-goodput --search-axis rate --search-max 512 --slo ttft=2s,itl=50ms
+  kvmesh sim --decode-nodes 2 --prefill-nodes 1 --planner bench/sim/planner-slo.toml --workload synthetic:input=azure,output=azure --load day:2..20@1h
 
 The report's fields: docs/bench-report.md; the simulator: docs/sim.md.")]
 pub struct SimArgs {
@@ -119,6 +122,25 @@ pub struct SimArgs {
     /// `slow:F:P-D@T` (only the link from prefill node P to decode node D).
     #[arg(long = "fault", value_name = "FAULT", value_parser = parse_fault)]
     pub faults: Vec<Fault>,
+    /// Run the planner in the mesh: a PlannerConfig in TOML (its fields at the top level or
+    /// in a [planner] table). It adds, drains and switches nodes every interval; the report
+    /// gains each point's `planner` (node-hours per role, the node counts over time,
+    /// decisions by reason).
+    #[arg(long, value_name = "FILE")]
+    pub planner: Option<PathBuf>,
+    /// A change to the node set in virtual time (repeatable): `add:prefill@T`,
+    /// `add:decode@T`, `drain:N@T` (node N stops taking requests at T and goes once they
+    /// end), `switch:N@T` (node N drains, then serves in the other role).
+    #[arg(long = "change", value_name = "CHANGE", value_parser = parse_change)]
+    pub changes: Vec<NodeChange>,
+    /// How long a node takes from its request to serving (loading weights), with --planner
+    /// or --change.
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub startup_delay: Duration,
+    /// How long a drained node takes to serve in its other role (weights kept), with
+    /// --planner or --change.
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub switch_delay: Duration,
     #[command(flatten)]
     pub measure: MeasureArgs,
 }
@@ -163,7 +185,9 @@ impl SimArgs {
             disaggregation.local_prefill_max_tokens = n;
         }
         disaggregation.validate()?;
-        let prefill = (self.prefill_nodes > 0).then(|| PrefillPool {
+        // Nodes that come and go need the prefill nodes' kind even when none starts.
+        let dynamic = self.planner.is_some() || !self.changes.is_empty();
+        let prefill = (self.prefill_nodes > 0 || dynamic).then(|| PrefillPool {
             nodes: self.prefill_nodes,
             node: node.clone(),
             disaggregation,
@@ -173,6 +197,10 @@ impl SimArgs {
         if prefill.is_none() && self.local_prefill_max_tokens.is_some() {
             bail!("--local-prefill-max-tokens needs --prefill-nodes");
         }
+        let planner = match &self.planner {
+            Some(path) => Some(load_planner_config(path)?),
+            None => None,
+        };
         Ok(MeshConfig {
             prefill,
             report_interval: self.report_interval,
@@ -183,6 +211,10 @@ impl SimArgs {
                 threads_per_node: self.node_threads,
                 nodes_per_host: self.nodes_per_host.unwrap_or(usize::MAX),
             }),
+            changes: self.changes.clone(),
+            planner,
+            startup: self.startup_delay,
+            switch_delay: self.switch_delay,
             ..MeshConfig::new(self.decode_nodes, node, self.routing.clone())
         })
     }
@@ -285,6 +317,29 @@ fn parse_fault(s: &str) -> Result<Fault, String> {
     Ok(Fault { at, kind })
 }
 
+/// `--change`'s grammar (see [`SimArgs::changes`]).
+fn parse_change(s: &str) -> Result<NodeChange, String> {
+    let bad = |why: &str| {
+        format!("bad change `{s}`: {why} (add:prefill@T, add:decode@T, drain:N@T or switch:N@T)")
+    };
+    let (what, at) = s.rsplit_once('@').ok_or_else(|| bad("no @TIME"))?;
+    let at = humantime::parse_duration(at).map_err(|e| bad(&e.to_string()))?;
+    let node = |n: &str| {
+        n.parse::<u64>()
+            .map(NodeId)
+            .map_err(|_| bad("a node is a number"))
+    };
+    let kind = match what.split(':').collect::<Vec<_>>()[..] {
+        ["add", "prefill"] => ChangeKind::Add(Role::Prefill),
+        ["add", "decode"] => ChangeKind::Add(Role::Decode),
+        ["add", _] => return Err(bad("a role is prefill or decode")),
+        ["drain", n] => ChangeKind::Drain(node(n)?),
+        ["switch", n] => ChangeKind::Switch(node(n)?),
+        _ => return Err(bad("unknown kind")),
+    };
+    Ok(NodeChange { at, kind })
+}
+
 /// What every point of a simulation shares.
 struct Simulation<'a> {
     args: &'a SimArgs,
@@ -293,6 +348,8 @@ struct Simulation<'a> {
     /// Wall time spent simulating and virtual time simulated, over every point.
     wall: Duration,
     simulated: Duration,
+    /// Per point, what the planner (or the changes) did to the node set.
+    planned: Vec<Option<AutoscaleReport>>,
 }
 
 impl Simulation<'_> {
@@ -341,11 +398,83 @@ impl Simulation<'_> {
         self.wall += started.elapsed();
         self.simulated += run.duration;
         let point = run.point(&label, shape, &self.args.measure.slo);
+        self.planned.push(run.autoscale.clone());
         Ok(Measured {
             point,
             run: as_run(run),
         })
     }
+}
+
+/// The report's JSON with each point's `planner` (bench's report ignores fields it does not
+/// know, so `bench compare` reads it as before).
+fn with_planner(report: &BenchReport, planned: &[Option<AutoscaleReport>]) -> Result<String> {
+    let mut value = serde_json::to_value(report)?;
+    if let Some(points) = value["points"].as_array_mut() {
+        for (point, planned) in points.iter_mut().zip(planned) {
+            if let Some(p) = planned {
+                point["planner"] = serde_json::to_value(p)?;
+            }
+        }
+    }
+    Ok(serde_json::to_string_pretty(&value)?)
+}
+
+/// The node counts over time, one row per change, per point.
+fn planner_csv(report: &BenchReport, planned: &[Option<AutoscaleReport>]) -> String {
+    let mut out =
+        String::from("point,at_s,prefill_serving,decode_serving,prefill_billed,decode_billed\n");
+    for (point, p) in report.points.iter().zip(planned) {
+        for c in p.iter().flat_map(|p| &p.timeline) {
+            out.push_str(&format!(
+                "{},{:.3},{},{},{},{}\n",
+                point.label,
+                c.at_s,
+                c.prefill_serving,
+                c.decode_serving,
+                c.prefill_billed,
+                c.decode_billed
+            ));
+        }
+    }
+    out
+}
+
+/// Node-hours and decisions per point, for the terminal.
+fn planner_table(report: &BenchReport, planned: &[Option<AutoscaleReport>]) -> String {
+    let mut out = String::new();
+    for (point, p) in report.points.iter().zip(planned) {
+        let Some(p) = p else { continue };
+        let peak = |f: fn(&kvmesh_sim::autoscale::CountsAt) -> u32| {
+            p.timeline.iter().map(f).max().unwrap_or(0)
+        };
+        out.push_str(&format!(
+            "\nnode set ({}): node-hours prefill {:.2}, decode {:.2}, total {:.2}; most serving: {} prefill, {} decode\n",
+            point.label,
+            p.node_hours.prefill,
+            p.node_hours.decode,
+            p.node_hours_total,
+            peak(|c| c.prefill_serving),
+            peak(|c| c.decode_serving),
+        ));
+        out.push_str(&format!(
+            "  {} nodes requested, {} cancelled, {} drained, {} switched\n",
+            p.nodes_requested, p.nodes_cancelled, p.nodes_drained, p.role_switches
+        ));
+        if let Some(policy) = &p.policy {
+            out.push_str(&format!(
+                "  planner {policy}{}: {} decisions, {} acted on\n",
+                if p.advisory { " (advisory)" } else { "" },
+                p.decisions,
+                p.decisions_acted
+            ));
+            for (role, reasons) in &p.reasons {
+                let list: Vec<String> = reasons.iter().map(|(k, n)| format!("{k} {n}")).collect();
+                out.push_str(&format!("  {role}: {}\n", list.join(", ")));
+            }
+        }
+    }
+    out
 }
 
 /// A simulated run in the load generator's terms (for the per-request CSV and the notes).
@@ -426,6 +555,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         workload,
         wall: Duration::ZERO,
         simulated: Duration::ZERO,
+        planned: Vec::new(),
     };
     let mut found = None;
     let measured = match mode {
@@ -444,11 +574,26 @@ pub fn run(args: &SimArgs) -> Result<()> {
     report.points = measured.iter().map(|m| m.point.clone()).collect();
 
     let out = outputs::out_dir(m.out.as_deref(), "sim");
-    let written = outputs::write(&out, &report, &measured, &m.plots.0)?;
+    let mut written = outputs::write(&out, &report, &measured, &m.plots.0)?;
+    let json = match sim.planned.iter().any(Option::is_some) {
+        true => {
+            let json = with_planner(&report, &sim.planned)?;
+            let path = out.join("report.json");
+            std::fs::write(&path, json.clone() + "\n")
+                .with_context(|| format!("writing {}", path.display()))?;
+            let csv = out.join("planner.csv");
+            std::fs::write(&csv, planner_csv(&report, &sim.planned))
+                .with_context(|| format!("writing {}", csv.display()))?;
+            written.push(csv.display().to_string());
+            json
+        }
+        false => report.to_json(),
+    };
     if m.json {
-        println!("{}", report.to_json());
+        println!("{json}");
     } else {
         print!("{}", report::render_table(&report));
+        print!("{}", planner_table(&report, &sim.planned));
     }
     if let Some(found) = found {
         eprintln!("{}", outputs::search_note(found));
@@ -504,6 +649,48 @@ mod tests {
             "melt:3@1s",
         ] {
             let err = parse_fault(bad).unwrap_err();
+            assert!(err.contains(bad), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn the_delays_default_to_the_simulators() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            sim: SimArgs,
+        }
+        let cli = Cli::parse_from(["kvmesh"]);
+        assert_eq!(
+            cli.sim.startup_delay,
+            kvmesh_sim::autoscale::DEFAULT_STARTUP
+        );
+        assert_eq!(
+            cli.sim.switch_delay,
+            kvmesh_sim::autoscale::DEFAULT_SWITCH_DELAY
+        );
+    }
+
+    #[test]
+    fn changes_parse() {
+        assert_eq!(
+            parse_change("add:prefill@30s").unwrap(),
+            NodeChange {
+                at: Duration::from_secs(30),
+                kind: ChangeKind::Add(Role::Prefill),
+            }
+        );
+        assert_eq!(
+            parse_change("switch:2@1m").unwrap().kind,
+            ChangeKind::Switch(NodeId(2))
+        );
+        assert_eq!(
+            parse_change("drain:0@5s").unwrap().kind,
+            ChangeKind::Drain(NodeId(0))
+        );
+        for bad in ["add:gpu@1s", "drain:x@1s", "drain:1", "grow:1@1s"] {
+            let err = parse_change(bad).unwrap_err();
             assert!(err.contains(bad), "{bad}: {err}");
         }
     }

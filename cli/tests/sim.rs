@@ -269,3 +269,97 @@ fn bad_input_exits_nonzero_with_its_message() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn the_planner_runs_in_the_mesh_and_the_report_bills_its_nodes() {
+    let out = scratch("planner");
+    let config = out.join("planner.toml");
+    std::fs::write(
+        &config,
+        r#"
+        [planner]
+        policy = "load"
+        prefill = { min = 1, max = 4 }
+        decode = { min = 1, max = 4 }
+        [planner.cooldown]
+        up = "5s"
+        down = "10s"
+        down_stable_for = "10s"
+        [planner.load]
+        interval = "2s"
+        prefill_queue_up = 0.25
+        prefill_queue_down = 0.02
+        kv_usage_up = 0.05
+        kv_usage_down = 0.01
+        "#,
+    )
+    .unwrap();
+    let config_arg = config.display().to_string();
+    let output = sim(
+        &out,
+        &[
+            "--decode-nodes",
+            "1",
+            "--prefill-nodes",
+            "1",
+            "--planner",
+            &config_arg,
+            "--startup-delay",
+            "5s",
+            "--workload",
+            "synthetic:input=azure,output=azure",
+            "--load",
+            "steps:5@20s,80@40s,5@60s",
+            "--plots",
+            "none",
+            "--seed",
+            "2",
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("node-hours prefill"), "{stdout}");
+    let r = report(&out);
+    let point = &r["points"][0];
+    assert_eq!(point["slo"]["ok"], point["slo"]["requests"]);
+    let planner = &point["planner"];
+    assert_eq!(planner["policy"], "load");
+    let hours = |role: &str| planner["node_hours"][role].as_f64().unwrap();
+    let duration_h = point["slo"]["duration_s"].as_f64().unwrap() / 3600.0;
+    // At least the two nodes it starts with, for the whole run; more while the load lasted.
+    assert!(hours("prefill") >= duration_h - 1e-9 && hours("decode") >= duration_h - 1e-9);
+    let total = planner["node_hours_total"].as_f64().unwrap();
+    assert!((total - hours("prefill") - hours("decode")).abs() < 1e-9);
+    assert!(total > 2.0 * duration_h, "{planner}");
+    assert!(
+        planner["nodes_requested"].as_u64().unwrap() >= 1,
+        "{planner}"
+    );
+    assert!(planner["timeline"].as_array().unwrap().len() >= 3);
+    assert!(planner["reasons"]["decode"].as_object().is_some());
+    let csv = std::fs::read_to_string(out.join("planner.csv")).unwrap();
+    assert!(csv.starts_with("point,at_s,prefill_serving"));
+
+    // A planner file that does not parse, or does not validate, is refused by name.
+    let bad = out.join("bad.toml");
+    let bad_arg = bad.display().to_string();
+    let out_arg = out.display().to_string();
+    for (text, message) in [
+        ("polcy = \"slo\"", "unknown field `polcy`"),
+        ("[decode]\nmin = 0", "Decode min must be at least 1"),
+    ] {
+        std::fs::write(&bad, text).unwrap();
+        let output = kvmesh(&["sim", "--out", &out_arg, "--planner", &bad_arg]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success());
+        assert!(
+            stderr.contains(&bad_arg) && stderr.contains(message),
+            "{stderr}"
+        );
+    }
+    let output = kvmesh(&["sim", "--out", &out_arg, "--planner", "/nonexistent.toml"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("reading the planner config /nonexistent.toml"),
+        "{stderr}"
+    );
+}

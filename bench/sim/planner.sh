@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The planner benchmark: a day of Azure conversations compressed into an hour of virtual
+# time on simulated H200s (Llama-3.1-8B-FP8), served by
+#   slo        the `slo` planner (bench/sim/planner-slo.toml)
+#   load       the `load` planner (bench/sim/planner-load.toml)
+#   peak       a static allocation sized for the peak
+#   mean       a static allocation sized for the mean
+#   slo-fixed  the `slo` planner with allow_role_switch = false
+# and a table of SLO attainment and node-hours (docs/sim.md, "Planner").
+#
+# The load: requests with the Azure 2023 conversation trace's prompt and output lengths
+# (drawn jointly, row by row), arriving as a day compressed into an hour (`day:MIN..MAX@1h`:
+# a sine from MIN requests/s at midnight to MAX at noon and back). The bundled trace covers
+# one hour, not a day, so the day's shape is the load shape's, its requests the trace's.
+#
+# Usage: bench/sim/planner.sh [--quick]   (--quick: a smaller day in 20 minutes, about a
+# minute in all; the full run takes about 10 minutes and 9 GB of memory)
+# Environment: KVMESH (the binary, default target/release/kvmesh), OUT (default
+# target/bench-sim/planner).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+quick=false
+case "${1:-}" in
+--quick) quick=true ;;
+"") ;;
+*)
+	echo "usage: $0 [--quick]" >&2
+	exit 2
+	;;
+esac
+
+kvmesh=${KVMESH:-target/release/kvmesh}
+out=${OUT:-target/bench-sim/planner}
+if [[ ! -x $kvmesh ]]; then
+	cargo build --release --bin kvmesh
+fi
+
+if $quick; then
+	load=day:12..50@20m
+	requests=40000
+	peak=(2 2) # prefill, decode
+	mean=(1 1)
+else
+	load=day:50..200@1h
+	requests=450000
+	# The smallest static allocation that meets the SLO for 99% of the day's requests.
+	peak=(6 6)
+	# The smallest that meets it for 99% of requests at a constant load of the day's mean
+	# rate (125 requests/s, Poisson).
+	mean=(4 4)
+fi
+common=(
+	--hardware h200-llama8b-fp8
+	--workload synthetic:input=azure,output=azure
+	--load "$load" --requests "$requests"
+	--block-size 64
+	--slo ttft=2s,itl=100ms
+	--startup-delay 30s --switch-delay 5s
+	--seed 1 --plots none
+)
+
+mkdir -p "$out"
+no_switch="$out/planner-slo-no-switch.toml"
+sed 's/^allow_role_switch = true$/allow_role_switch = false/' bench/sim/planner-slo.toml >"$no_switch"
+grep -q '^allow_role_switch = false$' "$no_switch"
+
+run() {
+	local name=$1
+	shift
+	echo "$name: $kvmesh sim ${common[*]} $*" >&2
+	"$kvmesh" sim "${common[@]}" "$@" --out "$out/$name" >"$out/$name.txt" 2>"$out/$name.err"
+}
+
+# The planners start from the allocation for the mean and find their own from there.
+run slo --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench/sim/planner-slo.toml
+run load --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench/sim/planner-load.toml
+run peak --prefill-nodes "${peak[0]}" --decode-nodes "${peak[1]}"
+run mean --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}"
+run slo-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner "$no_switch"
+
+# One row per configuration: a static run's node-hours are its nodes over the run.
+row() {
+	jq -r --arg name "$1" --argjson peak "$2" '
+		.points[0] as $p
+		| ($p.slo.objectives | map({(.objective): .share}) | add) as $o
+		| ($p.planner.node_hours_total // (($p.mesh.nodes | length) * $p.slo.duration_s / 3600)) as $h
+		| ($p.planner // null) as $pl
+		| [ $name,
+		    (if $pl then "\($pl.timeline | map(.prefill_serving) | min)-\($pl.timeline | map(.prefill_serving) | max) + \($pl.timeline | map(.decode_serving) | min)-\($pl.timeline | map(.decode_serving) | max)"
+		     else "\($p.mesh.nodes | map(select(.role == "prefill")) | length) + \($p.mesh.nodes | map(select(.role == "decode")) | length)" end),
+		    "\($p.slo.all.share * 100 * 100 | round / 100)%",
+		    "\($o.ttft * 100 * 100 | round / 100)%",
+		    "\($o.itl * 100 * 100 | round / 100)%",
+		    "\($h * 100 | round / 100)",
+		    (if $peak > 0 then "\($h / $peak * 100 | round)%" else "100%" end),
+		    (if $pl then "\($pl.role_switches)" else "-" end) ]
+		| "| " + join(" | ") + " |"' "$out/$1/report.json"
+}
+peak_hours=$(jq '.points[0] | (.mesh.nodes | length) * .slo.duration_s / 3600' "$out/peak/report.json")
+{
+	echo "load $load, $requests requests, SLO ttft=2s,itl=100ms"
+	echo
+	echo "| configuration | prefill + decode nodes | SLO attainment | TTFT | ITL | node-hours | of peak | role switches |"
+	echo "|---|---|---|---|---|---|---|---|"
+	for name in slo load peak mean slo-fixed; do
+		row "$name" "$peak_hours"
+	done
+} | tee "$out/table.md"
