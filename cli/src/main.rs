@@ -14,6 +14,7 @@ mod local_cluster;
 mod measure_args;
 mod model_args;
 mod node;
+mod planner;
 mod profile;
 mod serve;
 mod sim;
@@ -68,6 +69,9 @@ enum Command {
     /// Simulate the mesh in virtual time (any size, real policies, bench serve's workloads
     /// and reports).
     Sim(Box<sim::SimArgs>),
+    /// Scale prefill and decode capacity of a running mesh against load or SLO targets (one
+    /// active planner per cluster; actuators: local processes, etcd desired counts).
+    Planner(Box<planner::PlannerArgs>),
 }
 
 #[derive(Subcommand)]
@@ -122,6 +126,7 @@ fn main() -> Result<()> {
         Command::Tune(args) => tune::run(&args),
         Command::Profile(args) => profile::run(&args),
         Command::Sim(args) => sim::run(&args),
+        Command::Planner(args) => planner::run(&args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),
         Command::Bench(BenchCommand::Compare(args)) => bench_serve::run_compare(&args),
         Command::Bench(BenchCommand::Plot(args)) => bench_serve::run_plot(&args),

@@ -68,6 +68,24 @@ pub const KV_HELD_BLOCKS: &str = "kvmesh_kvstore_kv_held_blocks";
 pub const PREFIX_INDEX_ENTRIES: &str = "kvmesh_router_prefix_index_entries";
 pub const PREFIX_INDEX_RESYNCS_TOTAL: &str = "kvmesh_router_prefix_index_resyncs_total";
 
+// Planner (`kvmesh planner`; label role where per role).
+/// 1 while this planner holds the cluster's planner lease.
+pub const PLANNER_LEADER: &str = "kvmesh_planner_leader";
+/// Nodes per role: the latest decision's targets, and those alive (discovery).
+pub const PLANNER_DESIRED_NODES: &str = "kvmesh_planner_desired_nodes";
+pub const PLANNER_ACTUAL_NODES: &str = "kvmesh_planner_actual_nodes";
+/// Requests per second the routers saw over the last observation interval.
+pub const PLANNER_ARRIVAL_RATE: &str = "kvmesh_planner_arrival_rate";
+/// TTFT and ITL over the last observation interval (label quantile: 0.5, 0.99).
+pub const PLANNER_TTFT_SECONDS: &str = "kvmesh_planner_ttft_seconds";
+pub const PLANNER_ITL_SECONDS: &str = "kvmesh_planner_itl_seconds";
+/// Decisions by role and reason (label reason: the kind of `kvmesh_planner::Reason`).
+pub const PLANNER_DECISIONS_TOTAL: &str = "kvmesh_planner_decisions_total";
+/// Node-seconds per role while this planner led: what the mesh cost.
+pub const PLANNER_NODE_SECONDS_TOTAL: &str = "kvmesh_planner_node_seconds_total";
+/// Decisions the actuator failed to carry out.
+pub const PLANNER_ACTUATION_FAILURES_TOTAL: &str = "kvmesh_planner_actuation_failures_total";
+
 // Histogram bucket upper bounds (seconds), one list per histogram.
 pub const ROUTER_TTFT_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -6,10 +6,12 @@
 //! touches etcd, and keep serving the last known membership while etcd is away.
 
 mod config;
+mod leader;
 mod lease;
 mod watch;
 
 pub use config::EtcdConfig;
+pub use leader::{duty_key, Leadership};
 pub use lease::NodeLease;
 
 use crate::{Discovery, EtcdPrefixIndex, NodeEntry, StoreError};

@@ -25,7 +25,7 @@ pub mod prefix;
 
 pub use discovery::{Discovery, InMemoryDiscovery, NodeEntry};
 pub use error::StoreError;
-pub use etcd::{EtcdConfig, EtcdDiscovery, NodeLease};
+pub use etcd::{duty_key, EtcdConfig, EtcdDiscovery, Leadership, NodeLease};
 pub use etcd_server::{EtcdServer, EtcdServerError};
 pub use prefix::{
     EtcdPrefixIndex, InMemoryPrefixIndex, KvEventPublisher, PrefixIndex, PublisherStats, Tier,

@@ -1,0 +1,296 @@
+//! What the planner sees of a running mesh, from what the mesh already publishes: the nodes
+//! and their load reports (etcd discovery), and the routers' Prometheus counters and
+//! histograms, read twice and differenced over the interval between.
+//!
+//! Approximations, stated: a load report counts waiting requests, not their tokens, so a
+//! prefill node's queued tokens are its waiting and running requests times the mean prompt
+//! length the routers saw; engine step samples are not published, so the SLO policy's
+//! performance model stays at its seed (`kvmesh profile`).
+
+use kvmesh_common::metrics as names;
+use kvmesh_kvstore::NodeEntry;
+use kvmesh_planner::{LatencyQuantiles, Observation};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// The router metrics the planner reads, summed over every router and label set.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RouterTotals {
+    pub requests: f64,
+    pub prompt_tokens: f64,
+    pub generation_tokens: f64,
+    /// Cumulative bucket counts by upper bound (`le`), as Prometheus exposes them.
+    pub ttft: Histogram,
+    pub itl: Histogram,
+}
+
+/// A cumulative histogram: count at or below each bound.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Histogram(BTreeMap<Bound, f64>);
+
+/// A bucket's upper bound, ordered (`+Inf` last).
+#[derive(Clone, Copy, Debug, PartialEq, PartialOrd)]
+pub struct Bound(pub f64);
+
+impl Eq for Bound {}
+
+impl Ord for Bound {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
+}
+
+impl Histogram {
+    fn add(&mut self, le: f64, count: f64) {
+        *self.0.entry(Bound(le)).or_default() += count;
+    }
+
+    /// The counts of `self` minus those of `before` (a later scrape minus an earlier one).
+    fn since(&self, before: &Histogram) -> Histogram {
+        Histogram(
+            self.0
+                .iter()
+                .map(|(b, c)| (*b, (c - before.0.get(b).copied().unwrap_or(0.0)).max(0.0)))
+                .collect(),
+        )
+    }
+
+    /// The `q` quantile, interpolated linearly within its bucket (Prometheus'
+    /// `histogram_quantile`); `None` without samples. A quantile in the `+Inf` bucket is the
+    /// largest finite bound.
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        let total = self.0.values().copied().fold(0.0, f64::max);
+        if total <= 0.0 {
+            return None;
+        }
+        let rank = q * total;
+        let mut lower = (0.0, 0.0);
+        for (&Bound(le), &count) in &self.0 {
+            if count >= rank {
+                if le.is_infinite() {
+                    return Some(lower.0);
+                }
+                let width = count - lower.1;
+                let within = if width > 0.0 {
+                    (rank - lower.1) / width
+                } else {
+                    1.0
+                };
+                return Some(lower.0 + (le - lower.0) * within);
+            }
+            lower = (le, count);
+        }
+        Some(lower.0)
+    }
+}
+
+impl RouterTotals {
+    /// What happened between an earlier reading `before` and this one (a router that
+    /// restarted in between reads as having done nothing).
+    pub fn since(&self, before: &RouterTotals) -> RouterTotals {
+        RouterTotals {
+            requests: (self.requests - before.requests).max(0.0),
+            prompt_tokens: (self.prompt_tokens - before.prompt_tokens).max(0.0),
+            generation_tokens: (self.generation_tokens - before.generation_tokens).max(0.0),
+            ttft: self.ttft.since(&before.ttft),
+            itl: self.itl.since(&before.itl),
+        }
+    }
+
+    /// Adds `other`'s counts (another router's).
+    pub fn add(&mut self, other: &RouterTotals) {
+        self.requests += other.requests;
+        self.prompt_tokens += other.prompt_tokens;
+        self.generation_tokens += other.generation_tokens;
+        for (b, c) in &other.ttft.0 {
+            self.ttft.add(b.0, *c);
+        }
+        for (b, c) in &other.itl.0 {
+            self.itl.add(b.0, *c);
+        }
+    }
+
+    /// Adds what one router's `/metrics` page says.
+    pub fn add_page(&mut self, text: &str) {
+        for line in text.lines().filter(|l| !l.starts_with('#')) {
+            let Some((series, value)) = line.rsplit_once(' ') else {
+                continue;
+            };
+            let Ok(value) = value.trim().parse::<f64>() else {
+                continue;
+            };
+            let (name, labels) = series.split_once('{').unwrap_or((series, ""));
+            match name {
+                names::ROUTER_REQUESTS_TOTAL => self.requests += value,
+                names::ROUTER_PROMPT_TOKENS_TOTAL => self.prompt_tokens += value,
+                names::ROUTER_GENERATION_TOKENS_TOTAL => self.generation_tokens += value,
+                _ => {
+                    let Some(histogram) = name.strip_suffix("_bucket").and_then(|h| {
+                        (h == names::ROUTER_TTFT_SECONDS)
+                            .then_some(&mut self.ttft)
+                            .or((h == names::ROUTER_ITL_SECONDS).then_some(&mut self.itl))
+                    }) else {
+                        continue;
+                    };
+                    if let Some(le) = label(labels, "le").and_then(|v| v.parse().ok()) {
+                        histogram.add(le, value);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The value of label `name` in `a="x",le="0.5"}`.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    labels.trim_end_matches('}').split(',').find_map(|pair| {
+        let (k, v) = pair.split_once('=')?;
+        (k.trim() == name).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// The observation for an interval of `elapsed` in which the routers did `window` (the sum
+/// of their [`RouterTotals::since`]), with the nodes as discovery lists them now.
+pub fn observation(
+    prefill: &[NodeEntry],
+    decode: &[NodeEntry],
+    window: &RouterTotals,
+    elapsed: Duration,
+) -> Observation {
+    let requests = window.requests;
+    let per_request = |total: f64| {
+        if requests > 0.0 {
+            total / requests
+        } else {
+            0.0
+        }
+    };
+    let mean_prompt_tokens = per_request(window.prompt_tokens);
+    let mean_output_tokens = per_request(window.generation_tokens);
+    let quantiles = |h: &Histogram| {
+        Some(LatencyQuantiles {
+            p50: secs(h.quantile(0.5)?),
+            p99: secs(h.quantile(0.99)?),
+        })
+    };
+    Observation {
+        arrival_rate: requests / elapsed.as_secs_f64().max(1e-3),
+        mean_prompt_tokens,
+        mean_output_tokens,
+        prefix_hit_rate: 0.0,
+        prefill_queued_tokens: prefill
+            .iter()
+            .map(|n| ((n.load.waiting + n.load.running) as f64 * mean_prompt_tokens) as u64)
+            .collect(),
+        decode_running: decode.iter().map(|n| n.load.running as u32).collect(),
+        decode_kv_usage: decode
+            .iter()
+            .map(|n| n.load.kv_blocks_used as f64 / n.info.kv_blocks_total.max(1) as f64)
+            .collect(),
+        ttft: quantiles(&window.ttft),
+        itl: quantiles(&window.itl),
+        prefill_nodes: prefill.len() as u32,
+        decode_nodes: decode.len() as u32,
+        steps: Vec::new(),
+    }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvmesh_common::{LoadReport, ModelFingerprint, NodeId, NodeInfo, NodeRole};
+
+    fn page(requests: f64, prompt: f64, output: f64, ttft: &[(&str, f64)]) -> String {
+        let mut s = format!(
+            "# HELP x\n{r}{{endpoint=\"chat\",status=\"200\"}} {a}\n{r}{{endpoint=\"completions\",status=\"429\"}} {b}\n{p} {prompt}\n{g} {output}\n",
+            r = names::ROUTER_REQUESTS_TOTAL,
+            a = requests - 1.0,
+            b = 1.0,
+            p = names::ROUTER_PROMPT_TOKENS_TOTAL,
+            g = names::ROUTER_GENERATION_TOKENS_TOTAL,
+        );
+        for (le, c) in ttft {
+            s += &format!(
+                "{}_bucket{{endpoint=\"chat\",le=\"{le}\"}} {c}\n",
+                names::ROUTER_TTFT_SECONDS
+            );
+        }
+        s
+    }
+
+    fn node(role: NodeRole, running: usize, waiting: usize, used: usize) -> NodeEntry {
+        NodeEntry {
+            info: NodeInfo {
+                node_id: NodeId(running as u64 * 100 + waiting as u64),
+                role,
+                address: "127.0.0.1:1".into(),
+                transfer_address: String::new(),
+                model_fingerprint: ModelFingerprint(1),
+                block_size: 16,
+                kv_blocks_total: 100,
+            },
+            load: LoadReport {
+                running,
+                waiting,
+                kv_blocks_used: used,
+            },
+        }
+    }
+
+    #[test]
+    fn two_readings_make_rates_means_and_quantiles_of_the_interval() {
+        let mut before = RouterTotals::default();
+        before.add_page(&page(
+            10.0,
+            1000.0,
+            100.0,
+            &[("0.1", 5.0), ("1", 10.0), ("+Inf", 10.0)],
+        ));
+        let mut after = RouterTotals::default();
+        // 20 more requests, 4,000 prompt tokens, 600 output tokens; their TTFTs: 10 under
+        // 0.1 s, 10 between 0.1 and 1 s.
+        after.add_page(&page(
+            30.0,
+            5000.0,
+            700.0,
+            &[("0.1", 15.0), ("1", 30.0), ("+Inf", 30.0)],
+        ));
+        let prefill = [node(NodeRole::Prefill, 1, 3, 0)];
+        let decode = [
+            node(NodeRole::Decode, 7, 0, 25),
+            node(NodeRole::Decode, 2, 0, 50),
+        ];
+        let o = observation(
+            &prefill,
+            &decode,
+            &after.since(&before),
+            Duration::from_secs(10),
+        );
+        assert_eq!(o.arrival_rate, 2.0);
+        assert_eq!(o.mean_prompt_tokens, 200.0);
+        assert_eq!(o.mean_output_tokens, 30.0);
+        assert_eq!(o.prefill_queued_tokens, vec![800]);
+        assert_eq!(o.decode_running, vec![7, 2]);
+        assert_eq!(o.decode_kv_usage, vec![0.25, 0.5]);
+        assert_eq!((o.prefill_nodes, o.decode_nodes), (1, 2));
+        let ttft = o.ttft.unwrap();
+        // The median is the 10th of 20: the top of the first bucket.
+        assert_eq!(ttft.p50, Duration::from_millis(100));
+        // The p99 is 19.8 of 20: 98% of the way through the second bucket.
+        assert!((ttft.p99.as_secs_f64() - (0.1 + 0.9 * 0.98)).abs() < 1e-9);
+        assert!(o.itl.is_none(), "no ITL samples: no quantiles");
+    }
+
+    #[test]
+    fn a_quantile_past_the_last_finite_bound_is_that_bound() {
+        let mut h = Histogram::default();
+        h.add(0.5, 1.0);
+        h.add(f64::INFINITY, 10.0);
+        assert_eq!(h.quantile(0.99), Some(0.5));
+        assert_eq!(Histogram::default().quantile(0.5), None);
+    }
+}
