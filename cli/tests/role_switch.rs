@@ -4,12 +4,15 @@
 //! complete with exactly its greedy text (the same prompt asked again on the idle mesh
 //! afterwards); the switched node must show up in its new role in etcd and take work in it
 //! from the router, announce its warm KV cache again, and never load the model a second
-//! time (it is the same process throughout).
+//! time (it is the same process throughout). A second switch while one runs, and a switch
+//! while the node drains for shutdown, are refused.
 
 mod cluster;
 
 use cluster::*;
-use kvmesh_common::{NodeId, NodeRole};
+use kvmesh_common::grpc::{generate_request_to_pb, pb, Placement};
+use kvmesh_common::tls::grpc_endpoint;
+use kvmesh_common::{GenerateRequest, NodeId, NodeRole, RequestId, SamplingParams};
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -17,6 +20,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
+use tonic::Code;
 
 const CLIENTS: usize = 4;
 const MAX_TOKENS: u32 = 16;
@@ -275,6 +279,7 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
         let health = rt.block_on(node_health(&b, NodeRole::Decode, None));
         health.load.map_or(0, |l| l.running)
     };
+    let role = || rt.block_on(node_health(&b, NodeRole::Decode, None)).role();
 
     let progress = Progress::default();
     let next = AtomicUsize::new(0);
@@ -341,13 +346,23 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
         });
         await_value("prefills running on the node", running, |&n| n > 0);
         let t = Instant::now();
-        let (ok, out) = kvmesh_node(&["switch-role", "--addr", &b, "--to", "decode"]);
+        let back = s.spawn(|| kvmesh_node(&["switch-role", "--addr", &b, "--to", "decode"]));
+        // While the node finishes its prefills, a second switch is refused.
+        await_value("the node switching", role, |&r| {
+            r == pb::NodeRole::Unspecified
+        });
+        let refused = rt.block_on(switch_rpc(&b, NodeRole::Prefill)).unwrap_err();
+        assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+        assert!(refused.message().contains("in progress"), "{refused}");
+        let (ok, out) = back.join().unwrap();
         switch_times.push(t.elapsed());
         long_sent.store(true, Ordering::Relaxed);
         assert!(ok && out.contains("serves decode now"), "{out}");
         assert!(!out.contains("drain timeout"), "{out}");
         long_client.join().unwrap();
         await_role(&rt, &discovery, switched_id, NodeRole::Decode, (1, 2));
+        let (ok, out) = kvmesh_node(&["status", "--addr", &b]);
+        assert!(ok && out.contains(&format!("at {b}: decode;")), "{out}");
         await_value(
             "decodes on the node switched back",
             || served(NodeRole::Decode),
@@ -413,4 +428,82 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
     );
     // The switched node finished its streams itself: none had to move to another node.
     assert_eq!(migrations, 0.0, "streams were cut by a switch");
+
+    rt.block_on(a_draining_node_refuses_a_switch(&b));
+    let exit = switched.child.wait().unwrap();
+    assert!(exit.success(), "the drained node exits cleanly: {exit}");
+}
+
+/// `Node.SwitchRole` over gRPC.
+async fn switch_rpc(addr: &str, to: NodeRole) -> Result<pb::SwitchRoleReply, tonic::Status> {
+    let channel = grpc_endpoint(addr, None)
+        .unwrap()
+        .connect()
+        .await
+        .expect("the node answers");
+    let to = kvmesh_common::grpc::node_role_to_pb(to) as i32;
+    pb::node_client::NodeClient::new(channel)
+        .switch_role(pb::SwitchRoleRequest { to })
+        .await
+        .map(tonic::Response::into_inner)
+}
+
+/// With a long stream open on the decode node at `addr`, a `Drain` and then a switch: the
+/// switch is refused, and the stream still runs to its end before the node exits.
+async fn a_draining_node_refuses_a_switch(addr: &str) {
+    let channel = grpc_endpoint(addr, None)
+        .unwrap()
+        .connect()
+        .await
+        .expect("the node answers");
+    let mut decode = pb::decode_client::DecodeClient::new(channel);
+    let request = GenerateRequest {
+        request_id: RequestId(77),
+        prompt: (0..40).map(|i| 1000 + i * 37).collect(),
+        params: SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(200)
+        },
+        resume: Vec::new(),
+    };
+    let call = generate_request_to_pb(&request, &Placement::default());
+    let mut events = decode.generate(call).await.expect("generate").into_inner();
+    let first = events.message().await.expect("an event");
+    assert!(first.is_some(), "the stream started");
+    decode.drain(pb::DrainRequest {}).await.expect("drain");
+    let refused = switch_rpc(addr, NodeRole::Prefill).await.unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
+    assert!(
+        refused.message().contains("draining for shutdown"),
+        "{refused}"
+    );
+    let mut tokens = 1;
+    let mut finished = false;
+    while let Some(event) = events.message().await.expect("the stream goes on") {
+        match event.event {
+            Some(pb::generate_event::Event::Token(_)) => tokens += 1,
+            Some(pb::generate_event::Event::Finished(_)) => finished = true,
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+    assert!(
+        finished && tokens == 200,
+        "{tokens} tokens, finished: {finished}"
+    );
+}
+
+#[test]
+fn bad_switch_requests_get_clear_errors() {
+    let (ok, out) = kvmesh_node(&["switch-role", "--addr", "127.0.0.1:1", "--to", "router"]);
+    assert!(
+        !ok && out.contains("possible values: prefill, decode"),
+        "{out}"
+    );
+    let (ok, out) = kvmesh_node(&["switch-role", "--addr", "127.0.0.1:1", "--to", "decode"]);
+    assert!(
+        !ok && out.contains("connecting to the node at 127.0.0.1:1"),
+        "{out}"
+    );
+    let (ok, out) = kvmesh_node(&["status", "--addr", "not an address"]);
+    assert!(!ok && out.contains("is not a node address"), "{out}");
 }
