@@ -21,10 +21,13 @@ use kvmesh_common::NodeInfo;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
 use kvmesh_kvstore::{EtcdDiscovery, KvEventPublisher, NodeLease};
+use kvmesh_transfer::crossbeam_channel::Receiver;
 use kvmesh_worker::KvCacheService;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
 use tonic::Status;
 
 /// Runs the node until it has drained after a signal or `Drain`. `info` names the role it
@@ -42,32 +45,13 @@ pub async fn run_node<R: ModelRunner + 'static>(
         super::metrics::serve(addr);
     }
     let node = info.node_id;
-    let (worker, mut returned) = kit.start(info.role, engine)?;
+    let (first, mut returned) = kit.start(info.role, engine)?;
     let (switch_tx, mut switches) = mpsc::unbounded_channel();
-    let board = Arc::new(Switchboard::new(worker.serving().clone(), switch_tx)?);
-    let mut worker = Some(worker);
+    let board = Arc::new(Switchboard::new(first.serving().clone(), switch_tx)?);
+    let mut worker = Some(first);
     let role_metrics = RoleMetrics::new(node);
-    role_metrics.serving(Some(info.role));
-
-    let listen = args.listen()?;
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server
-            .tls_config(tls.grpc_server())
-            .context("gRPC server TLS")?;
-    }
-    let kv_cache = KvCacheService::new(board.clone(), kit.learn.clone());
-    let server = server
-        .add_service(pb::decode_server::DecodeServer::from_arc(board.clone()))
-        .add_service(pb::prefill_server::PrefillServer::from_arc(board.clone()))
-        .add_service(kv_cache.into_server())
-        .add_service(pb::node_server::NodeServer::from_arc(board.clone()))
-        .serve_with_shutdown(listen, async {
-            let _ = stopped.await;
-        });
-    let server = tokio::spawn(server);
-    tracing::info!(%node, role = info.role.as_str(), listen = %listen, "serving");
+    let (server, stop) = serve_front(&board, &kit, args.listen()?, tls)?;
+    tracing::info!(%node, role = info.role.as_str(), "serving");
     {
         let board = board.clone();
         tokio::spawn(async move {
@@ -78,11 +62,8 @@ pub async fn run_node<R: ModelRunner + 'static>(
 
     // A switch answers once the node is registered in its new role.
     let mut answer: Option<(SwitchCall, SwitchDone)> = None;
-    loop {
-        info.role = worker
-            .as_ref()
-            .expect("a worker serves between switches")
-            .role();
+    while let Some(current) = &worker {
+        info.role = current.role();
         let lease = register(discovery, info.clone(), kv_events).await?;
         role_metrics.serving(Some(info.role));
         if let Some((call, mut done)) = answer.take() {
@@ -98,52 +79,29 @@ pub async fn run_node<R: ModelRunner + 'static>(
             break;
         };
         role_metrics.serving(None);
-        let from = info.role;
-        tracing::info!(%node, from = from.as_str(), to = call.to.as_str(),
+        tracing::info!(%node, from = info.role.as_str(), to = call.to.as_str(),
             "switching roles: left the mesh; finishing the accepted requests");
-        let old = worker.take().expect("a worker serves until it is drained");
-        let drain = drain(old, args.drain_timeout).await?;
-        let Ok(engine) = returned.try_recv() else {
-            let e = "the old role's worker did not hand back its engine (its thread panicked)";
-            let _ = call.reply.send(Err(Status::internal(e)));
-            let _ = stop.send(());
-            anyhow::bail!("{e}");
-        };
-        let finished = board.machine().finish_switch();
-        let to = match finished {
-            Ok(to) => to,
-            Err(e) => {
-                // A shutdown began meanwhile: the old worker has drained, the node stops.
-                let _ = call
-                    .reply
-                    .send(Err(Status::failed_precondition(e.to_string())));
-                break;
+        let old = worker.take().expect("the loop runs while a worker serves");
+        match flip(old, &returned, &board, &kit, args.drain_timeout).await {
+            Ok(Some((next, back, done))) => {
+                worker = Some(next);
+                returned = back;
+                answer = Some((call, done));
             }
-        };
-        let (next, back) = match kit.start(to, engine) {
-            Ok(started) => started,
-            Err(e) => {
-                let _ = call.reply.send(Err(Status::internal(format!(
-                    "starting the {} worker: {e:#}",
-                    to.as_str()
-                ))));
+            // A shutdown began meanwhile: the old worker has drained, the node stops.
+            Ok(None) => {
+                let _ = call.reply.send(Err(Status::failed_precondition(
+                    "the node is draining for shutdown",
+                )));
+            }
+            Err(status) => {
+                let failed = anyhow::anyhow!("switching roles: {}", status.message());
+                let _ = call.reply.send(Err(status));
                 board.shut_down();
                 let _ = stop.send(());
-                return Err(e);
+                return Err(failed);
             }
-        };
-        board.hand_over(next.serving().clone(), drain.requests_total);
-        worker = Some(next);
-        returned = back;
-        answer = Some((
-            call,
-            SwitchDone {
-                role: to,
-                drained: drain.finished,
-                seconds: 0.0,
-                drain_seconds: drain.seconds,
-            },
-        ));
+        }
     }
     // Switches asked for as the shutdown began.
     while let Ok(call) = switches.try_recv() {
@@ -156,6 +114,79 @@ pub async fn run_node<R: ModelRunner + 'static>(
     }
     let _ = stop.send(());
     server.await?.context("gRPC server")
+}
+
+/// The front end's server task, and what stops it.
+type Front = (
+    JoinHandle<Result<(), tonic::transport::Error>>,
+    oneshot::Sender<()>,
+);
+
+/// Serves the node's front end on `listen` (mutual TLS with `tls`) until `stop` is sent.
+fn serve_front(
+    board: &Arc<Switchboard>,
+    kit: &RoleKit,
+    listen: SocketAddr,
+    tls: Option<&ClusterTls>,
+) -> Result<Front> {
+    let (stop, stopped) = oneshot::channel::<()>();
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server
+            .tls_config(tls.grpc_server())
+            .context("gRPC server TLS")?;
+    }
+    let kv_cache = KvCacheService::new(board.clone(), kit.learn.clone());
+    let server = server
+        .add_service(pb::decode_server::DecodeServer::from_arc(board.clone()))
+        .add_service(pb::prefill_server::PrefillServer::from_arc(board.clone()))
+        .add_service(kv_cache.into_server())
+        .add_service(pb::node_server::NodeServer::from_arc(board.clone()))
+        .serve_with_shutdown(listen, async {
+            let _ = stopped.await;
+        });
+    tracing::info!(%listen, "gRPC: Decode, Prefill, KvCache, Node");
+    Ok((tokio::spawn(server), stop))
+}
+
+/// A role's worker started over the engine the old one handed back, the receiver its own
+/// engine will come back on, and how the switch went so far.
+type Flipped<R> = (RoleWorker, Receiver<LlmEngine<R>>, SwitchDone);
+
+/// The middle of a switch, once the node has left the mesh: drains the old role's worker,
+/// takes its engine back and starts the new role's worker over it (to be registered).
+/// `None` when a shutdown began meanwhile; an error (for the caller of the switch) when the
+/// engine did not come back or the new worker did not start.
+async fn flip<R: ModelRunner + 'static>(
+    old: RoleWorker,
+    returned: &Receiver<LlmEngine<R>>,
+    board: &Switchboard,
+    kit: &RoleKit,
+    timeout: Duration,
+) -> Result<Option<Flipped<R>>, Status> {
+    let drain = drain(old, timeout)
+        .await
+        .map_err(|e| Status::internal(format!("draining the old role's worker: {e:#}")))?;
+    let Ok(engine) = returned.try_recv() else {
+        return Err(Status::internal(
+            "the old role's worker did not hand back its engine (its thread panicked)",
+        ));
+    };
+    let finished = board.machine().finish_switch();
+    let Ok(to) = finished else {
+        return Ok(None);
+    };
+    let (next, back) = kit
+        .start(to, engine)
+        .map_err(|e| Status::internal(format!("starting the {} worker: {e:#}", to.as_str())))?;
+    board.hand_over(next.serving().clone(), drain.requests_total);
+    let done = SwitchDone {
+        role: to,
+        drained: drain.finished,
+        seconds: 0.0,
+        drain_seconds: drain.seconds,
+    };
+    Ok(Some((next, back, done)))
 }
 
 /// Registers `info` and starts publishing the node's prefix-cache changes under its lease.
