@@ -146,7 +146,7 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     let report: Value =
         serde_json::from_str(&std::fs::read_to_string(report_dir.join("report.json")).unwrap())
             .unwrap();
-    let point = &report["points"][0];
+    let point = &report["points"][0]["slo"];
     assert!(point["requests"].as_u64().unwrap() > 100, "{point}");
     assert_eq!(point["failed"], 0, "{}", point["errors"]);
     assert_eq!(point["ok"], point["requests"], "{point}");
