@@ -5,7 +5,8 @@
 //! afterwards); the switched node must show up in its new role in etcd and take work in it
 //! from the router, announce its warm KV cache again, and never load the model a second
 //! time (it is the same process throughout). A second switch while one runs, and a switch
-//! while the node drains for shutdown, are refused.
+//! while the node drains for shutdown, are refused. At the end the prefill node, started as
+//! one, becomes a decode node and serves as one.
 
 mod cluster;
 
@@ -428,6 +429,30 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
     );
     // The switched node finished its streams itself: none had to move to another node.
     assert_eq!(migrations, 0.0, "streams were cut by a switch");
+
+    // A node started as a prefill node becomes a decode node too (with the decode
+    // defaults), and the router sends it requests: the mesh is three decode nodes now.
+    let p = prefill_addr.to_string();
+    let (ok, out) = kvmesh_node(&["switch-role", "--addr", &p, "--to", "decode"]);
+    assert!(ok && out.contains("serves decode now"), "{out}");
+    rt.block_on(await_membership(&discovery, 0, 3, Duration::from_secs(10)));
+    for (i, o) in outcomes.iter().take(6) {
+        let (status, v) = post(router_addr, "/v1/completions", &body(*i, false));
+        assert_eq!(
+            status, 200,
+            "request {i} after the prefill node's switch: {v}"
+        );
+        assert_eq!(
+            v["choices"][0]["text"].as_str().unwrap(),
+            o.text,
+            "request {i}"
+        );
+    }
+    let decoded = rt.block_on(requests_served(&p, NodeRole::Decode));
+    assert!(
+        decoded > 0,
+        "the router sent nothing to the former prefill node"
+    );
 
     rt.block_on(a_draining_node_refuses_a_switch(&b));
     let exit = switched.child.wait().unwrap();
