@@ -3,9 +3,8 @@
 //!
 //! No I/O and no clock: the caller hands [`Planner::observe`] what the mesh publishes (an
 //! [`Observation`]) and asks [`Planner::decide`] for a [`Decision`] every interval, passing
-//! `now` each time. Actuators (local processes, docker compose, Kubernetes), the
-//! `kvmesh planner` command, leader election and the simulator's use of it are built on top
-//! (not yet: see the crate's README).
+//! `now` each time. The `kvmesh planner` command (actuators, leader election, metrics) and
+//! `kvmesh sim --planner` are built on top (see the crate's README).
 //!
 //! Two policies ([`Policy`]):
 //! - `load`: Dynamo-style reactive thresholds (queued prefill tokens per node in context
