@@ -22,7 +22,7 @@ use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
 use kvmesh_kvstore::{EtcdDiscovery, KvEventPublisher, NodeLease};
 use kvmesh_transfer::crossbeam_channel::Receiver;
-use kvmesh_worker::KvCacheService;
+use kvmesh_worker::{KvCacheService, RoleState};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -172,14 +172,18 @@ async fn flip<R: ModelRunner + 'static>(
             "the old role's worker did not hand back its engine (its thread panicked)",
         ));
     };
-    let finished = board.machine().finish_switch();
-    let Ok(to) = finished else {
-        return Ok(None);
+    let RoleState::Switching { to, .. } = board.state() else {
+        return Ok(None); // a shutdown began
     };
     let (next, back) = kit
         .start(to, engine)
         .map_err(|e| Status::internal(format!("starting the {} worker: {e:#}", to.as_str())))?;
-    board.hand_over(next.serving().clone(), drain.requests_total);
+    if !board.finish_switch(next.serving().clone(), drain.requests_total) {
+        // A shutdown began while the worker started; it has taken nothing (the node is not
+        // registered), so it stops at once.
+        let _ = tokio::task::spawn_blocking(move || next.drain_and_join(Duration::ZERO)).await;
+        return Ok(None);
+    }
     let done = SwitchDone {
         role: to,
         drained: drain.finished,

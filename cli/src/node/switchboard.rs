@@ -10,12 +10,14 @@ use super::roles::Serving;
 use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::{NodeId, NodeRole};
 use kvmesh_decode::DecodeService;
+use kvmesh_prefill::PrefillService;
 use kvmesh_transfer::crossbeam_channel::Sender;
 use kvmesh_worker::{
-    ExportError, ExportReply, ExportRequest, KvExporter, RoleMachine, SwitchError, SwitchPlan,
+    ExportError, ExportReply, ExportRequest, KvExporter, RoleMachine, RoleState, SwitchError,
+    SwitchPlan,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tonic::{Request, Response, Status};
@@ -41,16 +43,20 @@ pub struct SwitchDone {
 
 pub struct Switchboard {
     node_id: NodeId,
-    machine: Mutex<RoleMachine>,
-    /// The worker calls go to: the current role's, or mid-switch the old one's (draining, so
-    /// it refuses new requests) until the new one starts.
-    serving: RwLock<Serving>,
+    /// The role state and the worker calls go to, changed together: mid-switch the worker is
+    /// the old role's (draining, so it refuses new requests) until the new one takes over.
+    now: Mutex<Now>,
     /// Requests accepted by the services of workers that handed over, by role.
     retired_prefill: AtomicU64,
     retired_decode: AtomicU64,
     switches: mpsc::UnboundedSender<SwitchCall>,
     /// Wakes the driver when a shutdown is asked for.
     shutdown: Notify,
+}
+
+struct Now {
+    machine: RoleMachine,
+    serving: Serving,
 }
 
 impl Switchboard {
@@ -65,8 +71,7 @@ impl Switchboard {
         };
         Ok(Switchboard {
             node_id,
-            machine: Mutex::new(machine),
-            serving: RwLock::new(serving),
+            now: Mutex::new(Now { machine, serving }),
             retired_prefill: AtomicU64::new(0),
             retired_decode: AtomicU64::new(0),
             switches,
@@ -74,24 +79,31 @@ impl Switchboard {
         })
     }
 
-    pub fn machine(&self) -> std::sync::MutexGuard<'_, RoleMachine> {
-        self.machine.lock().unwrap_or_else(|e| e.into_inner())
+    fn now(&self) -> std::sync::MutexGuard<'_, Now> {
+        self.now.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    pub fn state(&self) -> RoleState {
+        self.now().machine.state()
+    }
+
+    /// The worker calls go to now.
     pub fn serving(&self) -> Serving {
-        self.serving
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.now().serving.clone()
     }
 
-    /// Calls go to `next` from now on; `requests_total` is what the worker it replaces
-    /// accepted (health replies keep counting from there).
-    pub fn hand_over(&self, next: Serving, requests_total: u64) {
-        let mut serving = self.serving.write().unwrap_or_else(|e| e.into_inner());
-        self.retired(serving.role())
+    /// Ends the switch in progress: calls go to `next` from now on (`requests_total` is what
+    /// the worker it replaces accepted; health replies keep counting from there). False, and
+    /// `next` is not used, when a shutdown began meanwhile.
+    pub fn finish_switch(&self, next: Serving, requests_total: u64) -> bool {
+        let mut now = self.now();
+        if now.machine.finish_switch().is_err() {
+            return false;
+        }
+        self.retired(now.serving.role())
             .fetch_add(requests_total, Ordering::Relaxed);
-        *serving = next;
+        now.serving = next;
+        true
     }
 
     fn retired(&self, role: NodeRole) -> &AtomicU64 {
@@ -104,66 +116,77 @@ impl Switchboard {
     /// Starts draining for shutdown (a signal or `Drain`): the worker stops taking requests
     /// and the driver takes the node out of the mesh.
     pub fn shut_down(&self) {
-        if self.machine().begin_shutdown() {
-            tracing::info!("drain requested");
-        }
-        self.serving().drain();
+        let serving = {
+            let mut now = self.now();
+            if now.machine.begin_shutdown() {
+                tracing::info!("drain requested");
+            }
+            now.serving.clone()
+        };
+        serving.drain();
         self.shutdown.notify_one();
-    }
-
-    pub fn is_shutting_down(&self) -> bool {
-        self.machine().state() == kvmesh_worker::RoleState::ShuttingDown
     }
 
     /// Resolves once a shutdown has been asked for (also one asked for before the call).
     pub async fn shutdown_asked(&self) {
-        while !self.is_shutting_down() {
+        while self.state() != RoleState::ShuttingDown {
             self.shutdown.notified().await;
         }
     }
 
-    /// The services of `role` when the node serves it now, else why not.
-    fn serving_as(&self, role: NodeRole) -> Result<Serving, Status> {
-        let serving = self.serving();
-        match self.machine().state() {
-            kvmesh_worker::RoleState::Serving(r) if r == role => Ok(serving),
-            kvmesh_worker::RoleState::Serving(r) => Err(Status::unavailable(format!(
-                "node {} serves the {} role, not {}",
-                self.node_id,
+    /// The decode service, while the node serves the decode role.
+    fn decode(&self) -> Result<Arc<DecodeService>, Status> {
+        let now = self.now();
+        match (now.machine.serving(), &now.serving) {
+            (Some(NodeRole::Decode), Serving::Decode(service, _)) => Ok(service.clone()),
+            _ => Err(self.refusal(now.machine.state(), NodeRole::Decode)),
+        }
+    }
+
+    /// The prefill service, while the node serves the prefill role.
+    fn prefill(&self) -> Result<Arc<PrefillService>, Status> {
+        let now = self.now();
+        match (now.machine.serving(), &now.serving) {
+            (Some(NodeRole::Prefill), Serving::Prefill(service, _)) => Ok(service.clone()),
+            _ => Err(self.refusal(now.machine.state(), NodeRole::Prefill)),
+        }
+    }
+
+    /// Why a call for `role` is refused in `state`.
+    fn refusal(&self, state: RoleState, role: NodeRole) -> Status {
+        let node = self.node_id;
+        Status::unavailable(match state {
+            RoleState::Serving(r) => format!(
+                "node {node} serves the {} role, not {}",
                 r.as_str(),
                 role.as_str()
-            ))),
-            kvmesh_worker::RoleState::Switching { from, to } => Err(Status::unavailable(format!(
-                "node {} is switching from {} to {}",
-                self.node_id,
+            ),
+            RoleState::Switching { from, to } => format!(
+                "node {node} is switching from {} to {}",
                 from.as_str(),
                 to.as_str()
-            ))),
-            kvmesh_worker::RoleState::ShuttingDown => Err(Status::unavailable(format!(
-                "node {} is draining",
-                self.node_id
-            ))),
-        }
+            ),
+            RoleState::ShuttingDown => format!("node {node} is draining"),
+        })
     }
 
     /// `Health` as asked of `role`'s service: serving only while the node serves `role` and
     /// is not draining; requests counted over every time it served `role`.
     async fn health(&self, role: NodeRole) -> Result<Response<pb::HealthReply>, Status> {
         let retired = self.retired(role).load(Ordering::Relaxed);
-        let state = self.machine().state();
-        let now = match state {
-            kvmesh_worker::RoleState::Serving(r) => Some(r),
-            _ => None,
+        let (now, serving) = {
+            let now = self.now();
+            (now.machine.serving(), now.serving.clone())
         };
-        let serving = self.serving();
+        let ask = || Request::new(pb::HealthRequest {});
         let mut reply = match (&serving, now == Some(role)) {
             (Serving::Decode(service, _), true) => {
-                pb::decode_server::Decode::health(&**service, Request::new(pb::HealthRequest {}))
+                pb::decode_server::Decode::health(&**service, ask())
                     .await?
                     .into_inner()
             }
             (Serving::Prefill(service, _), true) => {
-                pb::prefill_server::Prefill::health(&**service, Request::new(pb::HealthRequest {}))
+                pb::prefill_server::Prefill::health(&**service, ask())
                     .await?
                     .into_inner()
             }
@@ -184,7 +207,7 @@ impl std::fmt::Debug for Switchboard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Switchboard")
             .field("node_id", &self.node_id)
-            .field("state", &self.machine().state())
+            .field("state", &self.state())
             .finish()
     }
 }
@@ -214,12 +237,7 @@ impl pb::decode_server::Decode for Switchboard {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
-        match self.serving_as(NodeRole::Decode)? {
-            Serving::Decode(service, _) => {
-                pb::decode_server::Decode::generate(&*service, request).await
-            }
-            Serving::Prefill(..) => unreachable!("serving_as checked the role"),
-        }
+        pb::decode_server::Decode::generate(&*self.decode()?, request).await
     }
 
     async fn health(
@@ -243,36 +261,21 @@ impl pb::prefill_server::Prefill for Switchboard {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillReply>, Status> {
-        match self.serving_as(NodeRole::Prefill)? {
-            Serving::Prefill(service, _) => {
-                pb::prefill_server::Prefill::prefill(&*service, request).await
-            }
-            Serving::Decode(..) => unreachable!("serving_as checked the role"),
-        }
+        pb::prefill_server::Prefill::prefill(&*self.prefill()?, request).await
     }
 
     async fn info(
         &self,
         request: Request<pb::InfoRequest>,
     ) -> Result<Response<pb::InfoReply>, Status> {
-        match self.serving_as(NodeRole::Prefill)? {
-            Serving::Prefill(service, _) => {
-                pb::prefill_server::Prefill::info(&*service, request).await
-            }
-            Serving::Decode(..) => unreachable!("serving_as checked the role"),
-        }
+        pb::prefill_server::Prefill::info(&*self.prefill()?, request).await
     }
 
     async fn rdma_connect(
         &self,
         request: Request<pb::RdmaConnectRequest>,
     ) -> Result<Response<pb::RdmaConnectReply>, Status> {
-        match self.serving_as(NodeRole::Prefill)? {
-            Serving::Prefill(service, _) => {
-                pb::prefill_server::Prefill::rdma_connect(&*service, request).await
-            }
-            Serving::Decode(..) => unreachable!("serving_as checked the role"),
-        }
+        pb::prefill_server::Prefill::rdma_connect(&*self.prefill()?, request).await
     }
 
     async fn health(
@@ -298,7 +301,7 @@ impl pb::node_server::Node for Switchboard {
     ) -> Result<Response<pb::SwitchRoleReply>, Status> {
         let to = grpc::node_role_from_pb("SwitchRoleRequest", request.into_inner().to)?;
         let asked_at = Instant::now();
-        let plan = self.machine().begin_switch(to).map_err(switch_status)?;
+        let plan = self.now().machine.begin_switch(to).map_err(switch_status)?;
         if let SwitchPlan::AlreadyServing(role) = plan {
             return Ok(Response::new(pb::SwitchRoleReply {
                 role: grpc::node_role_to_pb(role) as i32,
