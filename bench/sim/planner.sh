@@ -45,10 +45,10 @@ else
 	load=day:50..200@1h
 	requests=450000
 	# The smallest static allocation that meets the SLO for 99% of the day's requests.
-	peak=(6 6)
+	peak=(6 5)
 	# The smallest that meets it for 99% of requests at a constant load of the day's mean
 	# rate (125 requests/s, Poisson).
-	mean=(4 4)
+	mean=(5 3)
 fi
 common=(
 	--hardware h200-llama8b-fp8

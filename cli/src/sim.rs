@@ -28,7 +28,7 @@ use kvmesh_sim::link::LinkClass;
 use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
 use kvmesh_sim::planner::Role;
 use kvmesh_sim::timing::TimingProfile;
-use kvmesh_sim::workload::{multiply, requests};
+use kvmesh_sim::workload::{multiply, multiply_within, requests};
 
 use crate::bench_serve::outputs;
 use crate::measure_args::{ApiArg, MeasureArgs, Mode};
@@ -117,6 +117,11 @@ pub struct SimArgs {
     /// spread over the workload's span (to load a large cluster from one trace).
     #[arg(long, default_value_t = NonZeroUsize::MIN)]
     pub copies: NonZeroUsize,
+    /// With --copies: copy k starts k/K of D after the workload (no wrapping) instead of
+    /// spread round its whole span, so the load keeps its shape over time (its rate's and
+    /// its lengths' mix) on scales longer than D, at K times the rate.
+    #[arg(long, value_name = "D", value_parser = humantime::parse_duration, requires = "copies")]
+    pub copies_within: Option<Duration>,
     /// A fault in virtual time (repeatable): `die:N@T` (node N stops at T; decode nodes are
     /// 0.., prefill nodes follow), `slow:F@T` (every KV link F times slower from T),
     /// `slow:F:P-D@T` (only the link from prefill node P to decode node D).
@@ -361,7 +366,11 @@ impl Simulation<'_> {
         let wanted = m.requests().map(|n| n.saturating_mul(length as usize));
         let all = &self.workload.items;
         let items = wanted.map_or(all.len(), |n| n.div_ceil(copies).min(all.len()));
-        let mut reqs = multiply(&requests(&all[..items], shape, m.seed)?, self.args.copies);
+        let timed = requests(&all[..items], shape, m.seed)?;
+        let mut reqs = match self.args.copies_within {
+            Some(window) => multiply_within(&timed, self.args.copies, window),
+            None => multiply(&timed, self.args.copies),
+        };
         if let Some(n) = wanted {
             reqs.truncate(n);
         }

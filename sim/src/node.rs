@@ -94,7 +94,7 @@ struct Tracking {
     cached_tokens: Option<usize>,
     /// Tokens its prefill must cover (the prompt, and a migrated request's resent output).
     to_prefill: usize,
-    /// How far its prefill chunks have reached.
+    /// How far its prefill chunks have reached (the step in flight's included).
     prefilled: usize,
 }
 
@@ -359,6 +359,12 @@ impl SimNode {
             self.scheduler.abort_step(output);
             return None;
         }
+        // What this step computes is no longer waiting.
+        for c in &output.step.chunks {
+            if let Some(t) = self.requests.get_mut(&c.seq_id) {
+                t.prefilled = t.prefilled.max(c.start_pos + c.tokens.len());
+            }
+        }
         let shape = StepShape::of(&output.step);
         let time = self.timing.step_time(&shape);
         if self.keep_steps > 0 {
@@ -441,11 +447,6 @@ impl SimNode {
                 )
             })
             .collect();
-        for c in &output.step.chunks {
-            if let Some(t) = self.requests.get_mut(&c.seq_id) {
-                t.prefilled = t.prefilled.max(c.start_pos + c.tokens.len());
-            }
-        }
         let preempted = output.preempted.len();
         let outcome = self.scheduler.update_from_output(output, &sampled)?;
         let context_full: U64Set<SeqId> = outcome.context_full.into_iter().collect();
@@ -495,8 +496,9 @@ impl SimNode {
         self.requests.len()
     }
 
-    /// Prompt tokens its requests still have to prefill here (the step in flight's included),
-    /// a cached prefix excluded once admission found it: what a prefill node has queued.
+    /// Prompt tokens its requests still wait to prefill here (not those the step in flight
+    /// computes, nor a cached prefix once admission found it): what a prefill node has
+    /// queued.
     pub fn queued_prefill_tokens(&self) -> u64 {
         self.requests
             .values()

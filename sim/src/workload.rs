@@ -3,7 +3,9 @@
 //! [`SimRequest`]s, with the same arrival offsets the load generator would send them at;
 //! [`multiply`] makes one trace load a cluster many times the size it was recorded on.
 
-use crate::mesh::{simulate, simulate_closed, MeshConfig, MeshError, MeshRun, SimRequest};
+use crate::mesh::{
+    simulate, simulate_closed, MeshConfig, MeshError, MeshRun, SimPrompt, SimRequest,
+};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::trace::paced_offsets;
 use kvmesh_bench::workload::{WorkItem, Workload};
@@ -126,20 +128,65 @@ pub fn multiply(requests: &[SimRequest], copies: NonZeroUsize) -> Vec<SimRequest
         .map(|&(at, k, i)| {
             let r = &requests[i];
             // Every copy shares the original's tokens but for the first.
-            let prompt = match r.prompt.first() {
-                Some(first) if k > 0 => r
-                    .prompt
-                    .with_first(first + k as TokenId * COPY_TOKEN_STRIDE),
-                _ => r.prompt.clone(),
-            };
             SimRequest {
                 at,
-                prompt,
+                prompt: copy_prompt(r, k),
                 max_tokens: r.max_tokens,
                 after: r.after.map(|p| position[k * requests.len() + p]),
             }
         })
         .collect()
+}
+
+/// `copies` copies of `requests` (in arrival order) that keep the workload's shape over
+/// time: copy `k` is the original `k / copies` of `window` later (no wrapping), where
+/// [`multiply`] spreads copies over the whole span and evens the shape out. On scales
+/// longer than `window` the rate is `copies` times the original's and the mix of lengths
+/// follows the original's; within it the copies interleave as independent users would.
+/// Copies differ as in [`multiply`]. In arrival order, each `after` pointing into it.
+pub fn multiply_within(
+    requests: &[SimRequest],
+    copies: NonZeroUsize,
+    window: Duration,
+) -> Vec<SimRequest> {
+    let copies = copies.get();
+    let n = requests.len();
+    let mut out: Vec<(Duration, usize, usize)> = Vec::with_capacity(n * copies);
+    for k in 0..copies {
+        let shift = window.mul_f64(k as f64 / copies as f64);
+        out.extend(
+            requests
+                .iter()
+                .enumerate()
+                .map(|(i, r)| (r.at + shift, k, i)),
+        );
+    }
+    out.sort();
+    let mut position = vec![0; out.len()];
+    for (new, &(_, k, i)) in out.iter().enumerate() {
+        position[k * n + i] = new;
+    }
+    out.iter()
+        .map(|&(at, k, i)| {
+            let r = &requests[i];
+            SimRequest {
+                at,
+                prompt: copy_prompt(r, k),
+                max_tokens: r.max_tokens,
+                after: r.after.map(|p| position[k * n + p]),
+            }
+        })
+        .collect()
+}
+
+/// Copy `k`'s prompt: the original's tokens but for the first, moved by `k` strides.
+fn copy_prompt(r: &SimRequest, k: usize) -> SimPrompt {
+    match r.prompt.first() {
+        Some(first) if k > 0 => r
+            .prompt
+            .with_first(first + k as TokenId * COPY_TOKEN_STRIDE),
+        _ => r.prompt.clone(),
+    }
 }
 
 #[cfg(test)]
@@ -272,5 +319,29 @@ mod tests {
             requests(&untimed.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0),
             Err(WorkloadError::NoTraceTime(1))
         ));
+    }
+
+    #[test]
+    fn copies_within_a_window_keep_the_shape() {
+        let mut follows = tokens(300);
+        follows.previous_turn = Some(0);
+        let w = workload(vec![tokens(0), tokens(100), follows]);
+        let r = requests(&w.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap();
+        let s = multiply_within(
+            &r,
+            NonZeroUsize::new(2).unwrap(),
+            Duration::from_millis(120),
+        );
+        let at: Vec<_> = s.iter().map(|r| r.at.as_millis()).collect();
+        // Copy 1 is 60 ms later; nothing wraps round.
+        assert_eq!(at, [0, 60, 100, 160, 300, 360]);
+        // Request 2 follows request 0, copy for copy.
+        assert_eq!(
+            s.iter().map(|r| r.after).collect::<Vec<_>>(),
+            [None, None, None, None, Some(0), Some(1)]
+        );
+        assert_eq!(s[0].prompt, r[0].prompt);
+        assert_eq!(s[1].prompt.first(), Some(1 + COPY_TOKEN_STRIDE));
+        assert_eq!(s[1].prompt.to_vec()[1..], [2, 3]);
     }
 }

@@ -102,8 +102,8 @@ fn load_planner() -> PlannerConfig {
     p.decode.max = 6;
     p.load.interval = 2 * SEC;
     p.load.context_length = 2048;
-    p.load.prefill_queue_up = 2.0;
-    p.load.prefill_queue_down = 0.25;
+    p.load.prefill_queue_up = 1.0;
+    p.load.prefill_queue_down = 0.1;
     p.cooldown.up = 4 * SEC;
     p.cooldown.down = 10 * SEC;
     p.cooldown.down_stable_for = 10 * SEC;
