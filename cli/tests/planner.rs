@@ -48,6 +48,7 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     let config = dir.path().join("planner.toml");
     std::fs::write(&config, CONFIG).unwrap();
     let node_logs = dir.path().join("nodes");
+    let metrics_addr = free_addr("127.0.0.1");
     let planner = Node::spawn(
         [
             "planner",
@@ -61,6 +62,8 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
             config.to_str().unwrap(),
             "--observe-every",
             "1s",
+            "--metrics-listen",
+            &metrics_addr.to_string(),
             "--logs",
             node_logs.to_str().unwrap(),
             // Small KV pools (32 blocks of 16 tokens), so a few requests fill one.
@@ -150,6 +153,18 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     assert!(point["requests"].as_u64().unwrap() > 100, "{point}");
     assert_eq!(point["failed"], 0, "{}", point["errors"]);
     assert_eq!(point["ok"], point["requests"], "{point}");
+
+    // The planner's metrics tell the same story.
+    let metrics = get(metrics_addr, "/metrics");
+    for series in [
+        "kvmesh_planner_leader 1",
+        "kvmesh_planner_desired_nodes{role=\"decode\"} 1",
+        "kvmesh_planner_actual_nodes{role=\"decode\"} 1",
+        "kvmesh_planner_decisions_total{role=\"decode\",reason=\"kv_usage_high\"}",
+        "kvmesh_planner_node_seconds_total{role=\"decode\"}",
+    ] {
+        assert!(metrics.contains(series), "no {series} in:\n{metrics}");
+    }
 
     // The decisions that did it, and the removed node drained (its log says so).
     let log = std::fs::read_to_string(dir.path().join("planner.log")).unwrap();

@@ -19,6 +19,8 @@ fn role_label(role: Role) -> &'static str {
 
 impl PlannerMetrics {
     pub fn new() -> Self {
+        // Installs the recorder: handles taken before it record nothing.
+        kvmesh_router::metrics_exporter();
         describe_gauge!(
             names::PLANNER_LEADER,
             "1 while this planner leads the cluster"
