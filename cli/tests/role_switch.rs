@@ -6,7 +6,8 @@
 //! from the router, announce its warm KV cache again, and never load the model a second
 //! time (it is the same process throughout). A second switch while one runs, and a switch
 //! while the node drains for shutdown, are refused. At the end the prefill node, started as
-//! one, becomes a decode node and serves as one.
+//! one, becomes a decode node and serves as one, then switches back while etcd is down and
+//! registers once it is up again.
 
 mod cluster;
 
@@ -224,7 +225,7 @@ fn await_value<T: std::fmt::Debug>(
 #[test]
 fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
     let started = Instant::now();
-    let etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
+    let mut etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
     let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("role_switch");
     std::fs::create_dir_all(&logs).unwrap();
     let log = |name: &str| logs.join(format!("{name}.log"));
@@ -453,6 +454,30 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
         decoded > 0,
         "the router sent nothing to the former prefill node"
     );
+
+    // etcd away during a switch: the node serves its new role's calls at once, keeps trying
+    // to register, and is in the mesh as soon as etcd is back.
+    etcd.stop().expect("etcd stops");
+    let back = {
+        let p = p.clone();
+        std::thread::spawn(move || kvmesh_node(&["switch-role", "--addr", &p, "--to", "prefill"]))
+    };
+    let role_of = |addr: &str| {
+        rt.block_on(node_health(addr, NodeRole::Decode, None))
+            .role()
+    };
+    await_value(
+        "the switched node waiting for etcd",
+        || role_of(&p),
+        |&r| r == pb::NodeRole::Prefill,
+    );
+    etcd.restart().expect("etcd restarts");
+    let (ok, out) = back.join().unwrap();
+    assert!(ok && out.contains("serves prefill now"), "{out}");
+    let p_id = rt
+        .block_on(node_health(&p, NodeRole::Prefill, None))
+        .node_id;
+    await_role(&rt, &discovery, NodeId(p_id), NodeRole::Prefill, (1, 2));
 
     rt.block_on(a_draining_node_refuses_a_switch(&b));
     let exit = switched.child.wait().unwrap();

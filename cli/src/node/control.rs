@@ -139,12 +139,17 @@ async fn connect(target: &NodeTarget) -> Result<Channel> {
         }
         _ => None,
     };
-    grpc_endpoint(&target.addr, tls.as_ref())
-        .with_context(|| format!("{:?} is not a node address (host:port)", target.addr))?
+    node_channel(&target.addr, tls.as_ref()).await
+}
+
+/// A connection to the node at `addr` (its gRPC host:port), over mutual TLS with `tls`.
+pub async fn node_channel(addr: &str, tls: Option<&ClusterTls>) -> Result<Channel> {
+    grpc_endpoint(addr, tls)
+        .with_context(|| format!("{addr:?} is not a node address (host:port)"))?
         .connect_timeout(Duration::from_secs(5))
         .connect()
         .await
-        .with_context(|| format!("connecting to the node at {}", target.addr))
+        .with_context(|| format!("connecting to the node at {addr}"))
 }
 
 /// Asks the node on `channel` to serve `to`, waiting up to `timeout` for the switch.

@@ -64,7 +64,20 @@ pub async fn run_node<R: ModelRunner + 'static>(
     let mut answer: Option<(SwitchCall, SwitchDone)> = None;
     while let Some(current) = &worker {
         info.role = current.role();
-        let lease = register(discovery, info.clone(), kv_events).await?;
+        let lease = match &answer {
+            None => register(discovery, info.clone(), kv_events).await?,
+            Some(_) => match register_after_switch(discovery, &info, kv_events, &board).await {
+                Some(lease) => lease,
+                None => {
+                    if let Some((call, _)) = answer.take() {
+                        let _ = call.reply.send(Err(Status::failed_precondition(
+                            "the node is draining for shutdown",
+                        )));
+                    }
+                    break;
+                }
+            },
+        };
         role_metrics.serving(Some(info.role));
         if let Some((call, mut done)) = answer.take() {
             done.seconds = call.asked_at.elapsed().as_secs_f64();
@@ -207,6 +220,29 @@ async fn register(
     tracing::info!(%node, role = role.as_str(), "registered");
     kv_events.install(KvEventPublisher::start(&lease));
     Ok(lease)
+}
+
+/// Registers in the role the node switched to. While etcd cannot take the registration
+/// (unreachable, or a key of that role whose revoke failed not yet expired) the node keeps
+/// trying, as its lease task would, until a shutdown is asked for (`None`).
+async fn register_after_switch(
+    discovery: &EtcdDiscovery,
+    info: &NodeInfo,
+    kv_events: &KvPublisherSlot,
+    board: &Switchboard,
+) -> Option<NodeLease> {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match register(discovery, info.clone(), kv_events).await {
+            Ok(lease) => return Some(lease),
+            Err(e) => tracing::warn!("{e:#}; trying again in {pause:?}"),
+        }
+        tokio::select! {
+            () = board.shutdown_asked() => return None,
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
 }
 
 /// Leaves the mesh at once: routers stop sending within a watch round trip, and the node's
