@@ -12,36 +12,50 @@
 # (drawn jointly, row by row), arriving as a day compressed into an hour (`day:MIN..MAX@1h`:
 # a sine from MIN requests/s at midnight to MAX at noon and back). The bundled trace covers
 # one hour, not a day, so the day's shape is the load shape's, its requests the trace's.
+# With --trace-order the requests are the trace's own, in its order (its prompt:output mix
+# shifts over its hour, so the prefill:decode need shifts over the day), 25 copies of it
+# offset within a minute of each other (`--copies 25 --copies-within 60s`).
 #
-# Usage: bench/sim/planner.sh [--quick]   (--quick: a smaller day in 20 minutes, about a
-# minute in all; the full run takes about 10 minutes and 9 GB of memory)
+# Usage: bench/sim/planner.sh [--quick | --trace-order]   (--quick: a smaller day in 20
+# minutes, about a minute in all; the others take 5-10 minutes and 9 GB of memory)
 # Environment: KVMESH (the binary, default target/release/kvmesh), OUT (default
 # target/bench-sim/planner).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-quick=false
-case "${1:-}" in
---quick) quick=true ;;
-"") ;;
+mode=${1:-full}
+case "$mode" in
+--quick | --trace-order | full) ;;
 *)
-	echo "usage: $0 [--quick]" >&2
+	echo "usage: $0 [--quick | --trace-order]" >&2
 	exit 2
 	;;
 esac
 
 kvmesh=${KVMESH:-target/release/kvmesh}
-out=${OUT:-target/bench-sim/planner}
+suffix=${mode#--}
+[[ $mode == full ]] && suffix="" || suffix="-$suffix"
+out=${OUT:-target/bench-sim/planner$suffix}
 if [[ ! -x $kvmesh ]]; then
 	cargo build --release --bin kvmesh
 fi
 
-if $quick; then
+workload=(--workload synthetic:input=azure,output=azure)
+case "$mode" in
+--quick)
 	load=day:12..50@20m
 	requests=40000
 	peak=(2 2) # prefill, decode
 	mean=(1 1)
-else
+	;;
+--trace-order)
+	load=day:2..8@1h
+	requests=450000
+	workload=(--workload azure --copies 25 --copies-within 60s)
+	peak=(7 6)
+	mean=(5 3)
+	;;
+full)
 	load=day:50..200@1h
 	requests=450000
 	# The smallest static allocation that meets the SLO for 99% of the day's requests.
@@ -49,10 +63,11 @@ else
 	# The smallest that meets it for 99% of requests at a constant load of the day's mean
 	# rate (125 requests/s, Poisson).
 	mean=(5 3)
-fi
+	;;
+esac
 common=(
 	--hardware h200-llama8b-fp8
-	--workload synthetic:input=azure,output=azure
+	"${workload[@]}"
 	--load "$load" --requests "$requests"
 	--block-size 64
 	--slo ttft=2s,itl=100ms
@@ -99,7 +114,7 @@ row() {
 }
 peak_hours=$(jq '.points[0] | (.mesh.nodes | length) * .slo.duration_s / 3600' "$out/peak/report.json")
 {
-	echo "load $load, $requests requests, SLO ttft=2s,itl=100ms"
+	echo "${workload[*]} --load $load, $requests requests, SLO ttft=2s,itl=100ms"
 	echo
 	echo "| configuration | prefill + decode nodes | SLO attainment | TTFT | ITL | node-hours | of peak | role switches |"
 	echo "|---|---|---|---|---|---|---|---|"
