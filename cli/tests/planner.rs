@@ -40,6 +40,9 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     let dir = tempfile::tempdir().unwrap();
     let etcd = EtcdServer::start().expect("etcd starts");
     let endpoint = etcd.endpoint();
+    // The planner's nodes outlive it by design; this test stops them, pass or fail, once the
+    // planner (declared after this, so dropped before it) can no longer start more.
+    let _nodes = StartedNodes(endpoint.clone());
     let router_addr = free_addr("127.0.0.1");
     let router = Node::spawn(
         mesh_args("router", router_addr, &endpoint, CLUSTER),
@@ -78,8 +81,6 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
         .to_vec(),
         dir.path().join("planner.log"),
     );
-    // The planner's nodes outlive it by design; this test stops them, pass or fail.
-    let _nodes = StartedNodes(dir.path().join("planner.log"));
     let discovery = EtcdDiscovery::connect(EtcdConfig {
         endpoints: vec![endpoint.clone()],
         cluster: CLUSTER.into(),
@@ -183,18 +184,24 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     );
 }
 
-/// Kills the nodes the planner's log says it started, when dropped.
-struct StartedNodes(std::path::PathBuf);
+/// Kills the nodes the planner started (every process whose command line names this test's
+/// etcd), when dropped.
+struct StartedNodes(String);
 
 impl Drop for StartedNodes {
     fn drop(&mut self) {
-        let log = std::fs::read_to_string(&self.0).unwrap_or_default();
-        for line in log.lines().filter(|l| l.contains("started a node")) {
-            let pid = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("pid="))
-                .and_then(|p| p.parse::<u32>().ok());
-            if let Some(pid) = pid {
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for entry in procs.flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            let is_node =
+                args.contains(&b"prefill".as_slice()) || args.contains(&b"decode".as_slice());
+            if is_node && args.contains(&self.0.as_bytes()) {
                 let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
             }
         }
