@@ -13,6 +13,8 @@ pub mod etcd;
 pub mod local;
 pub mod metrics;
 pub mod observe;
+#[cfg(test)]
+mod testing;
 
 use crate::config::env_vars;
 use actuator::{moves, Actuator, NoActuator};

@@ -16,10 +16,9 @@ use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Distinct prompts; request `i` sends prompt `i % PROMPTS`.
@@ -43,125 +42,6 @@ fn prompt(i: usize) -> String {
 fn body(i: usize, stream: bool) -> Value {
     json!({"model": MODEL_NAME, "prompt": prompt(i % PROMPTS), "max_tokens": MAX_TOKENS,
            "temperature": 0, "stream": stream})
-}
-
-/// What a client saw of one streamed request.
-struct Outcome {
-    status: u16,
-    text: String,
-    finish: Option<String>,
-    /// Set when the stream carried an error or ended without `[DONE]`.
-    error: Option<String>,
-    /// When each SSE data event arrived.
-    events: Vec<Instant>,
-}
-
-/// POSTs a streaming completion and reads its SSE events (HTTP/1.1, chunked) as they come.
-fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
-    let body = body.to_string();
-    let mut conn = TcpStream::connect(addr).expect("connect to the router");
-    conn.set_read_timeout(Some(Duration::from_secs(120)))
-        .unwrap();
-    write!(
-        conn,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut r = BufReader::new(conn);
-    let mut line = String::new();
-    r.read_line(&mut line).expect("a status line");
-    let status: u16 = line.split(' ').nth(1).unwrap().parse().unwrap();
-    let mut chunked = false;
-    loop {
-        line.clear();
-        r.read_line(&mut line).expect("a header line");
-        if line == "\r\n" {
-            break;
-        }
-        chunked |= line
-            .to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked");
-    }
-    let mut out = Outcome {
-        status,
-        text: String::new(),
-        finish: None,
-        error: None,
-        events: Vec::new(),
-    };
-    if status != 200 || !chunked {
-        r.read_to_string(&mut out.text).unwrap_or_default();
-        out.error = Some(std::mem::take(&mut out.text));
-        return out;
-    }
-    let (mut pending, mut done) = (String::new(), false);
-    loop {
-        line.clear();
-        if r.read_line(&mut line).unwrap_or(0) == 0 {
-            break;
-        }
-        let size = usize::from_str_radix(line.trim(), 16).expect("a chunk size");
-        if size == 0 {
-            break;
-        }
-        let mut chunk = vec![0; size + 2];
-        r.read_exact(&mut chunk).expect("a whole chunk");
-        pending.push_str(std::str::from_utf8(&chunk[..size]).expect("UTF-8 SSE"));
-        while let Some(end) = pending.find("\n\n") {
-            let event: String = pending.drain(..end + 2).collect();
-            for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
-                out.events.push(Instant::now());
-                if data == "[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let v: Value = serde_json::from_str(data).expect("JSON event");
-                if let Some(e) = v.get("error") {
-                    out.error = Some(e.to_string());
-                    continue;
-                }
-                let choice = &v["choices"][0];
-                out.text
-                    .push_str(choice["text"].as_str().unwrap_or_default());
-                if let Some(f) = choice["finish_reason"].as_str() {
-                    out.finish = Some(f.to_string());
-                }
-            }
-        }
-    }
-    if !done && out.error.is_none() {
-        out.error = Some("the stream ended without [DONE]".into());
-    }
-    out
-}
-
-/// How many requests have completed; the fault driver waits on it.
-#[derive(Default)]
-struct Progress {
-    done: Mutex<usize>,
-    changed: Condvar,
-}
-
-impl Progress {
-    fn complete_one(&self) {
-        *self.done.lock().unwrap() += 1;
-        self.changed.notify_all();
-    }
-
-    fn count(&self) -> usize {
-        *self.done.lock().unwrap()
-    }
-
-    fn wait_for(&self, n: usize) {
-        let done = self.done.lock().unwrap();
-        let (_done, timeout) = self
-            .changed
-            .wait_timeout_while(done, Duration::from_secs(300), |d| *d < n)
-            .unwrap();
-        assert!(!timeout.timed_out(), "requests stopped completing");
-    }
 }
 
 /// The longest a stream that was mid-answer at `fault` (it had sent data and was not done)
@@ -314,27 +194,27 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
             });
         }
         // The faults, each once the stream has moved on from the last one.
-        progress.wait_for(5);
+        progress.wait_for(5, Duration::from_secs(300));
         await_running(&rt, decode_addrs[0], NodeRole::Decode, &tls);
         decode[0].child.kill().unwrap();
         faults.push(("kill -9 decode node", Instant::now()));
         decode[0].child.wait().unwrap();
 
-        progress.wait_for(13);
+        progress.wait_for(13, Duration::from_secs(300));
         prefill[0].child.kill().unwrap();
         faults.push(("kill -9 prefill node", Instant::now()));
         prefill[0].child.wait().unwrap();
 
-        progress.wait_for(20);
+        progress.wait_for(20, Duration::from_secs(300));
         etcd.stop().expect("etcd stops");
         faults.push(("etcd stopped", Instant::now()));
-        progress.wait_for(27);
+        progress.wait_for(27, Duration::from_secs(300));
         etcd.restart().expect("etcd restarts");
         faults.push(("etcd restarted", Instant::now()));
         // Everyone alive registers again: one prefill and two decode nodes.
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
-        progress.wait_for(34);
+        progress.wait_for(34, Duration::from_secs(300));
         await_running(&rt, decode_addrs[1], NodeRole::Decode, &tls);
         signal(&decode[1], "-TERM");
         let drained = Instant::now();
@@ -342,7 +222,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         let exit = decode[1].child.wait().unwrap();
         drain_time = drained.elapsed();
         assert!(exit.success(), "a drained node exits cleanly: {exit}");
-        progress.wait_for(progress.count() + AFTER_FAULTS);
+        progress.wait_for(progress.count() + AFTER_FAULTS, Duration::from_secs(300));
         stop.store(true, Ordering::Relaxed);
     });
 

@@ -119,23 +119,7 @@ pub fn multiply(requests: &[SimRequest], copies: NonZeroUsize) -> Vec<SimRequest
             out.push((at, k, i));
         }
     }
-    out.sort();
-    let mut position = vec![0; out.len()];
-    for (new, &(_, k, i)) in out.iter().enumerate() {
-        position[k * requests.len() + i] = new;
-    }
-    out.iter()
-        .map(|&(at, k, i)| {
-            let r = &requests[i];
-            // Every copy shares the original's tokens but for the first.
-            SimRequest {
-                at,
-                prompt: copy_prompt(r, k),
-                max_tokens: r.max_tokens,
-                after: r.after.map(|p| position[k * requests.len() + p]),
-            }
-        })
-        .collect()
+    in_arrival_order(requests, out)
 }
 
 /// `copies` copies of `requests` (in arrival order) that keep the workload's shape over
@@ -161,6 +145,16 @@ pub fn multiply_within(
                 .map(|(i, r)| (r.at + shift, k, i)),
         );
     }
+    in_arrival_order(requests, out)
+}
+
+/// The copies `(at, copy k, original i)` of `requests` as requests in arrival order, each
+/// `after` pointing at its copy's own earlier turn.
+fn in_arrival_order(
+    requests: &[SimRequest],
+    mut out: Vec<(Duration, usize, usize)>,
+) -> Vec<SimRequest> {
+    let n = requests.len();
     out.sort();
     let mut position = vec![0; out.len()];
     for (new, &(_, k, i)) in out.iter().enumerate() {
@@ -169,6 +163,7 @@ pub fn multiply_within(
     out.iter()
         .map(|&(at, k, i)| {
             let r = &requests[i];
+            // Every copy shares the original's tokens but for the first.
             SimRequest {
                 at,
                 prompt: copy_prompt(r, k),

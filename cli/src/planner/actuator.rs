@@ -114,27 +114,11 @@ impl Actuator for NoActuator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvmesh_common::{LoadReport, ModelFingerprint, NodeId, NodeInfo};
     use kvmesh_planner::{Reason, RoleDecision, RoleSwitches};
     use std::time::Duration;
 
     fn node(id: u64, role: NodeRole, running: usize) -> NodeEntry {
-        NodeEntry {
-            info: NodeInfo {
-                node_id: NodeId(id),
-                role,
-                address: format!("127.0.0.1:{id}"),
-                transfer_address: String::new(),
-                model_fingerprint: ModelFingerprint(1),
-                block_size: 16,
-                kv_blocks_total: 100,
-            },
-            load: LoadReport {
-                running,
-                waiting: 0,
-                kv_blocks_used: 0,
-            },
-        }
+        crate::planner::testing::node(id, role, running, 0, 0)
     }
 
     fn decision(p: (u32, u32), d: (u32, u32), switches: RoleSwitches) -> Decision {

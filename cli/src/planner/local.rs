@@ -7,9 +7,9 @@
 //! so a restarted planner manages the nodes its predecessor started.
 
 use super::actuator::{Actuator, Move};
+use crate::node::control::{node_channel, switch_role};
 use anyhow::{Context, Result};
 use kvmesh_common::grpc::pb;
-use kvmesh_common::tls::grpc_endpoint;
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::NodeEntry;
 use kvmesh_planner::Decision;
@@ -17,7 +17,6 @@ use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use tonic::transport::Channel;
 
 /// How long a drain or switch RPC may take to answer (a switch waits for the old role's
 /// requests to finish).
@@ -115,19 +114,9 @@ impl LocalActuator {
     }
 }
 
-async fn channel(node: &NodeEntry) -> Result<Channel> {
-    let addr = &node.info.address;
-    grpc_endpoint(addr, None)
-        .with_context(|| format!("{addr:?} is not a node address"))?
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the node at {addr}"))
-}
-
 /// Asks `node` to drain: it leaves routing at once and exits once its requests end.
 pub async fn drain(node: &NodeEntry) -> Result<()> {
-    let channel = channel(node).await?;
+    let channel = node_channel(&node.info.address, None).await?;
     let mut call = tonic::Request::new(pb::DrainRequest {});
     call.set_timeout(RPC_TIMEOUT);
     let answer = match node.info.role {
@@ -145,8 +134,8 @@ pub async fn drain(node: &NodeEntry) -> Result<()> {
 
 /// Asks `node` to serve `to` in place; returns once routers can see it there.
 pub async fn switch(node: &NodeEntry, to: NodeRole) -> Result<()> {
-    let channel = channel(node).await?;
-    let s = crate::node::control::switch_role(channel, to, RPC_TIMEOUT).await?;
+    let channel = node_channel(&node.info.address, None).await?;
+    let s = switch_role(channel, to, RPC_TIMEOUT).await?;
     tracing::info!(
         node = %node.info.node_id,
         to = to.as_str(),

@@ -208,7 +208,7 @@ fn secs(s: f64) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvmesh_common::{LoadReport, ModelFingerprint, NodeId, NodeInfo, NodeRole};
+    use kvmesh_common::NodeRole;
 
     fn page(requests: f64, prompt: f64, output: f64, ttft: &[(&str, f64)]) -> String {
         let mut s = format!(
@@ -229,22 +229,8 @@ mod tests {
     }
 
     fn node(role: NodeRole, running: usize, waiting: usize, used: usize) -> NodeEntry {
-        NodeEntry {
-            info: NodeInfo {
-                node_id: NodeId(running as u64 * 100 + waiting as u64),
-                role,
-                address: "127.0.0.1:1".into(),
-                transfer_address: String::new(),
-                model_fingerprint: ModelFingerprint(1),
-                block_size: 16,
-                kv_blocks_total: 100,
-            },
-            load: LoadReport {
-                running,
-                waiting,
-                kv_blocks_used: used,
-            },
-        }
+        let id = running as u64 * 100 + waiting as u64;
+        crate::planner::testing::node(id, role, running, waiting, used)
     }
 
     #[test]

@@ -8,9 +8,10 @@ use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdDiscovery};
 use serde_json::Value;
-use std::io::{Read, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub const LEASE_TTL: Duration = Duration::from_secs(2);
@@ -226,5 +227,125 @@ pub async fn await_membership(
             matches!(changed, Ok(Ok(()))),
             "membership stayed at {p} prefill / {d} decode; wanted {prefill} / {decode}"
         );
+    }
+}
+
+/// What a client saw of one streamed request.
+pub struct Outcome {
+    pub status: u16,
+    pub text: String,
+    pub finish: Option<String>,
+    /// Set when the stream carried an error or ended without `[DONE]`.
+    pub error: Option<String>,
+    /// When each SSE data event arrived.
+    pub events: Vec<Instant>,
+}
+
+/// POSTs a streaming completion and reads its SSE events (HTTP/1.1, chunked) as they come.
+pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
+    let body = body.to_string();
+    let mut conn = TcpStream::connect(addr).expect("connect to the router");
+    conn.set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = BufReader::new(conn);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("a status line");
+    let status: u16 = line.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut chunked = false;
+    loop {
+        line.clear();
+        r.read_line(&mut line).expect("a header line");
+        if line == "\r\n" {
+            break;
+        }
+        chunked |= line
+            .to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked");
+    }
+    let mut out = Outcome {
+        status,
+        text: String::new(),
+        finish: None,
+        error: None,
+        events: Vec::new(),
+    };
+    if status != 200 || !chunked {
+        r.read_to_string(&mut out.text).unwrap_or_default();
+        out.error = Some(std::mem::take(&mut out.text));
+        return out;
+    }
+    let (mut pending, mut done) = (String::new(), false);
+    loop {
+        line.clear();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        let size = usize::from_str_radix(line.trim(), 16).expect("a chunk size");
+        if size == 0 {
+            break;
+        }
+        let mut chunk = vec![0; size + 2];
+        r.read_exact(&mut chunk).expect("a whole chunk");
+        pending.push_str(std::str::from_utf8(&chunk[..size]).expect("UTF-8 SSE"));
+        while let Some(end) = pending.find("\n\n") {
+            let event: String = pending.drain(..end + 2).collect();
+            for data in event.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                out.events.push(Instant::now());
+                if data == "[DONE]" {
+                    done = true;
+                    continue;
+                }
+                let v: Value = serde_json::from_str(data).expect("JSON event");
+                if let Some(e) = v.get("error") {
+                    out.error = Some(e.to_string());
+                    continue;
+                }
+                let choice = &v["choices"][0];
+                out.text
+                    .push_str(choice["text"].as_str().unwrap_or_default());
+                if let Some(f) = choice["finish_reason"].as_str() {
+                    out.finish = Some(f.to_string());
+                }
+            }
+        }
+    }
+    if !done && out.error.is_none() {
+        out.error = Some("the stream ended without [DONE]".into());
+    }
+    out
+}
+
+/// How many requests have completed; a test's driver waits on it.
+#[derive(Default)]
+pub struct Progress {
+    done: Mutex<usize>,
+    changed: Condvar,
+}
+
+impl Progress {
+    pub fn complete_one(&self) {
+        *self.done.lock().unwrap() += 1;
+        self.changed.notify_all();
+    }
+
+    pub fn count(&self) -> usize {
+        *self.done.lock().unwrap()
+    }
+
+    /// Waits until `n` requests have completed; fails if that takes longer than `within`.
+    pub fn wait_for(&self, n: usize, within: Duration) {
+        let done = self.done.lock().unwrap();
+        let (_done, timeout) = self
+            .changed
+            .wait_timeout_while(done, within, |d| *d < n)
+            .unwrap();
+        assert!(!timeout.timed_out(), "requests stopped completing");
     }
 }
