@@ -93,7 +93,8 @@ struct Mesh<C> {
     discovery: Arc<dyn Discovery>,
     connector: C,
     config: MeshBackendConfig,
-    suspects: Mutex<HashMap<NodeId, Instant>>,
+    /// Nodes that refused, until when, and in which role they refused.
+    suspects: Mutex<HashMap<NodeId, (Instant, NodeRole)>>,
     routing: Routing,
     draining: AtomicBool,
 }
@@ -133,19 +134,27 @@ impl<C: DecodeConnector> MeshBackend<C> {
 
 impl<C: DecodeConnector> Mesh<C> {
     /// Live nodes of `role`, less the suspects and those already tried.
+    ///
+    /// A suspect that has left `role`'s registrations is forgotten: it drained, switched
+    /// roles or expired, and if it registers in `role` again it is a node that announced
+    /// itself ready (a switch back), not the one that refused.
     fn candidates(&self, role: NodeRole, tried: &[NodeId]) -> Vec<NodeEntry> {
         let now = Instant::now();
+        let nodes = self.discovery.nodes(role);
         let mut suspects = lock(&self.suspects);
-        suspects.retain(|_, until| *until > now);
-        self.discovery
-            .nodes(role)
+        suspects.retain(|id, (until, refused_as)| {
+            *until > now && (*refused_as != role || nodes.iter().any(|n| n.info.node_id == *id))
+        });
+        nodes
             .into_iter()
             .filter(|n| !suspects.contains_key(&n.info.node_id) && !tried.contains(&n.info.node_id))
             .collect()
     }
 
-    fn suspect(&self, node: NodeId) {
-        lock(&self.suspects).insert(node, Instant::now() + self.config.suspect_for);
+    /// `node` refused a call of its `role`: leave it out for `suspect_for`.
+    fn suspect(&self, node: NodeId, role: NodeRole) {
+        let until = Instant::now() + self.config.suspect_for;
+        lock(&self.suspects).insert(node, (until, role));
         self.connector.suspect(node);
     }
 
@@ -229,7 +238,7 @@ impl<C: DecodeConnector> Mesh<C> {
                 Err(WorkerError::Unavailable(message)) => {
                     tracing::warn!(request_id = %req.request_id, node = %id,
                         "decode node unavailable: {message}; trying another");
-                    self.suspect(id);
+                    self.suspect(id, NodeRole::Decode);
                     last_error = WorkerError::Unavailable(message);
                 }
                 Err(error) => return Err(error),
@@ -317,7 +326,7 @@ async fn relay<C: DecodeConnector>(
         metrics().migrations.increment(1);
         tracing::warn!(request_id = %req.request_id, node = %opened.node,
             delivered = req.resume.len(), "decode stream broke ({broken}); migrating");
-        mesh.suspect(opened.node);
+        mesh.suspect(opened.node, NodeRole::Decode);
         let next = tokio::select! {
             () = tx.closed() => return,
             next = mesh.open(&req, &mut tried, deadline) => next,

@@ -33,6 +33,9 @@ enum Script {
     FailAfter(usize, tonic::Code),
     /// Sends `n` tokens, then hangs until its process (runtime) is torn down.
     HangAfter(usize),
+    /// Refuses its first request with UNAVAILABLE (as a node leaving the decode role does),
+    /// then serves.
+    RefuseFirst,
 }
 
 /// Token `i` of every request's answer: what a deterministic model would say.
@@ -64,18 +67,25 @@ impl pb::decode_server::Decode for ScriptedNode {
         let (req, _) = grpc::generate_request_from_pb(request.into_inner())?;
         let start = req.resume.len();
         let max = req.params.max_tokens as usize;
-        self.requests.lock().unwrap().push(req);
+        let first = {
+            let mut requests = self.requests.lock().unwrap();
+            requests.push(req);
+            requests.len() == 1
+        };
         let script = self.script;
+        if matches!(script, Script::RefuseFirst) && first {
+            return Err(Status::unavailable("this node serves prefill now"));
+        }
         let stream = async_stream::stream! {
             let stop = match script {
-                Script::Serve => max,
+                Script::Serve | Script::RefuseFirst => max,
                 Script::FailAfter(n, _) | Script::HangAfter(n) => (start + n).min(max),
             };
             for i in start..stop {
                 yield Ok(pb::GenerateEvent::from(&GenerateEvent::Token(token(i))));
             }
             match script {
-                Script::Serve => {
+                Script::Serve | Script::RefuseFirst => {
                     let finished = GenerateEvent::Finished {
                         reason: FinishReason::Length,
                         text: String::new(),
@@ -164,20 +174,30 @@ impl Drop for Node {
     }
 }
 
+fn info(n: &Node) -> NodeInfo {
+    NodeInfo {
+        node_id: n.id,
+        role: NodeRole::Decode,
+        address: n.addr.to_string(),
+        transfer_address: String::new(),
+        model_fingerprint: ModelFingerprint(1),
+        block_size: 16,
+        kv_blocks_total: 100,
+    }
+}
+
 fn backend(nodes: &[&Node], config: RemoteConfig) -> RemoteBackend {
-    let discovery = Arc::new(InMemoryDiscovery::new());
+    backend_on(Arc::new(InMemoryDiscovery::new()), nodes, config)
+}
+
+/// A backend over `discovery`, with `nodes` registered in it as decode nodes.
+fn backend_on(
+    discovery: Arc<InMemoryDiscovery>,
+    nodes: &[&Node],
+    config: RemoteConfig,
+) -> RemoteBackend {
     for n in nodes {
-        discovery
-            .register(NodeInfo {
-                node_id: n.id,
-                role: NodeRole::Decode,
-                address: n.addr.to_string(),
-                transfer_address: String::new(),
-                model_fingerprint: ModelFingerprint(1),
-                block_size: 16,
-                kv_blocks_total: 100,
-            })
-            .unwrap();
+        discovery.register(info(n)).unwrap();
     }
     // Round robin from the first registered node: the tests pick who serves first by order.
     let routing = Routing::new(
@@ -356,4 +376,29 @@ async fn request_errors_are_not_migrated() {
         );
         assert!(matches!(events.last(), Some(GenerateEvent::Error(_))));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_back_in_the_decode_role_is_routed_to_at_once() {
+    let a = Node::start(1, Script::RefuseFirst);
+    let discovery = Arc::new(InMemoryDiscovery::new());
+    let backend = backend_on(discovery.clone(), &[&a], RemoteConfig::default());
+    // It refuses, as a node switching roles does; with no other node the request fails.
+    let refused = backend.generate(request()).await;
+    assert!(
+        refused.is_err(),
+        "the only node refused, yet the request was taken"
+    );
+    // It leaves the decode role (a request meanwhile finds no node) and comes back...
+    discovery.deregister(a.id).unwrap();
+    assert!(backend.generate(request()).await.is_err());
+    discovery.register(info(&a)).unwrap();
+    // ...and serves the next request at once, not after the suspicion's 3 s.
+    let events = collect(backend.generate(request()).await.unwrap()).await;
+    assert_whole_answer(&events);
+    assert_eq!(
+        a.requests().len(),
+        2,
+        "the refusal and the request it served"
+    );
 }
