@@ -7,7 +7,7 @@
 mod cluster;
 
 use cluster::*;
-use kvmesh_common::NodeRole;
+use kvmesh_common::{NodeId, NodeRole};
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer, PrefixIndex};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -115,9 +115,16 @@ async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) -> 
         16,
     );
     let hashes = hasher.sequence_hashes(&first[..1000]);
+    // The decode node that served it, not the prefill node that computed it (which
+    // publishes the same blocks, maybe first).
+    let holder_id = NodeId(
+        node_health(&decode[holder].to_string(), NodeRole::Decode, None)
+            .await
+            .node_id,
+    );
     let mut changes = index.subscribe();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while index.overlap(&hashes).values().all(|&n| n < hashes.len()) {
+    while index.overlap(&hashes).get(&holder_id) < Some(&hashes.len()) {
         let left = deadline.saturating_duration_since(Instant::now());
         assert!(
             matches!(
@@ -126,6 +133,21 @@ async fn prefix_reuse(etcd: &str, router: SocketAddr, decode: &[SocketAddr]) -> 
             ),
             "the prefix never showed up in the index"
         );
+    }
+    // The router watches the same etcd from another process: wait until its index (the
+    // entries it exports, refreshed every second) has caught up with this one.
+    let seen = index.len() as f64;
+    let router_entries = move || {
+        let page = get(router, "/metrics");
+        metric_value(&page, "kvmesh_router_prefix_index_entries")
+    };
+    while tokio::task::spawn_blocking(router_entries).await.unwrap() < seen {
+        assert!(
+            Instant::now() < deadline,
+            "the router's prefix index never caught up ({seen} entries here)"
+        );
+        // The gauge is refreshed every second: a polling cadence, with a deadline.
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let (status, v) = completion(shared_prefix_prompt(2)).await.unwrap();
     assert_eq!(status, 200, "{v}");
