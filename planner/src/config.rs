@@ -126,7 +126,10 @@ pub struct SloConfig {
     pub kv_capacity_tokens: Option<u64>,
     /// The share of a prefill node's modelled throughput to plan for (queues explode at 1).
     pub prefill_utilization: f64,
-    /// Bounds of the observed/predicted latency correction.
+    /// Bounds of the observed/predicted latency correction. The correction scales the step
+    /// time the sizing uses, so below 1 it credits nodes with throughput the measured steps
+    /// do not show (at light load the observed latency lacks the queueing the model
+    /// predicts), and the next peak finds too few nodes: the default keeps it at least 1.
     pub correction_min: f64,
     pub correction_max: f64,
 }
@@ -144,7 +147,7 @@ impl Default for SloConfig {
             max_decode_batch: 256,
             kv_capacity_tokens: None,
             prefill_utilization: 0.8,
-            correction_min: 0.5,
+            correction_min: 1.0,
             correction_max: 2.0,
         }
     }

@@ -349,3 +349,31 @@ fn an_observation_without_latencies_or_nodes_reporting_still_decides() {
     assert_eq!((d.prefill.observed, d.decode.observed), (2, 2));
     assert!(d.prefill.target >= 1 && d.decode.target >= 1);
 }
+
+/// At light load the observed TTFT is a request's own steps, far below the prediction that
+/// includes queueing; by default that does not credit nodes with more throughput: the
+/// correction stays at 1 and the count is the model's.
+#[test]
+fn a_fast_observed_latency_does_not_shrink_the_sizing_by_default() {
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    let mesh = Mesh {
+        prefill: 3,
+        decode: 2,
+    };
+    let mut obs = mesh.observe(&busy(secs(0)));
+    obs.ttft = Some(LatencyQuantiles {
+        p50: Duration::from_millis(20),
+        p99: Duration::from_millis(40),
+    });
+    planner.observe(secs(0), obs);
+    let d = planner.decide(secs(0));
+    let Reason::PredictedDemand {
+        correction,
+        replicas,
+        ..
+    } = d.prefill.reason
+    else {
+        panic!("{:?}", d.prefill.reason);
+    };
+    assert_eq!((correction, replicas), (1.0, 3));
+}
