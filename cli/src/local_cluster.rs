@@ -165,7 +165,8 @@ impl Drop for Children {
     }
 }
 
-fn free_addr(ip: &str) -> Result<SocketAddr> {
+/// A port on `ip` free now (the caller's child binds it next).
+pub fn free_addr(ip: &str) -> Result<SocketAddr> {
     Ok(TcpListener::bind((ip, 0))
         .with_context(|| format!("binding {ip}"))?
         .local_addr()?)

@@ -291,14 +291,9 @@ fn tokenize(workload: &mut Workload, model: Option<&Path>) -> Result<()> {
 /// `--fault`'s grammar (see [`SimArgs::faults`]).
 fn parse_fault(s: &str) -> Result<Fault, String> {
     let bad = |why: &str| format!("bad fault `{s}`: {why} (die:N@T, slow:F@T or slow:F:P-D@T)");
-    let (what, at) = s.rsplit_once('@').ok_or_else(|| bad("no @TIME"))?;
-    let at = humantime::parse_duration(at).map_err(|e| bad(&e.to_string()))?;
-    let node = |n: &str| {
-        n.parse::<u64>()
-            .map(NodeId)
-            .map_err(|_| bad("a node is a number"))
-    };
-    let kind = match what.split(':').collect::<Vec<_>>()[..] {
+    let (what, at) = timed_spec(s, &bad)?;
+    let node = |n: &str| node_number(n, &bad);
+    let kind = match what[..] {
         ["die", n] => FaultKind::NodeDies(node(n)?),
         ["slow", factor, ref between @ ..] if between.len() <= 1 => {
             let factor: f64 = factor
@@ -327,14 +322,9 @@ fn parse_change(s: &str) -> Result<NodeChange, String> {
     let bad = |why: &str| {
         format!("bad change `{s}`: {why} (add:prefill@T, add:decode@T, drain:N@T or switch:N@T)")
     };
-    let (what, at) = s.rsplit_once('@').ok_or_else(|| bad("no @TIME"))?;
-    let at = humantime::parse_duration(at).map_err(|e| bad(&e.to_string()))?;
-    let node = |n: &str| {
-        n.parse::<u64>()
-            .map(NodeId)
-            .map_err(|_| bad("a node is a number"))
-    };
-    let kind = match what.split(':').collect::<Vec<_>>()[..] {
+    let (what, at) = timed_spec(s, &bad)?;
+    let node = |n: &str| node_number(n, &bad);
+    let kind = match what[..] {
         ["add", "prefill"] => ChangeKind::Add(Role::Prefill),
         ["add", "decode"] => ChangeKind::Add(Role::Decode),
         ["add", _] => return Err(bad("a role is prefill or decode")),
@@ -343,6 +333,23 @@ fn parse_change(s: &str) -> Result<NodeChange, String> {
         _ => return Err(bad("unknown kind")),
     };
     Ok(NodeChange { at, kind })
+}
+
+/// `WHAT@TIME`, the shape of `--fault` and `--change`: WHAT's `:`-separated parts and TIME.
+fn timed_spec<'a>(
+    s: &'a str,
+    bad: &impl Fn(&str) -> String,
+) -> Result<(Vec<&'a str>, Duration), String> {
+    let (what, at) = s.rsplit_once('@').ok_or_else(|| bad("no @TIME"))?;
+    let at = humantime::parse_duration(at).map_err(|e| bad(&e.to_string()))?;
+    Ok((what.split(':').collect(), at))
+}
+
+/// A node named by its number in `--fault` and `--change`.
+fn node_number(n: &str, bad: &impl Fn(&str) -> String) -> Result<NodeId, String> {
+    n.parse::<u64>()
+        .map(NodeId)
+        .map_err(|_| bad("a node is a number"))
 }
 
 /// What every point of a simulation shares.

@@ -12,6 +12,15 @@ fn config(endpoint: String) -> EtcdConfig {
     }
 }
 
+/// A candidate campaigning for the planner's duty in the background.
+fn candidate(
+    config: &EtcdConfig,
+    name: &'static str,
+) -> tokio::task::JoinHandle<Result<Leadership, StoreError>> {
+    let config = config.clone();
+    tokio::spawn(async move { Leadership::acquire(config, "planner", name).await })
+}
+
 #[tokio::test]
 async fn one_candidate_leads_the_next_takes_over_when_it_resigns_or_dies() {
     let etcd = EtcdServer::start().expect("etcd starts");
@@ -32,16 +41,9 @@ async fn one_candidate_leads_the_next_takes_over_when_it_resigns_or_dies() {
         .unwrap();
 
     // A second candidate waits while the first holds the duty...
-    let second = tokio::spawn({
-        let config = config.clone();
-        async move { Leadership::acquire(config, "planner", "second").await }
-    });
-    let waited = tokio::time::timeout(Duration::from_secs(2), async {
-        while !second.is_finished() {
-            tokio::task::yield_now().await;
-        }
-    })
-    .await;
+    let mut second = candidate(&config, "second");
+    // Nothing to await but its success: it must not come within two lease refreshes.
+    let waited = tokio::time::timeout(Duration::from_secs(2), &mut second).await;
     assert!(
         waited.is_err(),
         "the second candidate led while the first held the lease"
@@ -70,10 +72,7 @@ async fn one_candidate_leads_the_next_takes_over_when_it_resigns_or_dies() {
     // third candidate leads after about one TTL, and the old holder can no longer write.
     let lost = second.lost();
     let stale = second;
-    let third = tokio::spawn({
-        let config = config.clone();
-        async move { Leadership::acquire(config, "planner", "third").await }
-    });
+    let third = candidate(&config, "third");
     // A crashed holder's lease expires; revoking it from outside is that expiry, at once.
     let client = etcd_client::Client::connect([etcd.endpoint()], None)
         .await

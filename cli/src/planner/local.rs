@@ -73,7 +73,7 @@ impl LocalActuator {
     fn start(&mut self, role: NodeRole) -> Result<String> {
         // The port is free now; the node binds it at once, and a race with another process
         // shows in its log and as a node that never registers.
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let addr = crate::local_cluster::free_addr("127.0.0.1")?;
         let log_path = self
             .logs
             .join(format!("{}-{}.log", role.as_str(), addr.port()));
