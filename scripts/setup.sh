@@ -8,6 +8,10 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
+# deploy/: etcdctl (the etcd image's health check), Prometheus and promtool (the monitoring
+# image, the alert rules' check).
+command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # The `rdma` feature (ibverbs bindings are generated with bindgen and built with cmake).
 for pkg in libibverbs-dev cmake pkg-config libclang-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
@@ -17,5 +21,5 @@ if ((${#need[@]})); then
   echo "setup: installing ${need[*]}" >&2
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi

@@ -331,16 +331,6 @@ impl ServeProcess {
 
 /// Whether `addr` answers `GET /health` with 200.
 pub fn health_ok(addr: SocketAddr) -> bool {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = write!(
-        s,
-        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    );
-    let mut r = String::new();
-    let _ = s.read_to_string(&mut r);
-    r.starts_with("HTTP/1.1 200")
+    let answer = crate::health::http_get(&addr.to_string(), "/health", Duration::from_secs(5));
+    matches!(answer, Ok((200, _)))
 }

@@ -10,6 +10,7 @@ mod bench_ttft;
 mod certs;
 mod config;
 mod generate;
+mod health;
 mod local_cluster;
 mod measure_args;
 mod model_args;
@@ -57,6 +58,9 @@ enum Command {
     Node(node::control::NodeCommand),
     /// Make a cluster CA and node certificates for mutual TLS between nodes.
     Certs(certs::CertsArgs),
+    /// Check a node's or router's health endpoint (the container health check): exit 0 on
+    /// 2xx.
+    Health(health::HealthArgs),
     /// Generate text for one prompt on this machine.
     Generate(generate::GenerateArgs),
     /// Benchmarks.
@@ -104,6 +108,8 @@ fn main() -> Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: container and file logs stay plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let env = config::process_env();
     let command = parse_cli().command;
@@ -122,6 +128,7 @@ fn main() -> Result<()> {
         Command::Decode(args) => config::run(&args, &env, node::decode::run),
         Command::Node(command) => node::control::run(&command),
         Command::Certs(args) => certs::run(&args),
+        Command::Health(args) => health::run(&args),
         Command::Generate(args) => generate::run(&args),
         Command::Tune(args) => tune::run(&args),
         Command::Profile(args) => profile::run(&args),

@@ -17,6 +17,7 @@ use kvmesh_common::tls::grpc_endpoint;
 use kvmesh_common::{GenerateRequest, NodeId, NodeRole, RequestId, SamplingParams};
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdPrefixIndex, EtcdServer};
 use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -46,8 +47,16 @@ fn body(i: usize, stream: bool) -> Value {
 
 /// Runs `kvmesh node ARGS...`; returns (success, stdout + stderr).
 fn kvmesh_node(args: &[&str]) -> (bool, String) {
+    kvmesh(&[&["node"], args].concat())
+}
+
+/// `kvmesh health` on a node's metrics port: what a container's health check runs.
+fn kvmesh_health(metrics: SocketAddr) -> (bool, String) {
+    kvmesh(&["health", "--url", &format!("http://{metrics}/health")])
+}
+
+fn kvmesh(args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-        .arg("node")
         .args(args)
         .env("KVMESH_LOG", "warn")
         .output()
@@ -236,6 +245,11 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
         await_value("the node switching", role, |&r| {
             r == pb::NodeRole::Unspecified
         });
+        let (ok, out) = kvmesh_health(switched_metrics);
+        assert!(
+            !ok && out.contains("503") && out.contains("switching from prefill to decode"),
+            "{out}"
+        );
         let refused = rt.block_on(switch_rpc(&b, NodeRole::Prefill)).unwrap_err();
         assert_eq!(refused.code(), Code::FailedPrecondition, "{refused}");
         assert!(refused.message().contains("in progress"), "{refused}");
@@ -248,6 +262,8 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
         await_role(&rt, &discovery, switched_id, NodeRole::Decode, (1, 2));
         let (ok, out) = kvmesh_node(&["status", "--addr", &b]);
         assert!(ok && out.contains(&format!("at {b}: decode;")), "{out}");
+        let (ok, out) = kvmesh_health(switched_metrics);
+        assert!(ok && out.trim() == "serving decode", "{out}");
         await_value(
             "decodes on the node switched back",
             || served(NodeRole::Decode),

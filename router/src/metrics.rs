@@ -89,12 +89,21 @@ impl Metrics {
             .increment(1);
     }
 
-    /// Counts a request refused with 429 for `reason` (`queue_delay`, `in_flight`,
-    /// `rate_limit`, `backend_overloaded`).
+    /// Counts a request refused with 429 for `reason` (one of [`REJECTION_REASONS`]).
     pub(crate) fn rejected(&self, reason: &'static str) {
         counter!(names::ROUTER_REJECTED_TOTAL, "reason" => reason).increment(1);
     }
 }
+
+/// Why a request is refused with 429: admission control's `queue_delay` (the TTFT target
+/// would be missed) and `in_flight`, the per-key `rate_limit`, `backend_overloaded` (a
+/// worker's queue is full).
+const REJECTION_REASONS: [&str; 4] = [
+    "queue_delay",
+    "in_flight",
+    "rate_limit",
+    "backend_overloaded",
+];
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     exporter();
@@ -108,6 +117,11 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
          in_flight (max_in_flight reached), rate_limit (per-key rate), backend_overloaded (a \
          worker's queue is full)."
     );
+    // Every reason exported from the start at 0: dashboards and alerts see no shedding as a
+    // rate of 0 rather than as no data.
+    for reason in REJECTION_REASONS {
+        counter!(names::ROUTER_REJECTED_TOTAL, "reason" => reason).increment(0);
+    }
     let histogram = |name: &'static str, help: &'static str| {
         describe_histogram!(name, help);
         histogram!(name)

@@ -145,6 +145,20 @@ async fn metrics_are_exposed_in_prometheus_text() {
         text.contains(r#"kvmesh_router_requests_total{endpoint="completions",status="400"}"#),
         "{text}"
     );
+    // Shedding is exported at 0 for every reason before any request is refused.
+    for reason in [
+        "queue_delay",
+        "in_flight",
+        "rate_limit",
+        "backend_overloaded",
+    ] {
+        assert!(
+            text.contains(&format!(
+                r#"kvmesh_router_rejected_requests_total{{reason="{reason}"}} 0"#
+            )),
+            "no {reason}:\n{text}"
+        );
+    }
     let count = |metric: &str| -> f64 {
         text.lines()
             .find_map(|l| l.strip_prefix(metric).and_then(|v| v.trim().parse().ok()))

@@ -73,6 +73,8 @@ env_vars! {
     TLS_KEY = "KVMESH_TLS_KEY";
     /// Where a prefill or decode node serves `GET /metrics` (`--metrics-listen`).
     METRICS_LISTEN = "KVMESH_METRICS_LISTEN";
+    /// What `kvmesh health` asks (`--url`).
+    HEALTH_URL = "KVMESH_HEALTH_URL";
     /// How long to wait for a holder's blocks before recomputing them (`--pull-timeout`).
     PULL_TIMEOUT = "KVMESH_PULL_TIMEOUT";
     /// KV blocks in a node's pool (`--kv-blocks`).

@@ -41,13 +41,13 @@ pub async fn run_node<R: ModelRunner + 'static>(
     kit: RoleKit,
     engine: LlmEngine<R>,
 ) -> Result<()> {
-    if let Some(addr) = args.metrics_listen {
-        super::metrics::serve(addr);
-    }
     let node = info.node_id;
     let (first, mut returned) = kit.start(info.role, engine)?;
     let (switch_tx, mut switches) = mpsc::unbounded_channel();
     let board = Arc::new(Switchboard::new(first.serving().clone(), switch_tx)?);
+    if let Some(addr) = args.metrics_listen {
+        super::metrics::serve(addr, Some(board.clone()));
+    }
     let mut worker = Some(first);
     let role_metrics = RoleMetrics::new(node);
     let (server, stop) = serve_front(&board, &kit, args.listen()?, tls)?;
@@ -123,7 +123,9 @@ pub async fn run_node<R: ModelRunner + 'static>(
         )));
     }
     if let Some(worker) = worker {
-        drain(worker, args.drain_timeout).await?;
+        let drained = drain(worker, args.drain_timeout).await?;
+        tracing::info!(%node, finished = drained.finished, seconds = drained.seconds,
+            requests_total = drained.requests_total, "drained; stopping");
     }
     let _ = stop.send(());
     server.await?.context("gRPC server")

@@ -3,15 +3,19 @@
 //! and a `/metrics` endpoint for node processes,
 //! which have no HTTP server of their own.
 
+use super::switchboard::Switchboard;
+use axum::http::StatusCode;
 use kvmesh_common::metrics as names;
 use kvmesh_common::{NodeId, NodeRole};
 use kvmesh_kvstore::{EtcdPrefixIndex, PrefixIndex, PublisherStats};
 use kvmesh_worker::metrics::TotalCounter;
+use kvmesh_worker::RoleState;
 use metrics::{
     counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Counter,
     Gauge, Histogram,
 };
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 fn total_counter(name: &'static str, help: &'static str, node: NodeId) -> TotalCounter {
     describe_counter!(name, help);
@@ -142,13 +146,24 @@ pub fn export_index_stats(index: EtcdPrefixIndex, node: NodeId) {
     });
 }
 
-/// Serves `GET /metrics` (Prometheus text) on `addr`.
-pub fn serve(addr: SocketAddr) {
+/// Serves `GET /metrics` (Prometheus text) on `addr`. With `board` (a prefill or decode
+/// node) also `GET /health`, a readiness check: 200 with the role while the node serves one,
+/// 503 while it switches roles or drains; and `GET /live`, 200 while the process answers.
+pub fn serve(addr: SocketAddr, board: Option<Arc<Switchboard>>) {
+    use axum::routing::get;
+    let mut app = axum::Router::new().route(
+        "/metrics",
+        get(|| async { kvmesh_router::metrics_exporter().render() }),
+    );
+    if let Some(board) = board {
+        app = app
+            .route(
+                "/health",
+                get(move || std::future::ready(health(board.state()))),
+            )
+            .route("/live", get(|| async { "ok" }));
+    }
     tokio::spawn(async move {
-        let app = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(|| async { kvmesh_router::metrics_exporter().render() }),
-        );
         match tokio::net::TcpListener::bind(addr).await {
             Ok(listener) => {
                 tracing::info!(%addr, "metrics on /metrics");
@@ -159,4 +174,15 @@ pub fn serve(addr: SocketAddr) {
             Err(e) => tracing::warn!(%addr, "cannot serve metrics: {e}"),
         }
     });
+}
+
+fn health(state: RoleState) -> (StatusCode, String) {
+    match state {
+        RoleState::Serving(role) => (StatusCode::OK, format!("serving {}", role.as_str())),
+        RoleState::Switching { from, to } => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("switching from {} to {}", from.as_str(), to.as_str()),
+        ),
+        RoleState::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "draining".to_string()),
+    }
 }
