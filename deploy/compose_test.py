@@ -12,6 +12,7 @@ first start, serves, reports healthy), and `down -v` leaving nothing behind.
 Standard library only. Prints the figures it measures.
 """
 
+import concurrent.futures
 import json
 import os
 import re
@@ -30,7 +31,7 @@ PROM_PORT = int(os.environ.get("KVMESH_TEST_PROMETHEUS_PORT", "19090"))
 API = f"http://127.0.0.1:{API_PORT}"
 PROM = f"http://127.0.0.1:{PROM_PORT}"
 ENV = dict(os.environ, KVMESH_PORT=str(API_PORT), KVMESH_PROMETHEUS_PORT=str(PROM_PORT))
-LONG = 160  # tokens of the streams that must outlive a scale-down or a kill
+LONG = 400  # tokens of the streams that must outlive a scale-down or a kill
 
 
 def log(msg):
@@ -77,8 +78,14 @@ def health(name):
     return inspect(name, "{{if .State.Health}}{{.State.Health.Status}}{{end}}")
 
 
+IPS = {}
+
+
 def ip(name):
-    return inspect(name, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+    """The container's address (remembered: a restarted container is forgotten first)."""
+    if name not in IPS:
+        IPS[name] = inspect(name, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+    return IPS[name]
 
 
 def node_metrics(name):
@@ -245,49 +252,60 @@ def check_scale_up():
 
 
 def check_scale_down(expected_texts):
-    """Streams spread over 3 decode nodes; scaling to 2 drains the removed one first."""
+    """Streams on every decode node; scaling to 2 drains the removed one while it runs some."""
     names = containers("decode")
+    leaving = names[-1]  # compose removes the highest-numbered replica
     streams, i = [], 0
-    # Launch long streams until every decode node runs at least one.
-    while True:
+    while decode_running(leaving) == 0 or not all(decode_running(n) > 0 for n in names):
+        assert i < 24, "streams did not spread over the decode nodes"
         streams.append(Stream(prompt(i), LONG))
-        i += 1
         streams[-1].first.wait(60)
-        if all(decode_running(n) > 0 for n in names) or i >= 24:
-            break
-    assert all(decode_running(n) > 0 for n in names), "streams did not spread over the nodes"
-    logs = {n: subprocess.Popen(["docker", "logs", "-f", n], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for n in names}
+        i += 1
+    running = decode_running(leaving)
+    logs = subprocess.Popen(["docker", "logs", "-f", leaving], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     t0 = time.monotonic()
     compose("up", "-d", "--no-recreate", "--scale", "decode=2", "--scale", "prefill=2")
     took = time.monotonic() - t0
-    (gone,) = set(names) - set(containers("decode"))
+    assert leaving not in containers("decode"), f"{leaving} is still there"
     for s in streams:
         text = s.result()
         assert text == expected_texts(s.prompt), f"stream {s.prompt!r} changed: {text!r}"
-    out = logs[gone].communicate(timeout=60)[0]
-    for p in logs.values():
-        p.kill()
+    out = logs.communicate(timeout=60)[0]
     drained = [ln for ln in out.splitlines() if "drained; stopping" in ln]
     assert drained and "finished=true" in drained[-1], \
-        f"{gone} did not drain before stopping:\n{out[-3000:]}"
-    log(f"scaled decode to 2: {gone} drained in {took:.1f} s ({drained[-1].split('INFO')[-1]}); "
-        f"{len(streams)} streams intact")
+        f"{leaving} did not drain before stopping:\n{out[-3000:]}"
+    seconds = float(re.search(r"seconds=([0-9.]+)", drained[-1]).group(1))
+    assert seconds > 0.05, f"{leaving} had nothing left to drain: {drained[-1]}"
+    log(f"scaled decode to 2 in {took:.1f} s: {leaving} drained {running:.0f} running streams "
+        f"in {seconds:.2f} s; all {len(streams)} streams intact")
+
+
+def router_migrations():
+    with urllib.request.urlopen(f"{API}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return float(re.search(r"^kvmesh_router_migrations_total (\S+)$", text, re.M).group(1))
 
 
 def check_kill(expected_texts):
     p = prompt(500)
     want = expected_texts(p)
+    migrations = router_migrations()
     s = Stream(p, LONG)
-    s.first.wait(60)
+    wait_for("the stream's first tokens", lambda: s.chunks >= 4, 60, every=0.01)
     victim = wait_for("the stream's decode node",
                       lambda: next((n for n in containers("decode") if decode_running(n) > 0),
-                                   None), 30, every=0.05)
-    seen = s.chunks
+                                   None), 30, every=0.01)
     run("docker", "kill", victim)
+    seen = s.chunks
     text = s.result()
+    assert seen < s.chunks, f"the stream had ended ({seen} chunks) before the kill"
     assert text == want, f"killed mid-stream: {text!r} != {want!r}"
-    log(f"docker kill {victim} after {seen} chunks: the stream ended with the fault-free text")
+    moved = router_migrations() - migrations
+    assert moved >= 1, "the router migrated nothing"
+    log(f"docker kill {victim} at chunk {seen} of {s.chunks}: the stream moved ({moved:.0f} "
+        "migration) and ended with the fault-free text")
+    IPS.pop(victim, None)
     compose("up", "-d", "--no-recreate", "--scale", "decode=2", "--scale", "prefill=2")
     wait_for(f"{victim} back", lambda: health(victim) == "healthy", 120)
 
@@ -441,8 +459,10 @@ def main():
     try:
         bring_up()
         check_completions()
-        for i in list(range(12)) + [500]:
-            expected(prompt(i))
+        # Reference texts first, all at once (batched), while the cluster is undisturbed.
+        wanted = [prompt(i) for i in list(range(12)) + [500]]
+        with concurrent.futures.ThreadPoolExecutor(len(wanted)) as pool:
+            texts.update(zip(wanted, pool.map(lambda p: complete(p, LONG), wanted)))
         check_scale_up()
         check_scale_down(expected)
         check_kill(expected)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Compose cluster under real Docker (scripts/test.sh runs it): builds the images from
 # the release binary (deploy/build-images.sh, with the Dockerfile's image), checks the
-# alert rules with promtool, then runs deploy/compose_test.py. Arguments go to
+# alert rules with promtool, runs deploy/compose_test.py, then checks the Kubernetes
+# manifests offline (deploy/k8s/test.sh). Arguments go to
 # build-images.sh (--no-build: use target/release/kvmesh as it is).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +15,5 @@ deploy/build-images.sh --dockerfile "$@"
 promtool check rules deploy/prometheus/alerts.yaml
 promtool check config deploy/prometheus/prometheus.yml
 python3 deploy/compose_test.py
+deploy/k8s/test.sh
 echo "deploy/test.sh: passed in $(( $(date +%s) - start )) s"

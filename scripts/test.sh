@@ -14,3 +14,6 @@ target/release/kvmesh fetch-model
 cargo test --workspace --release "$@"
 # End to end through real HTTP with the official openai client (its own venv, its own server).
 tests/e2e/run.sh
+# The Compose cluster under real Docker, Prometheus, the dashboards' and alerts' queries,
+# the Dockerfile's image, the Kubernetes manifests.
+deploy/test.sh --no-build
