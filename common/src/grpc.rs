@@ -15,6 +15,16 @@ pub mod pb {
 /// The metadata key that carries a request id on every RPC (for logs and tracing).
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
 
+/// After this long without a frame from the peer, a node channel (client or server side)
+/// sends an HTTP/2 PING. A peer that is stopped (`SIGSTOP`), wedged or cut off keeps its TCP
+/// socket open and answers no PING: the connection, and every call on it, fails
+/// [`KEEPALIVE_TIMEOUT`] later instead of waiting for the call's deadline (a stream's
+/// deadline is minutes). Tokio answers PINGs even while a node's engine thread computes.
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// How long a PING may go unanswered before the connection is taken as dead.
+pub const KEEPALIVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// A message that is well-formed protobuf but not a valid kvmesh message.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {message}: {reason}")]

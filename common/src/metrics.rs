@@ -11,6 +11,8 @@ pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_token
 pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
 pub const ROUTER_MIGRATIONS_TOTAL: &str = "kvmesh_router_migrations_total";
 pub const ROUTER_DECODE_RETRIES_TOTAL: &str = "kvmesh_router_decode_retries_total";
+/// Decode streams given up as hung: silent past their node's idle bound after a token.
+pub const ROUTER_STALLED_STREAMS_TOTAL: &str = "kvmesh_router_stalled_streams_total";
 /// Requests refused with 429 (label `reason`: queue_delay, in_flight, rate_limit,
 /// backend_overloaded).
 pub const ROUTER_REJECTED_TOTAL: &str = "kvmesh_router_rejected_requests_total";

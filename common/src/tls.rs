@@ -224,17 +224,23 @@ impl ClusterTls {
 }
 
 /// The endpoint of a node's gRPC control plane at `address` (host:port): mutual TLS with
-/// `tls`, plaintext without. Every gRPC client in the mesh dials through this.
+/// `tls`, plaintext without, and HTTP/2 keepalive (see [`crate::grpc::KEEPALIVE_INTERVAL`]),
+/// so a hung peer fails its calls within seconds. Every gRPC client in the mesh dials
+/// through this.
 pub fn grpc_endpoint(
     address: &str,
     tls: Option<&ClusterTls>,
 ) -> Result<Endpoint, tonic::transport::Error> {
-    match tls {
-        None => Endpoint::from_shared(format!("http://{address}")),
+    let endpoint = match tls {
+        None => Endpoint::from_shared(format!("http://{address}"))?,
         Some(tls) => {
-            Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.grpc_client())
+            Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.grpc_client())?
         }
-    }
+    };
+    Ok(endpoint
+        .http2_keep_alive_interval(crate::grpc::KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(crate::grpc::KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {

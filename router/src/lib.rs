@@ -39,6 +39,7 @@ mod request_id;
 pub mod routing;
 mod server;
 mod sse;
+mod stream_idle;
 
 pub use crate::metrics::exporter as metrics_exporter;
 pub use async_trait::async_trait;
@@ -46,6 +47,7 @@ pub use backend::Backend;
 pub use config::{ConfigError, RouterConfig};
 pub use error::ApiError;
 pub use mesh::{BrokenStream, DecodeConnector, DecodeEvents, MeshBackend, MeshBackendConfig};
+pub use stream_idle::StreamIdleConfig;
 
 pub use remote::{GrpcConnector, RemoteBackend, RemoteConfig};
 pub use server::Router;

@@ -9,13 +9,16 @@
 //! mid-request (the decode node died or failed) is *migrated*: the prompt and the tokens
 //! delivered so far go to another decode node, which recomputes their KV and continues after
 //! them, so the client's stream goes on without a gap or a repeated token
-//! (`MeshBackendConfig::max_migrations` bounds it). Dropping the event receiver drops the
+//! (`MeshBackendConfig::max_migrations` bounds it). A stream that goes silent for many of its
+//! node's steps after its first token counts as broken too: the node hung (see
+//! [`crate::stream_idle`]). Dropping the event receiver drops the
 //! node's stream, which cancels the request on the decode node and, through it, on the
 //! prefill node.
 
 use crate::backend::Backend;
 use crate::metrics::metrics;
 use crate::routing::{lock, Routing, Tracked};
+use crate::stream_idle::{StepTimes, StreamIdleConfig};
 use async_trait::async_trait;
 use futures::stream::BoxStream;
 use futures::StreamExt;
@@ -71,6 +74,9 @@ pub struct MeshBackendConfig {
     pub request_timeout: Duration,
     /// How many times one request may move to another decode node after its stream broke.
     pub max_migrations: usize,
+    /// How long a stream that has delivered a token may go silent before its node counts
+    /// as hung and the request migrates.
+    pub stream_idle: StreamIdleConfig,
 }
 
 impl Default for MeshBackendConfig {
@@ -80,6 +86,7 @@ impl Default for MeshBackendConfig {
             max_attempts: 3,
             request_timeout: Duration::from_secs(600),
             max_migrations: 3,
+            stream_idle: StreamIdleConfig::default(),
         }
     }
 }
@@ -97,6 +104,9 @@ struct Mesh<C> {
     suspects: Mutex<HashMap<NodeId, (Instant, NodeRole)>>,
     routing: Routing,
     draining: AtomicBool,
+    /// The decode nodes' step times as their streams show them: they bound a stream's
+    /// silence.
+    step_times: Mutex<StepTimes>,
 }
 
 /// A request's stream open on one decode node.
@@ -104,6 +114,8 @@ struct Opened {
     node: NodeId,
     events: DecodeEvents,
     in_flight: Tracked,
+    /// When the stream delivered its last event (`None` before its first).
+    last_event: Option<Instant>,
 }
 
 impl<C: DecodeConnector> MeshBackend<C> {
@@ -118,6 +130,7 @@ impl<C: DecodeConnector> MeshBackend<C> {
             mesh: Arc::new(Mesh {
                 discovery,
                 connector,
+                step_times: Mutex::new(StepTimes::new(config.stream_idle)),
                 config,
                 suspects: Mutex::new(HashMap::new()),
                 routing,
@@ -233,6 +246,7 @@ impl<C: DecodeConnector> Mesh<C> {
                         node: id,
                         events,
                         in_flight,
+                        last_event: None,
                     })
                 }
                 Err(WorkerError::Unavailable(message)) => {
@@ -288,7 +302,7 @@ async fn relay<C: DecodeConnector>(
     loop {
         let next = tokio::select! {
             () = tx.closed() => return,
-            next = opened.events.next() => next,
+            next = mesh.next_event(&mut opened) => next,
         };
         let broken = match next {
             Some(Ok(GenerateEvent::Token(t))) => {
@@ -338,6 +352,39 @@ async fn relay<C: DecodeConnector>(
                 return;
             }
         }
+    }
+}
+
+impl<C: DecodeConnector> Mesh<C> {
+    /// The stream's next event; once it has delivered one, a silence past its node's idle
+    /// bound breaks it (`Unavailable`: the node is hung, not the request bad).
+    async fn next_event(&self, opened: &mut Opened) -> Option<Result<GenerateEvent, BrokenStream>> {
+        let node = opened.node;
+        let Some(last) = opened.last_event else {
+            let next = opened.events.next().await;
+            opened.last_event = Some(Instant::now());
+            return next;
+        };
+        let bound = lock(&self.step_times).idle_bound(node, Instant::now());
+        let next = match tokio::time::timeout_at((last + bound).into(), opened.events.next()).await
+        {
+            Ok(next) => next,
+            Err(_) => {
+                metrics().stalled_streams.increment(1);
+                return Some(Err(BrokenStream {
+                    error: WorkerError::Unavailable(format!(
+                        "decode node {node} sent nothing for {bound:?}: it is hung"
+                    )),
+                    deadline_passed: false,
+                }));
+            }
+        };
+        let now = Instant::now();
+        if matches!(next, Some(Ok(GenerateEvent::Token(_)))) {
+            lock(&self.step_times).observe(node, now - last, now);
+        }
+        opened.last_event = Some(now);
+        next
     }
 }
 

@@ -76,6 +76,8 @@ pub(crate) struct Metrics {
     pub(crate) migrations: Counter,
     /// Decode nodes that refused a request before another one took it.
     pub(crate) decode_retries: Counter,
+    /// Decode streams given up as hung (silent past their idle bound).
+    pub(crate) stalled_streams: Counter,
     pub(crate) admission_pending_tokens: Gauge,
     pub(crate) admission_estimated_ttft: Gauge,
     pub(crate) admission_headroom: Gauge,
@@ -166,6 +168,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         decode_retries: counter(
             names::ROUTER_DECODE_RETRIES_TOTAL,
             "Requests sent to another decode node because the first one was unavailable.",
+        ),
+        stalled_streams: counter(
+            names::ROUTER_STALLED_STREAMS_TOTAL,
+            "Decode streams given up as hung: silent past their node's idle bound after a token.",
         ),
         admission_pending_tokens: gauge(
             names::ROUTER_ADMISSION_PENDING_TOKENS,

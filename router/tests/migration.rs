@@ -14,7 +14,7 @@ use kvmesh_common::{
 use kvmesh_kvstore::{InMemoryDiscovery, InMemoryPrefixIndex};
 use kvmesh_router::policy::{DisaggConfig, RoutingConfig};
 use kvmesh_router::routing::Routing;
-use kvmesh_router::{Backend, MeshBackendConfig, RemoteBackend, RemoteConfig};
+use kvmesh_router::{Backend, MeshBackendConfig, RemoteBackend, RemoteConfig, StreamIdleConfig};
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -401,4 +401,163 @@ async fn a_node_back_in_the_decode_role_is_routed_to_at_once() {
         2,
         "the refusal and the request it served"
     );
+}
+
+/// A stream idle bound that only a hang well past it would meet: with it, what catches a
+/// hung node in a test is HTTP/2 keepalive alone.
+fn without_idle_bound() -> RemoteConfig {
+    RemoteConfig {
+        mesh: MeshBackendConfig {
+            stream_idle: StreamIdleConfig {
+                min: Duration::from_secs(60),
+                ..StreamIdleConfig::default()
+            },
+            ..MeshBackendConfig::default()
+        },
+        ..RemoteConfig::default()
+    }
+}
+
+/// The request's whole answer, which must come well before its 600 s deadline.
+async fn answer_within(
+    rx: mpsc::UnboundedReceiver<GenerateEvent>,
+    start: std::time::Instant,
+    bound: Duration,
+) -> Vec<GenerateEvent> {
+    let events = collect(rx).await;
+    assert_whole_answer(&events);
+    let took = start.elapsed();
+    assert!(took < bound, "the hung node held the request {took:?}");
+    events
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_hangs_mid_stream_with_its_process_alive_is_migrated() {
+    // The node's process answers (keepalive PINGs too); only its stream goes quiet, as when
+    // an engine thread wedges.
+    let a = Node::start(1, Script::HangAfter(3));
+    let b = Node::start(2, Script::Serve);
+    let config = RemoteConfig {
+        mesh: MeshBackendConfig {
+            stream_idle: StreamIdleConfig {
+                min: Duration::from_millis(300),
+                ..StreamIdleConfig::default()
+            },
+            ..MeshBackendConfig::default()
+        },
+        ..RemoteConfig::default()
+    };
+    let backend = backend(&[&a, &b], config);
+    let start = std::time::Instant::now();
+    let rx = backend.generate(request()).await.unwrap();
+    answer_within(rx, start, Duration::from_secs(5)).await;
+    let resumed = b.requests();
+    assert_eq!(resumed.len(), 1, "the hung node's request moved once");
+    assert_eq!(resumed[0].resume, [100, 101, 102]);
+}
+
+/// A TCP relay in front of a node that can freeze: it then moves no byte either way but
+/// keeps its sockets open, as the kernel does for a process stopped with SIGSTOP.
+struct FreezingRelay {
+    addr: SocketAddr,
+    freeze: tokio::sync::watch::Sender<bool>,
+}
+
+impl FreezingRelay {
+    async fn start(target: SocketAddr) -> FreezingRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (freeze, frozen) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let frozen = frozen.clone();
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let (client_read, client_write) = client.into_split();
+                    let (server_read, server_write) = server.into_split();
+                    tokio::spawn(Self::pipe(client_read, server_write, frozen.clone()));
+                    Self::pipe(server_read, client_write, frozen).await;
+                });
+            }
+        });
+        FreezingRelay { addr, freeze }
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut frozen: tokio::sync::watch::Receiver<bool>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut buf = vec![0; 1 << 16];
+        loop {
+            let read = tokio::select! {
+                read = from.read(&mut buf) => read,
+                _ = frozen.wait_for(|&f| f) => break,
+            };
+            let n = match read {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if *frozen.borrow() || to.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+        }
+        // Frozen: hold both sockets open, silent, until the test ends.
+        std::future::pending::<()>().await;
+        drop((from, to));
+    }
+
+    fn freeze(&self) {
+        self.freeze.send_replace(true);
+    }
+}
+
+/// A backend whose first decode node is `a` reached through `relay`, then `b`.
+fn backend_through(relay: &FreezingRelay, a: &Node, b: &Node) -> RemoteBackend {
+    let discovery = Arc::new(InMemoryDiscovery::new());
+    discovery
+        .register(NodeInfo {
+            address: relay.addr.to_string(),
+            ..info(a)
+        })
+        .unwrap();
+    backend_on(discovery, &[b], without_idle_bound())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_moves_a_stream_off_a_node_that_stopped_mid_stream() {
+    let a = Node::start(1, Script::HangAfter(3));
+    let b = Node::start(2, Script::Serve);
+    let relay = FreezingRelay::start(a.addr).await;
+    let backend = backend_through(&relay, &a, &b);
+    let start = std::time::Instant::now();
+    let mut rx = backend.generate(request()).await.unwrap();
+    let mut events = receive_tokens(&mut rx, 3).await;
+    relay.freeze();
+    events.extend(collect(rx).await);
+    assert_whole_answer(&events);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(8),
+        "the stopped node held the request {took:?}"
+    );
+    assert_eq!(b.requests()[0].resume, [100, 101, 102]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keepalive_moves_a_request_off_a_node_stopped_before_it_answered() {
+    let a = Node::start(1, Script::Serve);
+    let b = Node::start(2, Script::Serve);
+    let relay = FreezingRelay::start(a.addr).await;
+    // Stopped before the call: the kernel still accepts the connection, nothing answers.
+    relay.freeze();
+    let backend = backend_through(&relay, &a, &b);
+    let start = std::time::Instant::now();
+    let rx = backend.generate(request()).await.unwrap();
+    answer_within(rx, start, Duration::from_secs(8)).await;
+    assert!(a.requests().is_empty());
+    assert_eq!(b.requests().len(), 1);
 }

@@ -15,7 +15,7 @@ use super::switchboard::{SwitchCall, SwitchDone, Switchboard};
 use super::KvPublisherSlot;
 use crate::node::config::MeshNodeConfig;
 use anyhow::{Context, Result};
-use kvmesh_common::grpc::pb;
+use kvmesh_common::grpc::{self, pb};
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeInfo;
 use kvmesh_engine::llm_engine::LlmEngine;
@@ -145,7 +145,11 @@ fn serve_front(
     tls: Option<&ClusterTls>,
 ) -> Result<Front> {
     let (stop, stopped) = oneshot::channel::<()>();
-    let mut server = tonic::transport::Server::builder();
+    // Keepalive from this side too: a caller that hangs (a stopped router) has its streams
+    // dropped, which cancels its requests and frees their KV.
+    let mut server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(grpc::KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(grpc::KEEPALIVE_TIMEOUT));
     if let Some(tls) = tls {
         server = server
             .tls_config(tls.grpc_server())
