@@ -47,6 +47,9 @@ pub(crate) struct Limits {
     pub(crate) max_model_len: usize,
     pub(crate) num_blocks: usize,
     pub(crate) block_size: usize,
+    /// Token ids at or above this are refused here: the runner would fail the whole batch
+    /// they joined, every co-batched request with them.
+    pub(crate) vocab_size: usize,
 }
 
 /// What the handles and the thread share; the role adds the limits `generate` checks.
@@ -157,6 +160,13 @@ impl DecodeHandle {
                 "the prompt needs {} KV blocks; this worker has {}",
                 len.div_ceil(l.block_size),
                 l.num_blocks
+            ));
+        }
+        let tokens = request.prompt.iter().chain(&request.resume);
+        if let Some(&token) = tokens.into_iter().find(|&&t| t as usize >= l.vocab_size) {
+            return invalid(format!(
+                "token id {token} is outside the model's vocabulary of {}",
+                l.vocab_size
             ));
         }
         Ok(())

@@ -70,6 +70,7 @@ impl DecodeWorker {
             max_model_len: sc.max_model_len,
             num_blocks: sc.num_blocks,
             block_size: sc.block_size,
+            vocab_size: engine.runner().vocab_size(),
         };
         let kv_rx = transport.bind(config.node_id)?;
         let (tx, rx) = kvmesh_worker::inbox(config.max_queued_requests);

@@ -175,6 +175,33 @@ fn invalid_requests_are_refused_at_once() {
 }
 
 #[test]
+fn an_out_of_vocabulary_token_fails_alone() {
+    let (worker, permits) = gated_worker(8);
+    let d = worker.handle();
+    let vocab = tokenizer().vocab_size() as u32;
+    // No step runs before the permits go: every request accepted until then shares the
+    // first batch.
+    let good = generate(&d, request(1, 20)).unwrap();
+    let mut poison = request(2, 20);
+    poison.prompt[7] = vocab;
+    let mut bad_resume = request(3, 20);
+    bad_resume.resume = vec![5, u32::MAX];
+    let answers: Vec<_> = [poison, bad_resume]
+        .into_iter()
+        .map(|r| generate(&d, r))
+        .collect();
+    drop(permits);
+    assert!(finishes(good), "a request batched with the bad one failed");
+    for answer in answers {
+        match answer {
+            Err(WorkerError::InvalidRequest(m)) => assert!(m.contains("vocabulary"), "{m}"),
+            Err(e) => panic!("refused as {e:?}, not as invalid"),
+            Ok(_) => panic!("a token id outside the vocabulary was accepted"),
+        }
+    }
+}
+
+#[test]
 fn a_draining_worker_finishes_its_requests_and_refuses_new_ones() {
     let (worker, permits) = gated_worker(8);
     let d = worker.handle();

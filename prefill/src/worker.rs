@@ -65,8 +65,17 @@ impl Control for Inbox {
     }
 }
 
-/// What the handles and the thread share; the role adds the KV shape the worker produces.
-type Shared = NodeState<KvShape>;
+/// What the handles check before queueing, copied from the engine at spawn.
+struct Limits {
+    /// The KV the worker produces.
+    kv_shape: KvShape,
+    /// Token ids at or above this are refused at the door: the runner would fail the whole
+    /// batch they joined, every co-batched prompt with them.
+    vocab_size: usize,
+}
+
+/// What the handles and the thread share; the role adds the limits.
+type Shared = NodeState<Limits>;
 
 /// Submits requests to one prefill worker. Cheap to clone; usable from any thread.
 #[derive(Clone)]
@@ -90,7 +99,7 @@ impl PrefillHandle {
 
     /// The worker's KV shape: a destination must use the same block size and layout.
     pub fn kv_shape(&self) -> KvShape {
-        self.shared.role
+        self.shared.role.kv_shape
     }
 
     /// Queues `request`; its reply arrives on `reply` (exactly one, also when the worker stops
@@ -102,6 +111,12 @@ impl PrefillHandle {
     ) -> Result<(), PrefillError> {
         if self.shared.is_draining() {
             return Err(PrefillError::Unavailable);
+        }
+        let vocab = self.shared.role.vocab_size;
+        if let Some(&token) = request.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(PrefillError::InvalidRequest(format!(
+                "token id {token} is outside the model's vocabulary of {vocab}"
+            )));
         }
         if !self.shared.queue.try_take() {
             return Err(PrefillError::Overloaded);
@@ -208,7 +223,10 @@ impl PrefillWorker {
             config.node_id,
             engine.scheduler().pool().num_blocks(),
             config.max_queued_requests,
-            engine.runner().kv_shape(),
+            Limits {
+                kv_shape: engine.runner().kv_shape(),
+                vocab_size: engine.runner().vocab_size(),
+            },
         ));
         let metrics = WorkerMetrics::new(config.node_id, "prefill");
         let node_id = config.node_id;

@@ -297,3 +297,40 @@ fn an_unreachable_destination_fails_the_prefill() {
     assert!(matches!(reply.result, Err(PrefillError::InvalidRequest(_))));
     assert_eq!(worker.handle().load().kv_blocks_used, 0);
 }
+
+#[test]
+fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
+    let transport = Arc::new(InProcessTransport::new(4096));
+    let dest = NodeId(2);
+    let _kv = transport.bind(dest).unwrap();
+    let worker = PrefillWorker::spawn(
+        PrefillConfig::new(NodeId(1)),
+        engine(4096),
+        transport.clone() as Arc<dyn Transport>,
+    )
+    .unwrap();
+    let mut bad = prompt(40);
+    bad[3] = loaded().tokenizer.vocab_size() as TokenId;
+    let (reply_tx, _reply_rx) = crossbeam_channel::unbounded();
+    let refused = worker.handle().prefill(
+        PrefillRequest {
+            request_id: RequestId(rand_id()),
+            prompt: bad,
+            params: SamplingParams::greedy(4),
+            cached_prefix_len: 0,
+            destination: KvDestination {
+                node: dest,
+                blocks: (0..3).map(BlockId).collect(),
+            },
+            holder: None,
+            cancel: CancelToken::new(),
+        },
+        reply_tx,
+    );
+    // Refused before it could join a batch (and fail it, with every prompt in it).
+    match refused {
+        Err(PrefillError::InvalidRequest(m)) => assert!(m.contains("vocabulary"), "{m}"),
+        other => panic!("not refused as invalid: {other:?}"),
+    }
+    prefill_on(&worker, dest, &prompt(40), 0, None);
+}

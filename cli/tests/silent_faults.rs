@@ -1,0 +1,246 @@
+//! Faults that do not announce themselves, on the multi-process mesh (etcd, a router, two
+//! decode nodes, the real model):
+//!
+//! - a decode node stopped with `SIGSTOP` mid-stream keeps its sockets open and answers
+//!   nothing; the router must take it as hung (HTTP/2 keepalive, the stream's idle bound)
+//!   and migrate the stream, which completes with the fault-free greedy text within
+//!   seconds, not at the request's 600 s deadline;
+//! - a `Generate` call over gRPC with a token id outside the vocabulary, sent straight to
+//!   the decode node that is running a streamed request: it is refused alone with
+//!   `INVALID_ARGUMENT`, and the request beside it finishes on its node, not migrated.
+//!
+//! Afterwards both nodes' KV pools are empty (the stopped node, once continued, dropped the
+//! request the router moved away from it). Prints the figures.
+
+mod cluster;
+
+use cluster::*;
+use kvmesh_common::grpc::{self, pb, Placement};
+use kvmesh_common::tls::grpc_endpoint;
+use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
+use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+const MAX_TOKENS: u32 = 64;
+
+fn body(stream: bool) -> Value {
+    json!({"model": MODEL_NAME, "prompt": "Here is a long story about rivers and the sea:",
+           "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream})
+}
+
+/// Waits (polling gRPC health; nodes push nothing) until one of `addrs` runs a request;
+/// returns its index.
+fn await_running(rt: &tokio::runtime::Runtime, addrs: &[SocketAddr]) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for (i, addr) in addrs.iter().enumerate() {
+            let h = rt.block_on(node_health(&addr.to_string(), NodeRole::Decode, None));
+            if h.load.is_some_and(|l| l.running > 0) {
+                return i;
+            }
+        }
+        assert!(Instant::now() < deadline, "no decode node ran the request");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits until the node at `addr` is idle with no KV block in use.
+fn await_empty_pool(rt: &tokio::runtime::Runtime, addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let load = rt
+            .block_on(node_health(&addr.to_string(), NodeRole::Decode, None))
+            .load
+            .unwrap_or_default();
+        if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} kept {load:?}: KV stranded"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn signal(node: &Node, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([signal, &node.child.id().to_string()])
+        .status()
+        .expect("kill runs")
+        .success();
+    assert!(ok, "kill {signal} failed");
+}
+
+/// A Prometheus counter's value in `/metrics` text (0 when absent).
+fn counter(router: SocketAddr, name: &str) -> f64 {
+    get(router, "/metrics")
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The longest wait between two consecutive events of `o` that spans `at`.
+fn stall_across(o: &Outcome, at: Instant) -> Duration {
+    let before = o.events.iter().rev().find(|&&t| t <= at);
+    let after = o.events.iter().find(|&&t| t > at);
+    match (before, after) {
+        (Some(b), Some(a)) => *a - *b,
+        _ => Duration::ZERO,
+    }
+}
+
+#[test]
+fn a_hung_decode_node_is_migrated_and_a_poison_request_fails_alone() {
+    let etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
+    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("silent_faults");
+    std::fs::create_dir_all(&logs).unwrap();
+    let log = |name: &str| logs.join(format!("{name}.log"));
+    let endpoint = etcd.endpoint();
+    let router_addr = free_addr("127.0.0.2");
+    let decode_addrs = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
+    let decode: Vec<Node> = (0..2)
+        .map(|i| {
+            Node::spawn(
+                mesh_args("decode", decode_addrs[i], &endpoint, "silent"),
+                log(&format!("decode{i}")),
+            )
+        })
+        .collect();
+    let mut router_args = mesh_args("router", router_addr, &endpoint, "silent");
+    router_args.extend(["--routing-policy".into(), "round_robin".into()]);
+    let router = Node::spawn(router_args, log("router"));
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let discovery = rt
+        .block_on(EtcdDiscovery::connect(EtcdConfig {
+            endpoints: vec![etcd.endpoint()],
+            cluster: "silent".into(),
+            ..EtcdConfig::default()
+        }))
+        .expect("the test's own etcd client");
+    rt.block_on(await_membership(&discovery, 0, 2, START_TIMEOUT));
+    let all: Vec<&Node> = decode.iter().chain([&router]).collect();
+    await_health(router_addr, &all);
+
+    // The reference, from each node in turn (round robin): the same greedy text.
+    let reference: Vec<String> = (0..2)
+        .map(|_| {
+            let (status, v) = post(router_addr, "/v1/completions", &body(false));
+            assert_eq!(status, 200, "reference: {v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(reference[0], reference[1], "the two nodes disagree");
+    let reference = &reference[0];
+
+    // 1. SIGSTOP the node serving a stream, mid-stream.
+    let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
+    let (outcome, stopped, at) = std::thread::scope(|s| {
+        let client = s.spawn(|| stream_completion(router_addr, &body(true)));
+        let stopped = await_running(&rt, &decode_addrs);
+        signal(&decode[stopped], "-STOP");
+        let at = Instant::now();
+        (client.join().unwrap(), stopped, at)
+    });
+    let took = at.elapsed();
+    // Continued, the node must drop the request the router moved away from it.
+    signal(&decode[stopped], "-CONT");
+    assert_eq!(outcome.status, 200);
+    assert_eq!(outcome.error, None, "the stream failed");
+    assert_eq!(&outcome.text, reference, "a gap or a repeat after the move");
+    let stall = stall_across(&outcome, at);
+    let migrated = counter(router_addr, "kvmesh_router_migrations_total") - migrations_before;
+    let stalled = counter(router_addr, "kvmesh_router_stalled_streams_total");
+    println!(
+        "silent faults: SIGSTOP decode node mid-stream: stream stalled {:.3} s, finished {:.3} s \
+         after the stop; migrations {migrated}, streams given up as hung {stalled}",
+        stall.as_secs_f64(),
+        took.as_secs_f64()
+    );
+    assert!(
+        migrated >= 1.0,
+        "the stream was not moved off the stopped node"
+    );
+    // Detection takes about 2 s (keepalive 1 s + 1 s, or the idle bound's 2 s floor), the
+    // move a recompute of ~80 tokens; the bound leaves room for a slow, shared machine. The
+    // 600 s deadline is what held it before.
+    assert!(
+        stall < Duration::from_secs(8),
+        "the stream stalled {stall:?} behind a stopped node"
+    );
+
+    // 2. A poison request over gRPC, beside a streamed request on the same node.
+    let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
+    let (outcome, refusal) = std::thread::scope(|s| {
+        let client = s.spawn(|| stream_completion(router_addr, &body(true)));
+        let victim = await_running(&rt, &decode_addrs);
+        let refusal = rt.block_on(poison(decode_addrs[victim]));
+        (client.join().unwrap(), refusal)
+    });
+    println!("silent faults: poison request answered {refusal:?}");
+    assert_eq!(
+        refusal.code(),
+        tonic::Code::InvalidArgument,
+        "the poison request was not refused: {refusal:?}"
+    );
+    assert!(
+        refusal.message().contains("vocabulary"),
+        "{}",
+        refusal.message()
+    );
+    assert_eq!(
+        outcome.error, None,
+        "the request beside the poison one failed"
+    );
+    assert_eq!(&outcome.text, reference);
+    let migrated = counter(router_addr, "kvmesh_router_migrations_total") - migrations_before;
+    assert_eq!(
+        migrated, 0.0,
+        "the request beside the poison one failed on its node and had to move"
+    );
+
+    for addr in decode_addrs {
+        await_empty_pool(&rt, addr);
+    }
+}
+
+/// Sends a `Generate` with a token id past any vocabulary straight to the decode node at
+/// `addr`; returns how the call (or its stream) failed.
+async fn poison(addr: SocketAddr) -> tonic::Status {
+    let channel = grpc_endpoint(&addr.to_string(), None)
+        .unwrap()
+        .connect()
+        .await
+        .expect("the decode node answers");
+    let request = GenerateRequest {
+        request_id: RequestId(0xbad),
+        prompt: vec![1, 2, u32::MAX - 1, 3],
+        params: SamplingParams::greedy(8),
+        resume: Vec::new(),
+    };
+    let call = pb::decode_client::DecodeClient::new(channel)
+        .generate(grpc::generate_request_to_pb(
+            &request,
+            &Placement::default(),
+        ))
+        .await;
+    let mut stream = match call {
+        Err(status) => return status,
+        Ok(stream) => stream.into_inner(),
+    };
+    // Accepted: what the stream then says.
+    loop {
+        match stream.message().await {
+            Err(status) => return status,
+            Ok(None) => return tonic::Status::ok("the stream ended"),
+            Ok(Some(event)) => {
+                if let Some(pb::generate_event::Event::Error(e)) = event.event {
+                    return tonic::Status::internal(format!("accepted, then failed: {e:?}"));
+                }
+            }
+        }
+    }
+}
