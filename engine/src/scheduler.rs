@@ -52,6 +52,7 @@
 
 mod discard;
 mod import;
+mod quiet;
 mod sequence;
 
 use crate::block_pool::{BlockPool, TierMove};
@@ -588,6 +589,11 @@ impl Scheduler {
             prompt: &s.prompt,
             output: &s.output,
         })
+    }
+
+    /// The running sequences, in admission order.
+    pub fn running(&self) -> &[SeqId] {
+        &self.running
     }
 
     pub fn num_running(&self) -> usize {
