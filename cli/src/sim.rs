@@ -3,6 +3,7 @@
 //! `kvmesh-sim` crate); the workload, load shapes, SLO, sweep and max-goodput search are `kvmesh
 //! bench serve`'s, and so are the report, CSV and plots. Parsing and wiring only.
 
+use std::fmt::Write as _;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -12,10 +13,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::{Arrivals, LoadShape};
-use kvmesh_bench::load::Run;
+use kvmesh_bench::load::{csv, Run};
 use kvmesh_bench::probe::Measured;
 use kvmesh_bench::report::{self, BenchReport, MaxGoodput, TargetInfo};
 use kvmesh_bench::search::{MaxGoodputSearch, Probe, SearchConfig};
+use kvmesh_bench::slo::{Class, RequestOutcome};
 use kvmesh_bench::workload::{Prompt, Workload, WorkloadOptions, WorkloadSpec};
 use kvmesh_common::NodeId;
 use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate};
@@ -220,6 +222,9 @@ impl SimArgs {
             planner,
             startup: self.startup_delay,
             switch_delay: self.switch_delay,
+            // A simulated hour delivers hundreds of millions of tokens: the report reads the
+            // pooled gaps from the run's histogram, the CSV counts them (`requests_csv`).
+            every_gap: false,
             ..MeshConfig::new(self.decode_nodes, node, self.routing.clone())
         })
     }
@@ -493,6 +498,28 @@ fn planner_table(report: &BenchReport, planned: &[Option<AutoscaleReport>]) -> S
     out
 }
 
+/// Every request of every point, as `kvmesh bench serve` writes them, but for the gaps
+/// column: a simulated outcome keeps only its longest gap (`MeshConfig::every_gap`), and a
+/// completed request has one gap fewer than tokens.
+fn requests_csv(measured: &[Measured], outcomes: &[Vec<RequestOutcome>]) -> String {
+    let mut out = csv::header("point");
+    out.push('\n');
+    for (m, outcomes) in measured.iter().zip(outcomes) {
+        for o in outcomes {
+            let gaps = match o.class() {
+                Class::Ok => o.output_tokens.saturating_sub(1),
+                _ => o.gaps.len() as u64,
+            };
+            let row = csv::row(&m.point.label, o);
+            // Its last four fields: gaps, prompt, cached and output tokens (plain numbers).
+            let mut fields = row.rsplitn(5, ',');
+            let [output, cached, prompt, _, head] = [(); 5].map(|_| fields.next().unwrap_or(""));
+            let _ = writeln!(out, "{head},{gaps},{prompt},{cached},{output}");
+        }
+    }
+    out
+}
+
 /// A simulated run in the load generator's terms (for the per-request CSV and the notes).
 fn as_run(run: MeshRun) -> Run {
     Run {
@@ -590,7 +617,15 @@ pub fn run(args: &SimArgs) -> Result<()> {
     report.points = measured.iter().map(|m| m.point.clone()).collect();
 
     let out = outputs::out_dir(m.out.as_deref(), "sim");
+    let mut measured = measured;
+    let outcomes: Vec<Vec<RequestOutcome>> = measured
+        .iter_mut()
+        .map(|m| std::mem::take(&mut m.run.outcomes))
+        .collect();
     let mut written = outputs::write(&out, &report, &measured, &m.plots.0)?;
+    let csv_path = out.join("requests.csv");
+    std::fs::write(&csv_path, requests_csv(&measured, &outcomes))
+        .with_context(|| format!("writing {}", csv_path.display()))?;
     let json = match sim.planned.iter().any(Option::is_some) {
         true => {
             let json = with_planner(&report, &sim.planned)?;

@@ -1,16 +1,20 @@
 //! The event loop's queue: a min-heap of timestamped events.
 //!
-//! Events are ordered by `(time, sequence number)`, the sequence number being the order they
-//! were pushed. Two events at the same instant therefore pop in the order they were
-//! scheduled, never in an order that depends on the heap's layout or on the events' contents,
-//! which is what makes a run with a given seed reproducible byte for byte.
+//! Events are ordered by `(time, push time, sequence number)`, the sequence number being the
+//! order they were pushed. Pushes happen in time order, so for events pushed when they are
+//! scheduled this is the order they were scheduled in: two events at the same instant pop in
+//! that order, never in one that depends on the heap's layout or on the events' contents,
+//! which is what makes a run with a given seed reproducible byte for byte. The push time is
+//! in the key for the events a node pushes on behalf of steps it runs at once
+//! ([`EventQueue::push_as_of`]): such an event takes the place the last step's own event would
+//! have taken, pushed when the step before it ended.
 //!
 //! Most events are pushed in time order: a run pushes every request's arrival up front, in
 //! arrival order. Those go to a FIFO lane instead of the heap, so the heap holds only the
 //! events pushed out of order (step ends, transfers: a few per node) and each pop sifts
-//! through that much instead of every future arrival. An event goes to the lane when it is
-//! no earlier than the lane's last; the lane is then sorted by `(time, sequence number)` too,
-//! and a pop takes the earlier of the two heads, so the order is exactly the heap's alone.
+//! through that much instead of every future arrival. An event goes to the lane when its key
+//! is above the lane's last; the lane is then sorted by the key too, and a pop takes the
+//! earlier of the two heads, so the order is exactly the heap's alone.
 
 use crate::clock::VirtualClock;
 use std::cmp::Ordering;
@@ -21,23 +25,32 @@ use std::time::Duration;
 #[derive(Debug)]
 pub struct EventQueue<E> {
     heap: BinaryHeap<Pending<E>>,
-    /// Events pushed in `(at, seq)` order (see the module docs).
+    /// Events pushed in key order (see the module docs).
     lane: VecDeque<Pending<E>>,
     clock: VirtualClock,
     next_seq: u64,
+    /// The key of the event popped last.
+    current: EventKey,
+}
+
+/// Where an event sorts among those due at its instant (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub struct EventKey {
+    pub at: Duration,
+    pub pushed: Duration,
+    pub seq: u64,
 }
 
 #[derive(Debug)]
 struct Pending<E> {
-    at: Duration,
-    seq: u64,
+    key: EventKey,
     event: E,
 }
 
-// Ordered by (at, seq) alone, reversed so that `BinaryHeap` (a max-heap) pops the earliest.
+// Ordered by the key alone, reversed so that `BinaryHeap` (a max-heap) pops the earliest.
 impl<E> Ord for Pending<E> {
     fn cmp(&self, other: &Self) -> Ordering {
-        (other.at, other.seq).cmp(&(self.at, self.seq))
+        other.key.cmp(&self.key)
     }
 }
 
@@ -49,7 +62,7 @@ impl<E> PartialOrd for Pending<E> {
 
 impl<E> PartialEq for Pending<E> {
     fn eq(&self, other: &Self) -> bool {
-        (self.at, self.seq) == (other.at, other.seq)
+        self.key == other.key
     }
 }
 
@@ -62,6 +75,7 @@ impl<E> Default for EventQueue<E> {
             lane: VecDeque::new(),
             clock: VirtualClock::new(),
             next_seq: 0,
+            current: EventKey::default(),
         }
     }
 }
@@ -80,23 +94,63 @@ impl<E> EventQueue<E> {
     /// # Panics
     /// If `at` is before now (a simulator bug: it would be handled late, out of order).
     pub fn push_at(&mut self, at: Duration, event: E) {
+        self.push_as_of(at, self.clock.now(), event);
+    }
+
+    /// Schedules `event` at `at` as if it had been pushed at `pushed` (no earlier than now, no
+    /// later than `at`): among the events due at `at` it sorts with those pushed then.
+    ///
+    /// # Panics
+    /// If `at` is before now or `pushed` outside `now..=at`.
+    pub fn push_as_of(&mut self, at: Duration, pushed: Duration, event: E) {
+        let now = self.clock.now();
+        assert!(at >= now, "event scheduled in the past: {at:?} < {now:?}");
         assert!(
-            at >= self.clock.now(),
-            "event scheduled in the past: {at:?} < {:?}",
-            self.clock.now()
+            (now..=at).contains(&pushed),
+            "event pushed as of {pushed:?}, outside {now:?}..={at:?}"
         );
-        let pending = Pending {
+        let key = EventKey {
             at,
+            pushed,
             seq: self.next_seq,
-            event,
         };
         self.next_seq += 1;
-        // Its seq is the largest yet, so it sorts after the lane's last unless it is earlier.
-        if self.lane.back().is_none_or(|last| at >= last.at) {
+        let pending = Pending { key, event };
+        if self.lane.back().is_none_or(|last| key > last.key) {
             self.lane.push_back(pending);
         } else {
             self.heap.push(pending);
         }
+    }
+
+    /// Queues `event` under `key`, one given out before to an event now stale (a node's run
+    /// of quiet steps cut short takes its place in the order back for the step left in
+    /// flight, [`EventQueue::push_as_of`]).
+    ///
+    /// # Panics
+    /// If `key` is due before now, was pushed after it is due, or was never given out.
+    pub fn push_keyed(&mut self, key: EventKey, event: E) {
+        assert!(
+            key.at >= self.clock.now() && key.pushed <= key.at && key.seq < self.next_seq,
+            "bad key {key:?} at {:?}",
+            self.clock.now()
+        );
+        let pending = Pending { key, event };
+        if self.lane.back().is_none_or(|last| key > last.key) {
+            self.lane.push_back(pending);
+        } else {
+            self.heap.push(pending);
+        }
+    }
+
+    /// The sequence number the next push takes.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// The key of the event popped last: where "now" is among the events due now.
+    pub fn current(&self) -> EventKey {
+        self.current
     }
 
     /// Schedules `event` `delay` from now.
@@ -110,7 +164,7 @@ impl<E> EventQueue<E> {
             (None, None) => return None,
             (Some(_), None) => true,
             (None, Some(_)) => false,
-            (Some(l), Some(h)) => (l.at, l.seq) < (h.at, h.seq),
+            (Some(l), Some(h)) => l.key < h.key,
         };
         let p = if from_lane {
             self.lane.pop_front()
@@ -118,8 +172,9 @@ impl<E> EventQueue<E> {
             self.heap.pop()
         }
         .expect("checked above");
-        self.clock.advance_to(p.at);
-        Some((p.at, p.event))
+        self.clock.advance_to(p.key.at);
+        self.current = p.key;
+        Some((p.key.at, p.event))
     }
 
     pub fn len(&self) -> usize {
@@ -188,6 +243,25 @@ mod tests {
             ]
         );
         assert!(q.is_empty());
+    }
+
+    #[test]
+    fn an_event_pushed_as_of_a_later_time_sorts_with_those_pushed_then() {
+        let mut q = EventQueue::new();
+        q.push_at(10 * MS, "early");
+        q.push_as_of(10 * MS, 5 * MS, "as of 5");
+        q.push_at(MS, "tick");
+        assert_eq!(q.pop(), Some((MS, "tick")));
+        q.push_at(10 * MS, "pushed at 1");
+        q.push_at(10 * MS, "also at 1");
+        let order: Vec<_> = std::iter::from_fn(|| q.pop()).map(|(_, e)| e).collect();
+        assert_eq!(order, ["early", "pushed at 1", "also at 1", "as of 5"]);
+        let key = EventKey {
+            at: 10 * MS,
+            pushed: 5 * MS,
+            seq: 1,
+        };
+        assert_eq!(q.current(), key);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod clock;
 pub mod cpu;
 pub mod events;
 pub mod fault;
+pub mod gaps;
 pub mod hardware;
 pub mod link;
 pub mod mesh;

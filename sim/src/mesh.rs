@@ -41,10 +41,11 @@
 
 use crate::autoscale::{self, AutoscaleReport, ChangeError, NodeChange};
 use crate::cpu::{CpuError, Hosts, SharedCpu};
-use crate::events::EventQueue;
+use crate::events::{EventKey, EventQueue};
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
+use crate::gaps::GapHistogram;
 use crate::link::{Link, LinkClass};
-use crate::node::{Finished, NodeConfig, NodeError, SimNode};
+use crate::node::{Finished, NodeConfig, NodeError, RunTokens, SimNode};
 use crate::stats::{mesh_stats, NodeTotals};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::report::{MeshStats, Point};
@@ -225,6 +226,15 @@ pub struct MeshConfig {
     pub startup: Duration,
     /// From a drained node's flip to serving in its other role (weights kept).
     pub switch_delay: Duration,
+    /// Each outcome carries every gap between its tokens (bench's `RequestOutcome::gaps`);
+    /// `false`: only its longest, all the ITL objective judges per request, so a long run
+    /// keeps no list of every token. The report's pooled ITL comes from the run's own
+    /// histogram either way ([`MeshRun::itl`]).
+    pub every_gap: bool,
+    /// Decode nodes plan runs of quiet decode steps at once ([`crate::node`]): the same
+    /// run, many times faster. Off with [`MeshConfig::cpu`], where other nodes' steps move
+    /// a step's end.
+    pub quiet_runs: bool,
 }
 
 impl MeshConfig {
@@ -245,6 +255,8 @@ impl MeshConfig {
             planner: None,
             startup: autoscale::DEFAULT_STARTUP,
             switch_delay: autoscale::DEFAULT_SWITCH_DELAY,
+            every_gap: true,
+            quiet_runs: true,
         }
     }
 }
@@ -309,13 +321,20 @@ pub struct MeshRun {
     /// What the planner and the scripted changes did to the node set, with
     /// [`MeshConfig::planner`] or [`MeshConfig::changes`].
     pub autoscale: Option<AutoscaleReport>,
+    /// Every gap between tokens of the completed requests, pooled.
+    pub itl: GapHistogram,
 }
 
 impl MeshRun {
     /// The run as bench reports a load level, with the mesh's statistics.
+    /// The pooled ITL is read from [`MeshRun::itl`] (see [`crate::gaps`]), whatever the
+    /// outcomes carry.
     pub fn point(&self, label: &str, shape: &LoadShape, slo: &SloSpec) -> Point {
-        Point::new(label, shape, slo, &self.outcomes, self.duration)
-            .with_mesh(Some(self.stats.clone()))
+        let mut point = Point::new(label, shape, slo, &self.outcomes, self.duration)
+            .with_mesh(Some(self.stats.clone()));
+        point.slo.itl = self.itl.summary();
+        point.cdf.itl = self.itl.cdf();
+        point
     }
 }
 
@@ -503,7 +522,13 @@ struct Mesh<'a> {
     held: BTreeMap<usize, Vec<usize>>,
     /// Each node's step-end events are numbered; only the latest counts.
     step_event: Vec<u64>,
+    /// The sequence number of each node's step-end event while it runs quiet steps at once:
+    /// every step of the run sorts as its own event would have, with this number.
+    run_seq: Vec<u64>,
     cpu: Option<Hosts>,
+    every_gap: bool,
+    quiet_runs: bool,
+    itl: GapHistogram,
 }
 
 fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
@@ -606,6 +631,8 @@ fn run(
     for (i, (role, node_config)) in roles.enumerate() {
         let mut node = SimNode::new(node_config.clone())?;
         node.set_record_kv_events(node_config.scheduler.enable_prefix_caching);
+        // A node sharing its host's cores has its steps' ends moved by the others' steps.
+        node.set_coalesce(config.quiet_runs && config.cpu.is_none());
         if scaler.is_some() {
             node.set_record_steps(scaler::STEPS_KEPT);
         }
@@ -654,7 +681,11 @@ fn run(
         ledger,
         routed: vec![0; nodes.len()],
         step_event: vec![0; nodes.len()],
+        run_seq: vec![0; nodes.len()],
         cpu,
+        every_gap: config.every_gap,
+        quiet_runs: config.quiet_runs,
+        itl: GapHistogram::default(),
         roles: entries.iter().map(|e| e.info.role).collect(),
         nodes,
         candidates: Candidates::new(entries),
@@ -778,6 +809,7 @@ impl Mesh<'_> {
         let p = route.prefill.map(|p| p.0 as usize);
         let tracked = self.routing.track_route(route.decode, route.prefill);
         let (seq, prompt) = (i as u64, prompt.clone());
+        self.touch(d);
         let submitted = match p {
             Some(_) => self.nodes[d].submit_remote(seq, prompt, r.max_tokens),
             None if resume.is_empty() => self.nodes[d].submit(seq, prompt, r.max_tokens),
@@ -866,11 +898,68 @@ impl Mesh<'_> {
         }
     }
 
-    /// Node `n`'s step in flight ends at `end` (replacing any end it had).
+    /// Node `n`'s step in flight ends at `end` (replacing any end it had). A run of quiet
+    /// steps' event sorts as its last step's own would have, pushed when the one before ended.
     fn step_ends(&mut self, n: usize, end: Duration) {
         self.step_event[n] += 1;
+        let event = Event::StepDone(n, self.step_event[n]);
+        match self.nodes[n].run() {
+            Some((_, ends)) => {
+                let as_of = ends[ends.len() - 2];
+                self.run_seq[n] = self.queue.next_seq();
+                self.queue.push_as_of(end, as_of, event);
+            }
+            None => self.queue.push_at(end, event),
+        }
+    }
+
+    /// Brings node `n` to now before anything touches it: the quiet steps of its run that
+    /// would have ended before the event being handled are applied (their tokens delivered)
+    /// and the next is put in flight, its event sorting as its own would have.
+    fn touch(&mut self, n: usize) {
+        let Some((started, ends)) = self.nodes[n].run() else {
+            return;
+        };
+        let now = self.queue.current();
+        let seq = self.run_seq[n];
+        let key = |i: usize| EventKey {
+            at: ends[i],
+            pushed: i.checked_sub(1).map_or(started, |p| ends[p]),
+            seq,
+        };
+        let applied = (0..ends.len()).take_while(|&i| key(i) < now).count();
+        let next = key(applied);
+        let tokens = self.nodes[n].catch_up(applied);
+        self.deliver(&tokens);
+        self.step_event[n] += 1;
         self.queue
-            .push_at(end, Event::StepDone(n, self.step_event[n]));
+            .push_keyed(next, Event::StepDone(n, self.step_event[n]));
+    }
+
+    /// Every node brought to now ([`Mesh::touch`]).
+    fn touch_all(&mut self) {
+        for n in 0..self.nodes.len() {
+            self.touch(n);
+        }
+    }
+
+    /// The tokens of quiet steps reach their clients.
+    fn deliver(&mut self, tokens: &RunTokens) {
+        for &seq in &tokens.seqs {
+            let i = seq as usize;
+            let Some(live) = self.live[i].as_mut() else {
+                continue;
+            };
+            match self.scaler.as_mut() {
+                None => live.tokens.extend_from_slice(&tokens.ends),
+                Some(s) => {
+                    for &t in &tokens.ends {
+                        s.token(&live.tokens, self.sent[i], t);
+                        live.tokens.push(t);
+                    }
+                }
+            }
+        }
     }
 
     /// Node `n`'s step is over (done, or cut short by its death): the other nodes of its
@@ -890,6 +979,13 @@ impl Mesh<'_> {
             return Ok(());
         }
         self.step_over(n, now);
+        if self.nodes[n].run().is_some() {
+            let tokens = self.nodes[n].finish_run()?;
+            self.deliver(&tokens);
+            self.kick(n, now);
+            self.settle(n, now);
+            return Ok(());
+        }
         let report = self.nodes[n].finish_step()?;
         if self.roles[n] == NodeRole::Prefill {
             // A prefill node's token is the first token, delivered with the KV.
@@ -956,6 +1052,7 @@ impl Mesh<'_> {
         }
         live.tokens.push(now);
         let d = live.node;
+        self.touch(d);
         if let Some(f) = self.nodes[d].complete_remote(i as u64, first)? {
             self.end_ok(&f, now);
         }
@@ -981,6 +1078,7 @@ impl Mesh<'_> {
         if self.nodes[n].died_at().is_some() || self.life[n] == Life::Gone {
             return;
         }
+        self.touch(n);
         self.nodes[n].die(now);
         self.step_over(n, now);
         self.leave_routing(n);
@@ -998,6 +1096,7 @@ impl Mesh<'_> {
                 live.placement += 1;
                 live.transfer_blocks = 0;
                 let d = live.node;
+                self.touch(d);
                 self.nodes[d].fail_remote(i as u64);
                 touched.insert(d);
             }
@@ -1017,6 +1116,7 @@ impl Mesh<'_> {
         if let Some(p) = live.prefill.take() {
             // Its prefill is cancelled with it (the decode node's cancel reaches the prefill
             // node; the transfer would have nowhere to go).
+            self.touch(p);
             self.nodes[p].abort(i as u64);
             touched.push(p);
         }
@@ -1083,7 +1183,7 @@ impl Mesh<'_> {
             status: Some(200),
             error: None,
             ttft: Some(first - sent),
-            gaps: live.tokens.windows(2).map(|w| w[1] - w[0]).collect(),
+            gaps: self.gaps_of(&live.tokens),
             e2e: Some(now - sent),
             prompt_tokens: Some(prompt_tokens as u64),
             // A migrated request's lookup covered its generated tokens too.
@@ -1091,6 +1191,17 @@ impl Mesh<'_> {
             output_tokens: f.output_tokens as u64,
         });
         self.ended(i, now);
+    }
+
+    /// A completed request's gaps between `tokens`, pooled into the run's histogram: every
+    /// one for its outcome, or only its longest ([`MeshConfig::every_gap`]).
+    fn gaps_of(&mut self, tokens: &[Duration]) -> Vec<Duration> {
+        self.itl.record_between(tokens);
+        let gaps = tokens.windows(2).map(|w| w[1] - w[0]);
+        match self.every_gap {
+            true => gaps.collect(),
+            false => gaps.max().into_iter().collect(),
+        }
     }
 
     /// Request `i` ends without completing: `kind` in its outcome, as bench's driver names
@@ -1179,6 +1290,7 @@ impl Mesh<'_> {
             blocks_in_use,
             error_examples: self.error_examples,
             autoscale,
+            itl: self.itl,
         }
     }
 }

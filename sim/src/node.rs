@@ -18,6 +18,14 @@
 //! Copies between tiers take no time here (the pool's `TierMove`s are dropped).
 //!
 //! A node can die ([`SimNode::die`]): its step in flight never ends and it takes nothing more.
+//!
+//! With [`SimNode::set_coalesce`], a node plans runs of quiet decode steps at once
+//! ([`Scheduler::quiet_decode_steps`]: the same batch decoding one token a step, no admission,
+//! no block allocated or filled, no sequence finishing). Nothing outside the node can tell
+//! such steps from steps planned one by one until one of them ends, so the driver applies
+//! them when it next touches the node ([`SimNode::catch_up`], which leaves the next one in
+//! flight as an ordinary step) or when the last one ends ([`SimNode::finish_run`]). The steps
+//! are timed one by one as before, so every token keeps its time.
 
 use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
@@ -105,6 +113,37 @@ struct InFlight {
     ends_at: Duration,
 }
 
+/// Quiet decode steps planned at once (see the module docs).
+#[derive(Debug)]
+struct DecodeRun {
+    started: Duration,
+    /// When each step ends.
+    ends: Vec<Duration>,
+    batch: u64,
+    /// The context of the first step's decodes; each later step's is `batch` more.
+    context: u64,
+}
+
+impl DecodeRun {
+    fn shape(&self, step: usize) -> StepShape {
+        StepShape {
+            decode_seqs: self.batch,
+            decode_context_tokens: self.context + step as u64 * self.batch,
+            ..StepShape::default()
+        }
+    }
+}
+
+/// The fewest quiet steps worth planning at once (one is an ordinary step).
+const MIN_RUN: usize = 2;
+
+/// The tokens of quiet steps applied at once: each of `seqs` got one at each of `ends`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunTokens {
+    pub seqs: Vec<SeqId>,
+    pub ends: Vec<Duration>,
+}
+
 /// See the module docs.
 #[derive(Debug)]
 pub struct SimNode {
@@ -112,6 +151,10 @@ pub struct SimNode {
     timing: TimingProfile,
     vocab_size: usize,
     in_flight: Option<InFlight>,
+    /// Quiet decode steps planned at once, in place of `in_flight`.
+    run: Option<DecodeRun>,
+    /// Whether `start_step` may plan quiet decode steps at once.
+    coalesce: bool,
     /// Ordered, so nothing about a run depends on hash iteration order.
     requests: BTreeMap<SeqId, Tracking>,
     /// Remote prefills admitted (blocks reserved) whose transfer the driver must start.
@@ -142,6 +185,8 @@ impl SimNode {
             timing: config.timing,
             vocab_size: config.vocab_size,
             in_flight: None,
+            run: None,
+            coalesce: false,
             requests: BTreeMap::new(),
             remote_admitted: Vec::new(),
             busy: Duration::ZERO,
@@ -216,6 +261,7 @@ impl SimNode {
         if self.died_at.is_some() {
             return Err(NodeError::Dead);
         }
+        self.assert_caught_up();
         if max_tokens <= generated {
             return Err(NodeError::NoTokensWanted);
         }
@@ -236,6 +282,7 @@ impl SimNode {
     /// Cancels `seq_id` (its client or its decode node went away) and frees its blocks.
     /// False if the node does not have it.
     pub fn abort(&mut self, seq_id: SeqId) -> bool {
+        self.assert_caught_up();
         if self.requests.remove(&seq_id).is_none() {
             return false;
         }
@@ -250,6 +297,7 @@ impl SimNode {
     /// reserved for the transfer are freed and it prefills here, as the decode worker falls
     /// back with `fail_remote_prefill`. False if it is not a remote prefill.
     pub fn fail_remote(&mut self, seq_id: SeqId) -> bool {
+        self.assert_caught_up();
         self.scheduler.fail_remote_prefill(seq_id)
     }
 
@@ -259,6 +307,7 @@ impl SimNode {
         if self.died_at.is_some() {
             return;
         }
+        self.assert_caught_up();
         if let Some(InFlight {
             output, started, ..
         }) = self.in_flight.take()
@@ -277,6 +326,7 @@ impl SimNode {
 
     /// The tokens `seq_id` has generated so far (those a migration resends).
     pub fn output_tokens(&self, seq_id: SeqId) -> Option<&[TokenId]> {
+        self.assert_caught_up();
         self.scheduler.sequence_tokens(seq_id).map(|t| t.output)
     }
 
@@ -294,6 +344,7 @@ impl SimNode {
         seq_id: SeqId,
         first_token: TokenId,
     ) -> Result<Option<Finished>, NodeError> {
+        self.assert_caught_up();
         let outcome = self
             .scheduler
             .complete_remote_prefill(seq_id, first_token)?;
@@ -328,8 +379,13 @@ impl SimNode {
             return None;
         }
         self.kv.observe(now, self.scheduler.pool().num_used());
-        if self.in_flight.is_some() || !self.scheduler.has_work() {
+        if self.in_flight.is_some() || self.run.is_some() || !self.scheduler.has_work() {
             return None;
+        }
+        if self.coalesce {
+            if let Some(end) = self.start_run(now) {
+                return Some(end);
+            }
         }
         let promoted = |s: &Scheduler| {
             let pool = s.pool();
@@ -359,6 +415,11 @@ impl SimNode {
             self.scheduler.abort_step(output);
             return None;
         }
+        Some(self.begin(output, now))
+    }
+
+    /// Puts the planned step `output` in flight from `now`; returns when it ends.
+    fn begin(&mut self, output: SchedulerOutput, now: Duration) -> Duration {
         // What this step computes is no longer waiting.
         for c in &output.step.chunks {
             if let Some(t) = self.requests.get_mut(&c.seq_id) {
@@ -367,12 +428,7 @@ impl SimNode {
         }
         let shape = StepShape::of(&output.step);
         let time = self.timing.step_time(&shape);
-        if self.keep_steps > 0 {
-            if self.recent_steps.len() == self.keep_steps {
-                self.recent_steps.pop_front();
-            }
-            self.recent_steps.push_back((shape, time));
-        }
+        self.record_step(shape, time);
         self.steps += 1;
         let ends_at = now + time;
         self.in_flight = Some(InFlight {
@@ -380,7 +436,127 @@ impl SimNode {
             started: now,
             ends_at,
         });
-        Some(ends_at)
+        ends_at
+    }
+
+    fn record_step(&mut self, shape: StepShape, time: Duration) {
+        if self.keep_steps > 0 {
+            if self.recent_steps.len() == self.keep_steps {
+                self.recent_steps.pop_front();
+            }
+            self.recent_steps.push_back((shape, time));
+        }
+    }
+
+    /// Plans the quiet decode steps ahead at once, when at least [`MIN_RUN`] are and none
+    /// of them finishes a sequence; returns when the last ends.
+    fn start_run(&mut self, now: Duration) -> Option<Duration> {
+        let mut steps = self.scheduler.quiet_decode_steps();
+        if steps < MIN_RUN {
+            return None;
+        }
+        let mut context = 0;
+        for id in self.scheduler.running() {
+            let t = self.requests.get(id)?;
+            // The step that gives its last token finishes it: not a quiet one.
+            steps = steps.min(t.max_tokens.saturating_sub(t.generated + 1));
+            let tokens = self.scheduler.sequence_tokens(*id)?;
+            context += (tokens.prompt.len() + tokens.output.len()) as u64;
+        }
+        if steps < MIN_RUN {
+            return None;
+        }
+        let mut run = DecodeRun {
+            started: now,
+            ends: Vec::with_capacity(steps),
+            batch: self.scheduler.num_running() as u64,
+            context,
+        };
+        let mut end = now;
+        for i in 0..steps {
+            end += self.timing.step_time(&run.shape(i));
+            run.ends.push(end);
+        }
+        self.run = Some(run);
+        Some(end)
+    }
+
+    /// Plan runs of quiet decode steps at once (see the module docs).
+    pub fn set_coalesce(&mut self, on: bool) {
+        self.coalesce = on;
+    }
+
+    /// The run of quiet steps in flight: when it started and when each of its steps ends.
+    pub fn run(&self) -> Option<(Duration, &[Duration])> {
+        self.run.as_ref().map(|r| (r.started, &r.ends[..]))
+    }
+
+    /// Applies the first `steps` steps of the run in flight (fewer than it has) and puts the
+    /// next in flight as an ordinary step, planned when the last applied one ended, as it
+    /// would have been. Returns the applied steps' tokens.
+    ///
+    /// # Panics
+    /// Without a run in flight, or if `steps` would apply all of it ([`Self::finish_run`]).
+    pub fn catch_up(&mut self, steps: usize) -> RunTokens {
+        let run = self.run.take().expect("a run of quiet steps is in flight");
+        assert!(steps < run.ends.len(), "catch_up past the run's last step");
+        let tokens = self.apply(&run, steps);
+        let start = steps.checked_sub(1).map_or(run.started, |s| run.ends[s]);
+        let output = self.scheduler.schedule();
+        let ends_at = self.begin(output, start);
+        debug_assert_eq!(ends_at, run.ends[steps], "the step as the run timed it");
+        tokens
+    }
+
+    /// Ends the run in flight, its last step having ended; returns its tokens.
+    pub fn finish_run(&mut self) -> Result<RunTokens, NodeError> {
+        let run = self.run.take().ok_or(NodeError::NoStepInFlight)?;
+        Ok(self.apply(&run, run.ends.len()))
+    }
+
+    /// The first `steps` steps of `run`, as their ends would have absorbed them.
+    fn apply(&mut self, run: &DecodeRun, steps: usize) -> RunTokens {
+        let vocab = self.vocab_size;
+        self.scheduler.advance_decode(steps, |_, t| {
+            let last = t.output.last().or(t.prompt.last()).copied();
+            let len = t.prompt.len() + t.output.len();
+            MockRunner::favoured_token(last.expect("prompts are never empty"), len, vocab)
+        });
+        let seqs = self.scheduler.running().to_vec();
+        for id in &seqs {
+            let t = self
+                .requests
+                .get_mut(id)
+                .expect("running sequences are tracked");
+            t.generated += steps;
+            t.prefilled = t.prefilled.max(
+                self.scheduler
+                    .sequence_tokens(*id)
+                    .map_or(0, |s| s.prompt.len() + s.output.len() - 1),
+            );
+        }
+        if self.keep_steps > 0 {
+            let mut start = run.started;
+            for (i, &end) in run.ends[..steps].iter().enumerate() {
+                self.record_step(run.shape(i), end - start);
+                start = end;
+            }
+        }
+        if steps > 0 {
+            self.busy += run.ends[steps - 1] - run.started;
+        }
+        self.steps += steps as u64;
+        RunTokens {
+            seqs,
+            ends: run.ends[..steps].to_vec(),
+        }
+    }
+
+    fn assert_caught_up(&self) {
+        assert!(
+            self.run.is_none(),
+            "the node's run of quiet steps must be caught up first"
+        );
     }
 
     /// Counts the prefix-cache lookups and hits of the step's admissions, by tier: the pool's
@@ -421,7 +597,8 @@ impl SimNode {
 
     /// When the step in flight ends, if one is.
     pub fn step_ends_at(&self) -> Option<Duration> {
-        self.in_flight.as_ref().map(|f| f.ends_at)
+        let run = self.run.as_ref().and_then(|r| r.ends.last().copied());
+        self.in_flight.as_ref().map(|f| f.ends_at).or(run)
     }
 
     /// Ends the step in flight: one token for each sequence whose chunk ended its known
@@ -488,7 +665,7 @@ impl SimNode {
 
     /// Whether anything is queued, running or in flight.
     pub fn has_work(&self) -> bool {
-        self.in_flight.is_some() || self.scheduler.has_work()
+        self.in_flight.is_some() || self.run.is_some() || self.scheduler.has_work()
     }
 
     /// Requests submitted and not finished.
@@ -519,6 +696,7 @@ impl SimNode {
 
     /// The recorded steps since the last call, oldest first.
     pub fn take_steps(&mut self) -> Vec<(StepShape, Duration)> {
+        self.assert_caught_up();
         self.recent_steps.drain(..).collect()
     }
 
@@ -721,6 +899,66 @@ mod tests {
             node.submit(6, Arc::new([1]), 1),
             Err(NodeError::Dead)
         ));
+    }
+
+    /// Each sequence's token times, and the node's steps and busy time, running `node` alone
+    /// until it has no work; with `cut`, every run of quiet steps is caught up after that
+    /// many of its steps, as a submission would cut it.
+    fn token_times(
+        node: &mut SimNode,
+        cut: Option<usize>,
+    ) -> (BTreeMap<SeqId, Vec<Duration>>, usize) {
+        let mut now = Duration::ZERO;
+        let mut times: BTreeMap<SeqId, Vec<Duration>> = BTreeMap::new();
+        let mut runs = 0;
+        while let Some(end) = node.start_step(now) {
+            let mut deliver = |t: RunTokens| {
+                for seq in t.seqs {
+                    times.entry(seq).or_default().extend(&t.ends);
+                }
+            };
+            if node.run().is_some() {
+                runs += 1;
+                match cut.filter(|&c| c < node.run().unwrap().1.len()) {
+                    Some(c) => deliver(node.catch_up(c)),
+                    None => {
+                        deliver(node.finish_run().unwrap());
+                        now = end;
+                        continue;
+                    }
+                }
+            }
+            now = node.step_ends_at().unwrap();
+            for (seq, _) in node.finish_step().unwrap().tokens {
+                times.entry(seq).or_default().push(now);
+            }
+        }
+        (times, runs)
+    }
+
+    #[test]
+    fn quiet_steps_planned_at_once_keep_every_token_and_its_time() {
+        // Step times that grow with the context, so every step's time differs.
+        let timing = TimingProfile::named("h200-llama8b").unwrap();
+        let nodes = [false, true, true].map(|coalesce| {
+            let mut node = SimNode::new(config(timing.clone())).unwrap();
+            node.set_coalesce(coalesce);
+            // Prompts of the same phase in their blocks: their quiet steps line up.
+            node.submit(1, (1..=9).collect(), 30).unwrap();
+            node.submit(2, (1..=5).collect(), 21).unwrap();
+            node
+        });
+        let [mut stepped, mut quiet, mut cut] = nodes;
+        let (expected, none) = token_times(&mut stepped, None);
+        assert_eq!((expected[&1].len(), expected[&2].len(), none), (30, 21, 0));
+        for (node, cut_at) in [(&mut quiet, None), (&mut cut, Some(1))] {
+            let (times, runs) = token_times(node, cut_at);
+            assert_eq!(times, expected);
+            assert!(runs >= 3, "{runs} runs");
+            assert_eq!(node.steps(), stepped.steps());
+            assert_eq!(node.busy_time(), stepped.busy_time());
+            assert_eq!(node.pool().num_free(), node.pool().num_blocks());
+        }
     }
 
     #[test]

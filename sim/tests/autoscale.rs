@@ -314,6 +314,25 @@ fn the_same_seed_gives_the_same_planned_run() {
 }
 
 #[test]
+fn quiet_decode_runs_change_no_planned_run() {
+    // The planner observes every node's latest steps and the tokens delivered since its
+    // last tick: runs of quiet steps are caught up to each tick.
+    let reqs = requests(&[(10.0, 20), (60.0, 30), (10.0, 60)]);
+    let run = |quiet_runs| {
+        let config = MeshConfig {
+            planner: Some(load_planner()),
+            quiet_runs,
+            ..mesh(1, 1)
+        };
+        simulate(&config, &reqs).unwrap()
+    };
+    let (a, b) = (run(true), run(false));
+    assert!(ledger(&a).decisions_acted > 0);
+    assert_eq!(a.autoscale, b.autoscale);
+    assert_eq!(a.outcomes, b.outcomes);
+}
+
+#[test]
 fn bad_changes_are_refused() {
     let reqs = requests(&[(1.0, 5)]);
     let unknown = MeshConfig {

@@ -93,6 +93,8 @@ impl Mesh<'_> {
         };
         let mut node = SimNode::new(config.clone()).expect("validated at the start");
         node.set_record_kv_events(config.scheduler.enable_prefix_caching);
+        // Nodes that come and go never share hosts' cores (refused at the start).
+        node.set_coalesce(self.quiet_runs);
         if self.scaler.is_some() {
             node.set_record_steps(super::scaler::STEPS_KEPT);
         }
@@ -108,6 +110,7 @@ impl Mesh<'_> {
         self.sending_until.push(Duration::ZERO);
         self.routed.push(0);
         self.step_event.push(0);
+        self.run_seq.push(0);
         self.queue.push_at(now + after, Event::Ready(n));
         self.record_counts(now);
         n

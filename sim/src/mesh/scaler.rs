@@ -60,6 +60,8 @@ impl Mesh<'_> {
     /// The planner's tick: observe, decide, act; the next tick is due only while anything
     /// else can still happen.
     pub(super) fn plan(&mut self, now: Duration) {
+        // The observation reads each node's latest steps and delivered tokens.
+        self.touch_all();
         let observation = self.observation(now);
         let s = self
             .scaler

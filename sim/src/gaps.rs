@@ -1,0 +1,258 @@
+//! The gaps between tokens of a run's completed requests, pooled (the report's ITL), without
+//! a list of every gap: a simulated hour at 1,000 nodes delivers hundreds of millions of
+//! tokens, and bench's summary would sort them all.
+//!
+//! Gaps are counted in log-linear bins of whole nanoseconds: exact below 2^14 ns, then 2^14
+//! bins per power of two (each at most 1/16,384 of its values wide, 0.006%). Each bin keeps
+//! its count and sum, and reads as its mean, so a bin holding one distinct value reads as
+//! exactly that value. The count, minimum, maximum, mean and standard deviation are exact
+//! (the mean and deviation from integer sums, so they may differ from a float sum over the
+//! sorted gaps in the last digits); percentiles interpolate between ranks as bench's
+//! [`percentile`](kvmesh_bench::stats::percentile) does, each rank read as its bin's mean.
+
+use kvmesh_bench::report::{Cdf, QUANTILES};
+use kvmesh_bench::slo::Summary;
+use std::time::Duration;
+
+/// Bins per power of two (and exact bins below it).
+const SUB_BITS: u32 = 14;
+const SUB: u64 = 1 << SUB_BITS;
+
+#[derive(Clone, Debug, Default)]
+pub struct GapHistogram {
+    /// Per bin: gaps and their sum, in nanoseconds.
+    bins: Vec<(u64, u64)>,
+    count: u64,
+    sum: u128,
+    sum_squares: u128,
+    min: u64,
+    max: u64,
+}
+
+fn bin_of(nanos: u64) -> usize {
+    if nanos < SUB {
+        return nanos as usize;
+    }
+    let top = 63 - nanos.leading_zeros();
+    let shift = top - SUB_BITS;
+    let sub = (nanos >> shift) - SUB;
+    (SUB + u64::from(shift) * SUB + sub) as usize
+}
+
+impl GapHistogram {
+    pub fn record(&mut self, gap: Duration) {
+        let nanos = u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX);
+        let bin = bin_of(nanos);
+        if bin >= self.bins.len() {
+            self.bins.resize(bin + 1, (0, 0));
+        }
+        let b = &mut self.bins[bin];
+        b.0 += 1;
+        b.1 = b.1.saturating_add(nanos);
+        if self.count == 0 || nanos < self.min {
+            self.min = nanos;
+        }
+        self.max = self.max.max(nanos);
+        self.count += 1;
+        self.sum += u128::from(nanos);
+        let square = u128::from(nanos) * u128::from(nanos);
+        self.sum_squares = self.sum_squares.saturating_add(square);
+    }
+
+    /// The gaps between consecutive `times`.
+    pub fn record_between(&mut self, times: &[Duration]) {
+        for w in times.windows(2) {
+            self.record(w[1] - w[0]);
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count
+    }
+
+    /// As bench's [`Summary`] of the gaps in seconds; `None` for none.
+    pub fn summary(&self) -> Option<Summary> {
+        let ranks = self.ranks()?;
+        let n = self.count as f64;
+        let mean_ns = self.sum as f64 / n;
+        // n * sum of squares - sum^2, exact while it fits, is n^2 times the variance.
+        let var_ns = u128::from(self.count)
+            .checked_mul(self.sum_squares)
+            .and_then(|a| self.sum.checked_mul(self.sum).map(|b| a.saturating_sub(b)))
+            .map(|d| d as f64 / (n * n))
+            .unwrap_or_else(|| (self.sum_squares as f64 / n - mean_ns * mean_ns).max(0.0));
+        let p = |q| ranks.percentile(q);
+        Some(Summary {
+            count: self.count as usize,
+            mean: mean_ns / 1e9,
+            std: var_ns.sqrt() / 1e9,
+            min: secs(self.min),
+            max: secs(self.max),
+            p50: p(50.0),
+            p90: p(90.0),
+            p95: p(95.0),
+            p99: p(99.0),
+            p99_9: p(99.9),
+        })
+    }
+
+    /// As bench's [`Cdf`] of the gaps in seconds; `None` for none.
+    pub fn cdf(&self) -> Option<Cdf> {
+        let ranks = self.ranks()?;
+        let quantiles = (0..QUANTILES)
+            .map(|i| ranks.percentile(100.0 * i as f64 / (QUANTILES - 1) as f64))
+            .collect();
+        Some(Cdf {
+            count: self.count as usize,
+            quantiles,
+        })
+    }
+
+    fn ranks(&self) -> Option<Ranks> {
+        if self.count == 0 {
+            return None;
+        }
+        let mut ends = Vec::new();
+        let mut reads = Vec::new();
+        let mut seen = 0;
+        for &(count, sum) in self.bins.iter().filter(|b| b.0 > 0) {
+            seen += count;
+            ends.push(seen);
+            reads.push(secs((sum as f64 / count as f64).round() as u64));
+        }
+        Some(Ranks {
+            ends,
+            reads,
+            min: secs(self.min),
+            max: secs(self.max),
+        })
+    }
+}
+
+fn secs(nanos: u64) -> f64 {
+    Duration::from_nanos(nanos).as_secs_f64()
+}
+
+/// The sorted gaps, by rank: bin `i` holds ranks `ends[i - 1]..ends[i]`.
+struct Ranks {
+    ends: Vec<u64>,
+    reads: Vec<f64>,
+    min: f64,
+    max: f64,
+}
+
+impl Ranks {
+    fn at(&self, rank: u64) -> f64 {
+        let last = self.ends.last().expect("not empty") - 1;
+        if rank == 0 {
+            return self.min;
+        }
+        if rank >= last {
+            return self.max;
+        }
+        self.reads[self.ends.partition_point(|&e| e <= rank)]
+    }
+
+    /// As bench's `percentile`: linear between the closest ranks.
+    fn percentile(&self, p: f64) -> f64 {
+        let last = self.ends.last().expect("not empty") - 1;
+        let rank = p.clamp(0.0, 100.0) / 100.0 * last as f64;
+        let (lo, hi) = (rank.floor() as u64, rank.ceil() as u64);
+        let (a, b) = (self.at(lo), self.at(hi.min(last)));
+        a + (b - a) * (rank - lo as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NS: fn(u64) -> Duration = Duration::from_nanos;
+
+    fn of(gaps: &[Duration]) -> GapHistogram {
+        let mut h = GapHistogram::default();
+        for &g in gaps {
+            h.record(g);
+        }
+        h
+    }
+
+    fn secs_of(gaps: &[Duration]) -> Vec<f64> {
+        gaps.iter().map(Duration::as_secs_f64).collect()
+    }
+
+    #[test]
+    fn bins_grow_with_the_value_and_keep_their_order() {
+        let values = [0, 1, SUB - 1, SUB, SUB + 1, 2 * SUB, 5_000_000, u64::MAX];
+        let bins: Vec<usize> = values.iter().map(|&v| bin_of(v)).collect();
+        assert!(bins.windows(2).all(|w| w[0] < w[1]), "{bins:?}");
+        assert_eq!(bin_of(SUB - 1), SUB as usize - 1);
+        // Within a power of two a bin is 1/SUB of its values wide.
+        assert_eq!(bin_of(4 * SUB), bin_of(4 * SUB + 3));
+        assert_ne!(bin_of(4 * SUB), bin_of(4 * SUB + 4));
+    }
+
+    #[test]
+    fn distinct_values_read_exactly_as_bench_reads_them() {
+        // Step-like gaps (a few ms, some repeated) and one long stall: each bin holds one
+        // distinct value, so every percentile is bench's to the bit.
+        let mut gaps: Vec<Duration> = (0..500).map(|i| NS(4_400_000 + (i % 37) * 9_000)).collect();
+        gaps.push(Duration::from_millis(1_250));
+        gaps.extend((0..40).map(|i| NS(20_000_000 + i * 1_000_000)));
+        let h = of(&gaps);
+        let (ours, bench) = (h.summary().unwrap(), Summary::of(secs_of(&gaps)).unwrap());
+        assert_eq!(
+            (ours.count, ours.min, ours.max, ours.p50, ours.p90, ours.p95, ours.p99, ours.p99_9),
+            (
+                bench.count,
+                bench.min,
+                bench.max,
+                bench.p50,
+                bench.p90,
+                bench.p95,
+                bench.p99,
+                bench.p99_9
+            )
+        );
+        assert!((ours.mean - bench.mean).abs() < 1e-12 * bench.mean);
+        assert!(
+            (ours.std - bench.std).abs() < 1e-12,
+            "{} {}",
+            ours.std,
+            bench.std
+        );
+        assert_eq!(h.cdf().unwrap(), Cdf::of(secs_of(&gaps)).unwrap());
+    }
+
+    #[test]
+    fn crowded_bins_stay_within_their_width() {
+        // 100,000 gaps 7 ns apart from 5 ms: several to a bin.
+        let gaps: Vec<Duration> = (0..100_000).map(|i| NS(5_000_000 + i * 7)).collect();
+        let (ours, bench) = (
+            of(&gaps).summary().unwrap(),
+            Summary::of(secs_of(&gaps)).unwrap(),
+        );
+        for (a, b) in [
+            (ours.p50, bench.p50),
+            (ours.p99, bench.p99),
+            (ours.p90, bench.p90),
+        ] {
+            assert!((a - b).abs() <= b / SUB as f64, "{a} against {b}");
+            assert_ne!(a, 0.0);
+        }
+        assert_eq!((ours.min, ours.max), (bench.min, bench.max));
+    }
+
+    #[test]
+    fn nothing_recorded_reads_as_nothing() {
+        let h = GapHistogram::default();
+        assert_eq!((h.summary(), h.cdf(), h.count()), (None, None, 0));
+        let one = of(&[NS(3)]);
+        assert_eq!(one.summary().unwrap().p99_9, 3e-9);
+        let mut between = GapHistogram::default();
+        between.record_between(&[NS(10), NS(15), NS(35)]);
+        let s = between.summary().unwrap();
+        let p50 = kvmesh_bench::stats::percentile(&[5e-9, 20e-9], 50.0).unwrap();
+        assert_eq!((s.count, s.min, s.max, s.p50), (2, 5e-9, 20e-9, p50));
+    }
+}
