@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -28,9 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PROJECT = "kvmesh-ci"
 API_PORT = int(os.environ.get("KVMESH_TEST_PORT", "18000"))
 PROM_PORT = int(os.environ.get("KVMESH_TEST_PROMETHEUS_PORT", "19090"))
+ETCD_PORT = int(os.environ.get("KVMESH_TEST_ETCD_PORT", "12379"))
+KVMESH = os.path.join(os.path.dirname(HERE), "target", "release", "kvmesh")
 API = f"http://127.0.0.1:{API_PORT}"
 PROM = f"http://127.0.0.1:{PROM_PORT}"
-ENV = dict(os.environ, KVMESH_PORT=str(API_PORT), KVMESH_PROMETHEUS_PORT=str(PROM_PORT))
+ENV = dict(os.environ, KVMESH_PORT=str(API_PORT), KVMESH_PROMETHEUS_PORT=str(PROM_PORT),
+           KVMESH_ETCD_PORT=str(ETCD_PORT))
 LONG = 400  # tokens of the streams that must outlive a scale-down or a kill
 
 
@@ -232,21 +236,23 @@ def check_completions():
     log(f"completions: streamed == not streamed ({plain!r}); chat ok; mutual TLS on every node")
 
 
+def until_served(name, within):
+    """Short requests, a few at a time, until one lands on decode node `name`: how long."""
+    t0, i = time.monotonic(), 0
+    while decode_served(name) == 0:
+        assert time.monotonic() - t0 < within, f"no request reached {name} within {within} s"
+        for s in [Stream(prompt(1000 + i + k), 4) for k in range(3)]:
+            s.result()
+        i += 3
+    return time.monotonic() - t0
+
+
 def check_scale_up():
     before = set(containers("decode"))
     compose("up", "-d", "--no-recreate", "--scale", "decode=3", "--scale", "prefill=2")
     (new,) = set(containers("decode")) - before
     wait_for(f"{new} serving", lambda: node_ready(new), 120, every=0.05)
-    serving = time.monotonic()
-    # Short requests, a few at a time, until one lands on the new node.
-    i = 0
-    while decode_served(new) == 0:
-        assert time.monotonic() - serving < 5, f"no request reached {new} within 5 s"
-        streams = [Stream(prompt(1000 + i + k), 4) for k in range(3)]
-        for s in streams:
-            s.result()
-        i += 3
-    took = time.monotonic() - serving
+    took = until_served(new, 5)
     log(f"scaled decode to 3: {new} served a request {took:.2f} s after it began serving")
     return new, took
 
@@ -397,6 +403,79 @@ def check_prometheus():
         f"{len(names_used)} metric names return data")
 
 
+# The load policy at an idle cluster: every node under its down thresholds, so each role
+# goes to its minimum.
+PLANNER_CONFIG = """
+policy = "load"
+[prefill]
+min = 1
+max = 2
+[decode]
+min = {decode_min}
+max = 3
+[cooldown]
+up = "0s"
+down = "0s"
+down_stable_for = "4s"
+[load]
+interval = "2s"
+"""
+
+
+def run_planner(tmp, decode_min, until, within):
+    """`kvmesh planner --actuator compose` on this host until `until()`; its log."""
+    config = os.path.join(tmp, f"planner-{decode_min}.toml")
+    with open(config, "w") as f:
+        f.write(PLANNER_CONFIG.format(decode_min=decode_min))
+    log_path = os.path.join(tmp, f"planner-{decode_min}.log")
+    with open(log_path, "w") as out:
+        planner = subprocess.Popen(
+            [KVMESH, "planner", "--etcd", f"http://127.0.0.1:{ETCD_PORT}",
+             "--router", API, "--config", config, "--observe-every", "1s",
+             "--actuator", "compose", "--compose-file", f"{HERE}/compose.yaml",
+             "--compose-project", PROJECT],
+            stdout=out, stderr=subprocess.STDOUT, env=ENV)
+        try:
+            wait_for("the planner's scaling", until, within, every=0.5)
+        finally:
+            planner.terminate()
+            planner.wait(30)
+    return open(log_path).read()
+
+
+def check_planner_scales_compose():
+    """The planner's compose actuator: down to the minimum at idle (drains), then up."""
+    compose("stop", "planner")  # the advisory planner resigns its lease
+    nodes = containers("prefill") + containers("decode")
+    follow = {n: subprocess.Popen(["docker", "logs", "-f", n], stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for n in nodes}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.monotonic()
+        down = run_planner(tmp, 1, lambda: len(containers("prefill")) == 1
+                           and len(containers("decode")) == 1, 120)
+        took_down = time.monotonic() - t0
+        for reason in ("kv_usage_low", "prefill_queue_low"):
+            assert reason in down, f"no {reason} decision:\n{down[-3000:]}"
+        gone = set(nodes) - set(containers("prefill") + containers("decode"))
+        assert len(gone) == 2, gone
+        for name in gone:
+            out = follow[name].communicate(timeout=60)[0]
+            assert "drained; stopping" in out and "finished=true" in out, \
+                f"{name} was removed without a drain:\n{out[-2000:]}"
+        for p in follow.values():
+            p.kill()
+        t0 = time.monotonic()
+        before = set(containers("decode"))
+        up = run_planner(tmp, 2, lambda: len(containers("decode")) == 2
+                         and all(health(n) == "healthy" for n in containers("decode")), 120)
+        took_up = time.monotonic() - t0
+        assert "below_minimum" in up, up[-3000:]
+        (new,) = set(containers("decode")) - before
+        until_served(new, 30)
+    log(f"planner, compose actuator: idle cluster down to 1+1 in {took_down:.1f} s (both "
+        f"removals drained), decode back to 2 in {took_up:.1f} s ({new} serving)")
+
+
 def check_dockerfile_image():
     """deploy/Dockerfile's image: the model is fetched into its volume at first start."""
     name, volume = f"{PROJECT}-image", f"{PROJECT}-image-cache"
@@ -467,6 +546,7 @@ def main():
         check_scale_down(expected)
         check_kill(expected)
         check_prometheus()
+        check_planner_scales_compose()
     except BaseException:
         for service in ("router", "decode"):
             for name in containers(service):

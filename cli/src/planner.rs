@@ -9,6 +9,7 @@
 //! the nodes as they are.
 
 pub mod actuator;
+pub mod compose;
 pub mod etcd;
 pub mod local;
 pub mod metrics;
@@ -58,13 +59,24 @@ pub struct PlannerArgs {
     #[arg(long)]
     pub advisory: bool,
     /// Who carries decisions out: `local` (processes of this binary on this host),
-    /// `etcd` (desired counts for an external orchestrator), `none`.
+    /// `compose` (`docker-compose up --scale` on the Compose cluster), `etcd` (desired
+    /// counts for an external orchestrator), `none`.
     #[arg(long, value_enum, default_value = "local")]
     pub actuator: ActuatorArg,
     /// A flag for every node the local actuator starts (repeat; e.g.
     /// `--node-arg=--threads --node-arg=1`).
     #[arg(long = "node-arg", allow_hyphen_values = true)]
     pub node_args: Vec<String>,
+    /// The Compose file of the cluster the `compose` actuator scales (its services
+    /// `prefill` and `decode`; deploy/compose.yaml).
+    #[arg(long, required_if_eq("actuator", "compose"))]
+    pub compose_file: Option<PathBuf>,
+    /// The Compose project name (`-p`), when not the file's directory name.
+    #[arg(long)]
+    pub compose_project: Option<String>,
+    /// How to run Compose (e.g. `docker compose`).
+    #[arg(long, default_value = "docker-compose")]
+    pub compose_command: String,
     /// Where the local actuator's nodes write their logs.
     #[arg(long, default_value = "kvmesh-planner-nodes")]
     pub logs: PathBuf,
@@ -88,6 +100,7 @@ pub enum PolicyArg {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum ActuatorArg {
     Local,
+    Compose,
     Etcd,
     None,
 }
@@ -169,6 +182,11 @@ pub fn run(args: &PlannerArgs) -> Result<()> {
                     args.cluster.clone(),
                     args.node_args.clone(),
                     args.logs.clone(),
+                )?),
+                ActuatorArg::Compose => Box::new(compose::ComposeActuator::new(
+                    &args.compose_command,
+                    args.compose_file.clone().context("--compose-file")?,
+                    args.compose_project.clone(),
                 )?),
                 ActuatorArg::Etcd => Box::new(etcd::EtcdActuator::new(leadership.clone()).await?),
                 ActuatorArg::None => Box::new(NoActuator),
