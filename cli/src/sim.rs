@@ -365,6 +365,9 @@ struct Simulation<'a> {
     /// Wall time spent simulating and virtual time simulated, over every point.
     wall: Duration,
     simulated: Duration,
+    /// Events handled and engine steps simulated, over every point.
+    events: u64,
+    steps: u64,
     /// Per point, what the planner (or the changes) did to the node set.
     planned: Vec<Option<AutoscaleReport>>,
 }
@@ -418,6 +421,8 @@ impl Simulation<'_> {
         }?;
         self.wall += started.elapsed();
         self.simulated += run.duration;
+        self.events += run.events;
+        self.steps += run.stats.nodes.iter().map(|n| n.steps).sum::<u64>();
         let point = run.point(&label, shape, &self.args.measure.slo);
         self.planned.push(run.autoscale.clone());
         Ok(Measured {
@@ -598,6 +603,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         workload,
         wall: Duration::ZERO,
         simulated: Duration::ZERO,
+        events: 0,
+        steps: 0,
         planned: Vec::new(),
     };
     let mut found = None;
@@ -649,11 +656,17 @@ pub fn run(args: &SimArgs) -> Result<()> {
     if let Some(found) = found {
         eprintln!("{}", outputs::search_note(found));
     }
+    let wall = sim.wall.as_secs_f64().max(1e-9);
     eprintln!(
-        "simulated {:.1} s in {:.2} s of wall time ({:.0}x real time)",
+        "simulated {:.1} s in {:.2} s of wall time ({:.0}x real time; {} events, {:.0} a second; \
+         {} engine steps, {:.0} a second)",
         sim.simulated.as_secs_f64(),
         sim.wall.as_secs_f64(),
-        sim.simulated.as_secs_f64() / sim.wall.as_secs_f64().max(1e-9)
+        sim.simulated.as_secs_f64() / wall,
+        sim.events,
+        sim.events as f64 / wall,
+        sim.steps,
+        sim.steps as f64 / wall,
     );
     eprintln!("wrote {}", written.join(", "));
     Ok(())

@@ -18,7 +18,7 @@
 
 use crate::clock::VirtualClock;
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, VecDeque};
+use std::collections::{BTreeSet, BinaryHeap, VecDeque};
 use std::time::Duration;
 
 /// Pending events and the clock they advance.
@@ -31,6 +31,8 @@ pub struct EventQueue<E> {
     next_seq: u64,
     /// The key of the event popped last.
     current: EventKey,
+    /// Keys of queued events that are never to pop (see [`EventQueue::cancel`]).
+    cancelled: BTreeSet<EventKey>,
 }
 
 /// Where an event sorts among those due at its instant (see the module docs).
@@ -76,6 +78,7 @@ impl<E> Default for EventQueue<E> {
             clock: VirtualClock::new(),
             next_seq: 0,
             current: EventKey::default(),
+            cancelled: BTreeSet::new(),
         }
     }
 }
@@ -160,29 +163,41 @@ impl<E> EventQueue<E> {
 
     /// The earliest event, advancing the clock to its time; `None` when none is left.
     pub fn pop(&mut self) -> Option<(Duration, E)> {
-        let from_lane = match (self.lane.front(), self.heap.peek()) {
-            (None, None) => return None,
-            (Some(_), None) => true,
-            (None, Some(_)) => false,
-            (Some(l), Some(h)) => l.key < h.key,
-        };
-        let p = if from_lane {
-            self.lane.pop_front()
-        } else {
-            self.heap.pop()
+        loop {
+            let from_lane = match (self.lane.front(), self.heap.peek()) {
+                (None, None) => return None,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (Some(l), Some(h)) => l.key < h.key,
+            };
+            let p = if from_lane {
+                self.lane.pop_front()
+            } else {
+                self.heap.pop()
+            }
+            .expect("checked above");
+            if !self.cancelled.is_empty() && self.cancelled.remove(&p.key) {
+                continue;
+            }
+            self.clock.advance_to(p.key.at);
+            self.current = p.key;
+            return Some((p.key.at, p.event));
         }
-        .expect("checked above");
-        self.clock.advance_to(p.key.at);
-        self.current = p.key;
-        Some((p.key.at, p.event))
     }
 
+    /// The queued event under `key` never pops, and no longer counts as pending: a node's
+    /// run of quiet steps cut short leaves no event behind that the run would not have.
+    pub fn cancel(&mut self, key: EventKey) {
+        self.cancelled.insert(key);
+    }
+
+    /// Events pending, cancelled ones not counted.
     pub fn len(&self) -> usize {
-        self.heap.len() + self.lane.len()
+        self.heap.len() + self.lane.len() - self.cancelled.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.heap.is_empty() && self.lane.is_empty()
+        self.len() == 0
     }
 }
 
@@ -262,6 +277,24 @@ mod tests {
             seq: 1,
         };
         assert_eq!(q.current(), key);
+    }
+
+    #[test]
+    fn a_cancelled_event_never_pops_nor_counts() {
+        let mut q = EventQueue::new();
+        q.push_at(MS, "a");
+        q.push_at(2 * MS, "cancelled");
+        let key = EventKey {
+            at: 2 * MS,
+            pushed: Duration::ZERO,
+            seq: 1,
+        };
+        q.cancel(key);
+        assert_eq!(q.len(), 1);
+        assert_eq!(q.pop(), Some((MS, "a")));
+        assert!(q.is_empty());
+        assert_eq!(q.pop(), None);
+        assert_eq!(q.now(), MS, "the clock stays at the last real event");
     }
 
     #[test]

@@ -119,9 +119,10 @@ impl SimPrompt {
     pub fn tokens(&self) -> Arc<[TokenId]> {
         match self.shared.first() {
             Some(&f) if f != self.first => {
-                let mut t = self.shared.to_vec();
-                t[0] = self.first;
-                t.into()
+                // One copy, straight into the shared buffer (a `Vec` would be copied twice).
+                let mut t: Arc<[TokenId]> = Arc::from(&self.shared[..]);
+                Arc::get_mut(&mut t).expect("just made")[0] = self.first;
+                t
             }
             _ => self.shared.clone(),
         }
@@ -323,6 +324,8 @@ pub struct MeshRun {
     pub autoscale: Option<AutoscaleReport>,
     /// Every gap between tokens of the completed requests, pooled.
     pub itl: GapHistogram,
+    /// Events the loop handled (a run of quiet steps is one).
+    pub events: u64,
 }
 
 impl MeshRun {
@@ -709,7 +712,9 @@ fn run(
         held: BTreeMap::new(),
     };
     mesh.record_counts(Duration::ZERO);
+    let mut events = 0;
     while let Some((now, event)) = mesh.queue.pop() {
+        events += 1;
         match event {
             Event::Arrive(i) => mesh.arrive(i, now),
             Event::StepDone(n, event) => mesh.step_done(n, event, now)?,
@@ -722,7 +727,9 @@ fn run(
             Event::Change(k) => mesh.change(k, now),
         }
     }
-    Ok(mesh.finish())
+    let mut run = mesh.finish();
+    run.events = events;
+    Ok(run)
 }
 
 impl Mesh<'_> {
@@ -928,12 +935,16 @@ impl Mesh<'_> {
             seq,
         };
         let applied = (0..ends.len()).take_while(|&i| key(i) < now).count();
-        let next = key(applied);
+        let (next, last) = (key(applied), key(ends.len() - 1));
         let tokens = self.nodes[n].catch_up(applied);
         self.deliver(&tokens);
-        self.step_event[n] += 1;
-        self.queue
-            .push_keyed(next, Event::StepDone(n, self.step_event[n]));
+        // The run's event stands for its last step; any other takes its place.
+        if next != last {
+            self.queue.cancel(last);
+            self.step_event[n] += 1;
+            self.queue
+                .push_keyed(next, Event::StepDone(n, self.step_event[n]));
+        }
     }
 
     /// Every node brought to now ([`Mesh::touch`]).
@@ -1291,6 +1302,7 @@ impl Mesh<'_> {
             error_examples: self.error_examples,
             autoscale,
             itl: self.itl,
+            events: 0,
         }
     }
 }
