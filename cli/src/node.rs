@@ -81,8 +81,9 @@ pub struct MeshArgs {
     /// This node's private key (PEM).
     #[arg(long, env = env_vars::TLS_KEY)]
     pub tls_key: Option<PathBuf>,
-    /// Serve Prometheus metrics (`GET /metrics`) here (prefill and decode nodes; a router
-    /// serves them on its API port).
+    /// Serve Prometheus metrics (`GET /metrics`) here, with `GET /health` (200 while
+    /// serving a role, 503 while switching or draining) and `GET /live` (prefill and decode
+    /// nodes; a router serves `/metrics` and `/health` on its API port).
     #[arg(long, env = env_vars::METRICS_LISTEN)]
     pub metrics_listen: Option<SocketAddr>,
 }

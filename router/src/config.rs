@@ -53,13 +53,20 @@ pub struct RouterConfig {
     /// fits every machine (a 2-core CPU mesh can take seconds for one long prompt).
     #[serde(with = "humantime_serde")]
     pub ttft_target: Duration,
-    /// Most completion requests admitted and not yet finished; more get 429.
+    /// Most completion requests admitted and not yet finished; more get 429. The default
+    /// (4096) queues a gateway's bursts rather than refusing them: a waiting request holds
+    /// its prompt (at most `max_context` tokens, 4 bytes each) and a few kilobytes of state,
+    /// so 4096 of them at the 8192-token context take at most about 200 MB. Refusing on
+    /// latency is `ttft_target`'s job.
     pub max_in_flight: usize,
     /// Requests per second allowed per API key (one budget for all when auth is off); `0`
     /// disables rate limiting. Excess gets 429.
     pub rate_limit_per_second: f64,
     /// Requests a key may send at once above its rate (the token bucket's size).
     pub rate_limit_burst: u32,
+    /// Refuse request fields this server does not know (400 `unknown_parameter`) instead of
+    /// ignoring them and naming them in the `x-kvmesh-ignored-params` response header.
+    pub strict_params: bool,
 }
 
 impl Default for RouterConfig {
@@ -80,9 +87,10 @@ impl Default for RouterConfig {
             retry_after: Duration::from_secs(1),
             shutdown_timeout: Duration::from_secs(30),
             ttft_target: Duration::ZERO,
-            max_in_flight: 256,
+            max_in_flight: 4096,
             rate_limit_per_second: 0.0,
             rate_limit_burst: 10,
+            strict_params: false,
         }
     }
 }
@@ -111,6 +119,7 @@ impl std::fmt::Debug for RouterConfig {
             .field("max_in_flight", &self.max_in_flight)
             .field("rate_limit_per_second", &self.rate_limit_per_second)
             .field("rate_limit_burst", &self.rate_limit_burst)
+            .field("strict_params", &self.strict_params)
             .finish()
     }
 }

@@ -9,14 +9,33 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 
-/// Parses a request body into `T` (which denies unknown fields). `unsupported` lists real
-/// OpenAI fields this server does not implement, with the reason: they get a clearer 400
-/// than "unrecognized argument" (a `null` value is accepted as absent).
+/// What an endpoint does with top-level fields its request type does not read.
+pub(crate) struct FieldPolicy {
+    /// OpenAI fields that do not apply to this server, with why: accepted with no effect
+    /// and named back to the client ([`Parsed::ignored`]).
+    pub(crate) ignored: &'static [(&'static str, &'static str)],
+    /// OpenAI features this server lacks, with why: a 400 `unsupported_parameter` (a
+    /// `null` value counts as absent).
+    pub(crate) unsupported: &'static [(&'static str, &'static str)],
+}
+
+/// A request and the top-level fields it carried that had no effect.
+#[derive(Debug)]
+pub(crate) struct Parsed<T> {
+    pub(crate) request: T,
+    /// The policy's ignored fields, then (unless strict) unknown ones.
+    pub(crate) ignored: Vec<String>,
+}
+
+/// Parses a request body into `T` (which denies unknown fields). Top-level fields `T` does
+/// not know are ignored and listed, or with `strict` refused (400 `unknown_parameter`);
+/// unknown fields inside objects are always refused.
 pub(crate) fn parse_body<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     limit: usize,
-    unsupported: &[(&str, &str)],
-) -> Result<T, ApiError> {
+    policy: &FieldPolicy,
+    strict: bool,
+) -> Result<Parsed<T>, ApiError> {
     let bytes = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::PayloadTooLarge { limit }
@@ -34,7 +53,7 @@ pub(crate) fn parse_body<T: DeserializeOwned>(
             "the request body must be a JSON object".into(),
         ));
     };
-    for (field, reason) in unsupported {
+    for (field, reason) in policy.unsupported {
         match map.get(*field) {
             Some(Value::Null) => {
                 map.remove(*field);
@@ -48,11 +67,63 @@ pub(crate) fn parse_body<T: DeserializeOwned>(
             None => {}
         }
     }
-    serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
+    let mut ignored = Vec::new();
+    for (field, _) in policy.ignored {
+        if map.remove(*field).is_some() {
+            ignored.push(field.to_string());
+        }
+    }
+    let known = struct_fields::<T>();
+    let unknown: Vec<String> = map
+        .keys()
+        .filter(|k| !known.contains(&k.as_str()))
+        .cloned()
+        .collect();
+    if let (true, Some(param)) = (strict, unknown.first()) {
+        return Err(ApiError::UnknownParameter {
+            param: param.clone(),
+        });
+    }
+    for field in unknown {
+        map.remove(&field);
+        ignored.push(field);
+    }
+    let request = serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
         let path = e.path().to_string();
         let message = e.into_inner().to_string();
         classify(&path, &message)
-    })
+    })?;
+    Ok(Parsed { request, ignored })
+}
+
+/// The field names the struct `T` deserializes, read by handing its `Deserialize` a
+/// deserializer that only records what `deserialize_struct` is asked for.
+fn struct_fields<T: DeserializeOwned>() -> &'static [&'static str] {
+    use serde::de::{self, Visitor};
+    struct FieldNames<'a>(&'a mut &'static [&'static str]);
+    impl<'de> de::Deserializer<'de> for FieldNames<'_> {
+        type Error = de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _name: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("fields recorded"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(FieldNames(&mut fields));
+    fields
 }
 
 /// Turns a serde error at `path` into an `ApiError` with the right `param`.
@@ -109,12 +180,42 @@ mod tests {
         flag: bool,
     }
 
+    const POLICY: FieldPolicy = FieldPolicy {
+        ignored: &[("store", "nothing is stored")],
+        unsupported: &[("tools", "no tool use")],
+    };
+
+    fn parse_with(s: &str, strict: bool) -> Result<Parsed<Req>, ApiError> {
+        parse_body(Ok(Bytes::from(s.to_string())), 100, &POLICY, strict)
+    }
+
     fn parse(s: &str) -> Result<Req, ApiError> {
-        parse_body(
-            Ok(Bytes::from(s.to_string())),
-            100,
-            &[("tools", "no tool use")],
-        )
+        parse_with(s, true).map(|p| p.request)
+    }
+
+    #[test]
+    fn fields_that_do_not_apply_are_ignored_and_named() {
+        let p = parse_with(r#"{"store": true, "model": "m", "zz": 1, "aa": {}}"#, false).unwrap();
+        assert_eq!(p.request.model, "m");
+        assert_eq!(p.ignored, ["store", "aa", "zz"]);
+        // Strict: a field of the policy's ignored list still passes, an unknown one is refused.
+        assert_eq!(
+            parse_with(r#"{"model": "m", "store": 1}"#, true)
+                .unwrap()
+                .ignored,
+            ["store"]
+        );
+        assert_eq!(
+            parse_with(r#"{"model": "m", "zz": 1}"#, true).unwrap_err(),
+            ApiError::UnknownParameter { param: "zz".into() }
+        );
+        // Inside an object an unknown field is an error either way.
+        assert_eq!(
+            parse_with(r#"{"model": "m", "inner": {"flag": true, "x": 1}}"#, false).unwrap_err(),
+            ApiError::UnknownParameter {
+                param: "inner.x".into()
+            }
+        );
     }
 
     #[test]

@@ -2,11 +2,11 @@
 //! [`Job`] and a [`Format`]; the rest (start the backend, stream or collect, errors) is
 //! shared here.
 //!
-//! Unknown top-level fields are rejected (400, `unknown_parameter`), except this allow-list
-//! of harmless fields clients send, which are accepted and ignored: `user`,
-//! `stream_options` (read only when `stream` is true), `response_format` when it is
-//! `{"type": "text"}`, and `parallel_tool_calls` (chat; there are no tools). Real OpenAI
-//! features this server lacks (`tools`, `functions`, `suffix`, ...) get a 400
+//! Request fields (docs/api.md has the table): OpenAI fields that do not apply here
+//! (`store`, `metadata`, `service_tier`, ...) and top-level fields this server does not know
+//! are accepted with no effect and named in the `x-kvmesh-ignored-params` response header
+//! and the log; with `strict_params` unknown ones get a 400 `unknown_parameter`. Real
+//! OpenAI features this server lacks (`tools`, `functions`, `suffix`, ...) get a 400
 //! `unsupported_parameter` naming them; `null` counts as absent.
 
 pub(crate) mod chat;
@@ -168,6 +168,32 @@ pub(crate) fn check_model(state: &AppState, model: Option<&str>) -> Result<(), A
         }),
         _ => Ok(()),
     }
+}
+
+/// The response header naming request fields that had no effect.
+pub(crate) const IGNORED_PARAMS_HEADER: &str = "x-kvmesh-ignored-params";
+
+/// Names the request fields that had no effect in `response`'s header and the log.
+pub(crate) fn name_ignored(mut response: Response, ignored: &[String]) -> Response {
+    /// Enough for any real client; a body of thousands of junk fields gets a count.
+    const SHOWN: usize = 32;
+    if ignored.is_empty() {
+        return response;
+    }
+    let mut list = ignored
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if ignored.len() > SHOWN {
+        list.push_str(&format!(", and {} more", ignored.len() - SHOWN));
+    }
+    tracing::info!(params = %list, "request fields ignored (no effect here)");
+    let value = axum::http::HeaderValue::from_str(&list)
+        .unwrap_or_else(|_| axum::http::HeaderValue::from_static("(names not printable)"));
+    response.headers_mut().insert(IGNORED_PARAMS_HEADER, value);
+    response
 }
 
 pub(crate) fn unix_now() -> u64 {

@@ -252,3 +252,35 @@ async fn without_keys_everyone_shares_one_rate_limit() {
     let r = post(&app, "/v1/chat/completions", chat_body("Hi")).await;
     assert_eq!(assert_429(&r, "rate_limit_exceeded"), 2);
 }
+
+#[tokio::test]
+async fn a_burst_of_300_requests_queues_under_the_default_cap() {
+    let release = Arc::new(Notify::new());
+    let (backend, mut arrived) = backend(release.clone());
+    let config = RouterConfig {
+        ttft_target: Duration::ZERO,
+        ..config()
+    };
+    assert!(
+        config.max_in_flight >= 300,
+        "the default cap refuses a burst"
+    );
+    let app = router_with(&backend, config).app();
+    let burst: Vec<_> = (0..300)
+        .map(|_| {
+            let app = app.clone();
+            tokio::spawn(async move { post(&app, "/v1/completions", completion("x", 8)).await })
+        })
+        .collect();
+    // Every one reaches the backend while all are held: none was refused.
+    for _ in 0..300 {
+        arrived.recv().await.unwrap();
+    }
+    assert_eq!(rejected(&app, "in_flight").await, 0.0);
+    for _ in 0..300 {
+        release.notify_one();
+    }
+    for r in burst {
+        assert_eq!(r.await.unwrap().status, 200);
+    }
+}

@@ -53,6 +53,8 @@ env_vars! {
     RATE_LIMIT = "KVMESH_RATE_LIMIT";
     /// Requests a key may send at once above its rate (`--rate-limit-burst`).
     RATE_LIMIT_BURST = "KVMESH_RATE_LIMIT_BURST";
+    /// Refuse unknown request fields (`--strict-params`).
+    STRICT_PARAMS = "KVMESH_STRICT_PARAMS";
     /// Comma-separated etcd client URLs (`--etcd`).
     ETCD = "KVMESH_ETCD";
     /// The address other nodes use to reach this one (`--advertise`).

@@ -17,25 +17,44 @@ use super::params::{self, PromptInfo, SamplingFields};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
-use super::{check_model, check_response_format, respond, unix_now, Format, Prepared};
+use super::{
+    check_model, check_response_format, name_ignored, respond, unix_now, Format, Prepared,
+};
 use crate::error::ApiError;
 use crate::generation::Job;
-use crate::json::parse_body;
+use crate::json::{parse_body, FieldPolicy, Parsed};
 use crate::metrics::Outcome;
 use crate::request_id::RequestContext;
 use crate::server::AppState;
 
-const UNSUPPORTED: &[(&str, &str)] = &[
-    ("tools", "this server has no tool calling"),
-    ("tool_choice", "this server has no tool calling"),
-    ("functions", "this server has no function calling"),
-    ("function_call", "this server has no function calling"),
-    ("audio", "this server generates text only"),
-    ("modalities", "this server generates text only"),
-    ("prediction", "predicted outputs are not implemented"),
-];
+/// What happens to the OpenAI fields `ChatRequest` does not read (docs/api.md).
+const POLICY: FieldPolicy = FieldPolicy {
+    ignored: &[
+        ("store", "responses are not stored"),
+        ("metadata", "responses are not stored"),
+        ("service_tier", "there is one service tier"),
+        (
+            "reasoning_effort",
+            "the model does not reason before answering",
+        ),
+        ("verbosity", "the model has no verbosity setting"),
+        ("user", "end users are not tracked"),
+        ("safety_identifier", "end users are not tracked"),
+        ("prompt_cache_key", "prefix caching is automatic"),
+        ("parallel_tool_calls", "there are no tool calls"),
+    ],
+    unsupported: &[
+        ("tools", "this server has no tool calling"),
+        ("tool_choice", "this server has no tool calling"),
+        ("functions", "this server has no function calling"),
+        ("function_call", "this server has no function calling"),
+        ("audio", "this server generates text only"),
+        ("prediction", "predicted outputs are not implemented"),
+        ("web_search_options", "this server does not search the web"),
+    ],
+};
 
-/// The request body. Unknown fields are rejected.
+/// The request body (fields it does not read: [`POLICY`]).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ChatRequest {
@@ -62,12 +81,9 @@ struct ChatRequest {
     min_tokens: Option<i64>,
     logprobs: Option<bool>,
     top_logprobs: Option<i64>,
-    // Accepted and ignored.
-    #[allow(dead_code)]
-    user: Option<String>,
     response_format: Option<Value>,
-    #[allow(dead_code)]
-    parallel_tool_calls: Option<bool>,
+    /// Only `["text"]`.
+    modalities: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -170,9 +186,23 @@ pub(crate) async fn handle(
     Extension(outcome): Extension<Outcome>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: ChatRequest = parse_body(body, state.config.max_body_bytes, UNSUPPORTED)?;
+    let Parsed {
+        request: req,
+        ignored,
+    } = parse_body::<ChatRequest>(
+        body,
+        state.config.max_body_bytes,
+        &POLICY,
+        state.config.strict_params,
+    )?;
     check_model(&state, req.model.as_deref())?;
     check_response_format(req.response_format.as_ref())?;
+    if req.modalities.iter().flatten().any(|m| m != "text") {
+        return Err(ApiError::unsupported(
+            "modalities",
+            "this server generates text only: `modalities` may only be [\"text\"]",
+        ));
+    }
     let logprobs = match (req.logprobs.unwrap_or(false), req.top_logprobs) {
         (false, None) => None,
         (false, Some(_)) => {
@@ -243,7 +273,8 @@ pub(crate) async fn handle(
         stream,
         include_usage,
     };
-    respond(&state, &ctx, outcome, prepared).await
+    let response = respond(&state, &ctx, outcome, prepared).await?;
+    Ok(name_ignored(response, &ignored))
 }
 
 #[derive(Serialize)]

@@ -16,20 +16,26 @@ use super::params::{self, PromptInfo, SamplingFields};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
-use super::{check_model, check_response_format, respond, unix_now, Format, Prepared};
+use super::{
+    check_model, check_response_format, name_ignored, respond, unix_now, Format, Prepared,
+};
 use crate::error::ApiError;
 use crate::generation::Job;
-use crate::json::parse_body;
+use crate::json::{parse_body, FieldPolicy, Parsed};
 use crate::metrics::Outcome;
 use crate::request_id::RequestContext;
 use crate::server::AppState;
 
-const UNSUPPORTED: &[(&str, &str)] = &[(
-    "suffix",
-    "insertion (fill-in-the-middle) is not implemented",
-)];
+/// What happens to the OpenAI fields `CompletionRequest` does not read (docs/api.md).
+const POLICY: FieldPolicy = FieldPolicy {
+    ignored: &[("user", "end users are not tracked")],
+    unsupported: &[(
+        "suffix",
+        "insertion (fill-in-the-middle) is not implemented",
+    )],
+};
 
-/// The request body. Unknown fields are rejected.
+/// The request body (fields it does not read: [`POLICY`]).
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct CompletionRequest {
@@ -59,9 +65,6 @@ struct CompletionRequest {
     logprobs: Option<i64>,
     /// Prepend the prompt text to the completion.
     echo: Option<bool>,
-    // Accepted and ignored.
-    #[allow(dead_code)]
-    user: Option<String>,
     response_format: Option<Value>,
 }
 
@@ -125,7 +128,15 @@ pub(crate) async fn handle(
     Extension(outcome): Extension<Outcome>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req: CompletionRequest = parse_body(body, state.config.max_body_bytes, UNSUPPORTED)?;
+    let Parsed {
+        request: req,
+        ignored,
+    } = parse_body::<CompletionRequest>(
+        body,
+        state.config.max_body_bytes,
+        &POLICY,
+        state.config.strict_params,
+    )?;
     check_model(&state, req.model.as_deref())?;
     check_response_format(req.response_format.as_ref())?;
     if req.best_of.is_some_and(|b| b != 1 && Some(b) != req.n) {
@@ -206,7 +217,8 @@ pub(crate) async fn handle(
         stream,
         include_usage,
     };
-    respond(&state, &ctx, outcome, prepared).await
+    let response = respond(&state, &ctx, outcome, prepared).await?;
+    Ok(name_ignored(response, &ignored))
 }
 
 #[derive(Serialize)]
