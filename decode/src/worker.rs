@@ -14,7 +14,7 @@ use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, EngineReturn, EngineThread, ExportSource, IncomingTransfer, KvDestination,
-    LoadPublisher, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+    KvOutbox, LoadPublisher, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -94,6 +94,7 @@ impl DecodeWorker {
             remote: RemotePrefills::new(config.remote_prefill_timeout),
             config,
             engine,
+            outbox: KvOutbox::new(transport.clone()),
             transport: transport.clone(),
             inbox: rx,
             myself: Arc::downgrade(&inbox),
@@ -166,6 +167,8 @@ struct Loop<R: ModelRunner> {
     engine: LlmEngine<R>,
     kv_shape: KvShape,
     transport: Arc<dyn Transport>,
+    /// Exports leave through it, off this thread.
+    outbox: KvOutbox,
     inbox: Receiver<Inbox>,
     /// Where this worker's handles send: its prefill workers pull cached prefixes from it.
     myself: Weak<Sender<Inbox>>,
@@ -299,14 +302,12 @@ impl<R: ModelRunner> Loop<R> {
         loop {
             match self.inbox.try_recv() {
                 Ok(Inbox::Generate(s)) => self.accept(*s),
-                Ok(Inbox::Export(job)) => {
-                    let timeout = self.config.export_timeout;
-                    if let Ok(done) = job.serve(&self.engine, &*self.transport, timeout) {
-                        self.metrics
-                            .kv_exported_blocks
-                            .increment(done.blocks as u64);
-                    }
-                }
+                Ok(Inbox::Export(job)) => job.serve(
+                    &self.engine,
+                    &self.outbox,
+                    self.config.export_timeout,
+                    self.metrics.kv_exported_blocks.clone(),
+                ),
                 Ok(Inbox::Wake) => {}
                 Ok(Inbox::Stop) => return false,
                 Err(TryRecvError::Empty) => break,

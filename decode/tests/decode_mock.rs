@@ -3,8 +3,8 @@
 
 use crossbeam_channel::{Receiver, Sender};
 use kvmesh_common::{
-    BlockHasher, BlockId, GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams,
-    WorkerError,
+    BlockHasher, BlockId, GenerateEvent, GenerateRequest, ModelFingerprint, NodeId, RequestId,
+    SamplingParams, WorkerError,
 };
 use kvmesh_decode::{DecodeConfig, DecodeHandle, DecodeWorker};
 use kvmesh_engine::llm_engine::LlmEngine;
@@ -13,9 +13,11 @@ use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInp
 use kvmesh_engine::scheduler::SchedulerConfig;
 use kvmesh_prompt::gguf::GgufFile;
 use kvmesh_prompt::tokenizer::Tokenizer;
-use kvmesh_transfer::{InProcessTransport, Transport};
+use kvmesh_transfer::{InProcessTransport, KvChunk, Transport, TransportError};
+use kvmesh_worker::{ExportRequest, KvDestination, KvExporter};
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 fn tokenizer() -> Arc<Tokenizer> {
     let path = kvmesh_prompt::model_fetch::fetched_model().unwrap_or_else(|e| panic!("{e}"));
@@ -70,6 +72,16 @@ impl ModelRunner for GatedRunner {
 }
 
 fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
+    let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::default());
+    gated_worker_on(max_queued_requests, transport, DecodeConfig::new(NodeId(9)))
+}
+
+/// [`gated_worker`] over `transport`, with `decode`'s settings.
+fn gated_worker_on(
+    max_queued_requests: usize,
+    transport: Arc<dyn Transport>,
+    decode: DecodeConfig,
+) -> (DecodeWorker, Sender<()>) {
     let tokenizer = tokenizer();
     let shape = KvShape {
         num_layers: 2,
@@ -87,7 +99,7 @@ fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
         enable_prefix_caching: true,
         host_tier_blocks: 0,
         disk_tier_blocks: 0,
-        hasher: BlockHasher::new(kvmesh_common::ModelFingerprint(1), 16),
+        hasher: BlockHasher::new(ModelFingerprint(1), 16),
     };
     let (permit_tx, permits) = crossbeam_channel::unbounded();
     let runner = GatedRunner {
@@ -95,10 +107,9 @@ fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
         permits,
     };
     let engine = LlmEngine::new(config, runner, tokenizer);
-    let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::default());
     let decode = DecodeConfig {
         max_queued_requests,
-        ..DecodeConfig::new(NodeId(9))
+        ..decode
     };
     (
         DecodeWorker::spawn(decode, engine, transport).unwrap(),
@@ -214,4 +225,80 @@ fn a_draining_worker_finishes_its_requests_and_refuses_new_ones() {
     drop(permits);
     assert!(finishes(a));
     worker.join();
+}
+
+/// A transport whose sends to `slow` wait until the gate opens (its sender is dropped).
+struct SlowTo {
+    inner: InProcessTransport,
+    slow: NodeId,
+    gate: Receiver<()>,
+}
+
+impl Transport for SlowTo {
+    fn bind(&self, node: NodeId) -> Result<kvmesh_transfer::KvReceiver, TransportError> {
+        self.inner.bind(node)
+    }
+
+    fn unbind(&self, node: NodeId) {
+        self.inner.unbind(node)
+    }
+
+    fn send(&self, dest: NodeId, chunk: KvChunk, deadline: Instant) -> Result<(), TransportError> {
+        if dest == self.slow {
+            let _ = self.gate.recv_deadline(deadline);
+        }
+        self.inner.send(dest, chunk, deadline)
+    }
+}
+
+#[test]
+fn an_export_to_a_slow_node_holds_up_no_decode() {
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    let slow = NodeId(50);
+    let transport = Arc::new(SlowTo {
+        inner: InProcessTransport::default(),
+        slow,
+        gate,
+    });
+    let slow_kv = transport.bind(slow).unwrap();
+    let config = DecodeConfig {
+        export_timeout: Duration::from_secs(20),
+        ..DecodeConfig::new(NodeId(9))
+    };
+    let (worker, permits) = gated_worker_on(8, transport.clone(), config);
+    // Dropped before the worker even when the test fails: the worker's thread then never
+    // waits on the gate while it is joined.
+    let open = open;
+    drop(permits);
+    let d = worker.handle();
+    // Its prompt's blocks stay cached once it finished: something to export.
+    let cached = request(1, 64);
+    assert!(finishes(generate(&d, cached.clone()).unwrap()));
+    let hashes = BlockHasher::new(ModelFingerprint(1), 16).sequence_hashes(&cached.prompt);
+    let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+    let export = ExportRequest {
+        transfer_id: RequestId(99),
+        hashes: hashes.clone(),
+        destination: KvDestination {
+            node: slow,
+            blocks: (0..hashes.len() as u32).map(BlockId).collect(),
+        },
+    };
+    KvExporter::export(&d, export, reply_tx).unwrap();
+    // While the export waits for the slow node, another request decodes to its end.
+    let started = Instant::now();
+    assert!(finishes(generate(&d, request(2, 10)).unwrap()));
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(10),
+        "a decode waited {took:?} behind an export"
+    );
+    assert!(
+        reply_rx.try_recv().is_err(),
+        "the export answered before it sent"
+    );
+    drop(open);
+    let reply = reply_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert_eq!(reply.result.unwrap().blocks, hashes.len());
+    assert_eq!(slow_kv.try_iter().count(), 2, "one chunk per layer");
 }

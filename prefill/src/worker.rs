@@ -7,11 +7,12 @@ use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_common::{NodeId, RequestId};
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
+use kvmesh_engine::sampler::Sampled;
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, Control, EngineReturn, EngineThread, ExportError, ExportJob, ExportReply,
-    ExportRequest, KvExporter, KvPull, LoadPublisher, NodeState, PrefillClient, PrefillDone,
-    PrefillError, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
+    ExportRequest, KvExporter, KvOutbox, KvPull, LoadPublisher, NodeState, PrefillClient,
+    PrefillDone, PrefillError, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -230,6 +231,7 @@ impl PrefillWorker {
         ));
         let metrics = WorkerMetrics::new(config.node_id, "prefill");
         let node_id = config.node_id;
+        let (sent_tx, sent_rx) = crossbeam_channel::unbounded();
         let mut state = Loop {
             pulls: Puller::new(config.node_id, config.pull_timeout, metrics.clone(), |a| {
                 &a.request.prompt
@@ -238,6 +240,9 @@ impl PrefillWorker {
             metrics,
             config,
             engine,
+            outbox: KvOutbox::new(transport.clone()),
+            sent_tx,
+            sent_rx,
             transport: transport.clone(),
             inbox: rx,
             kv_rx,
@@ -285,9 +290,20 @@ struct Job {
     cancel: CancelToken,
     enqueued_at: Instant,
     admitted: bool,
-    failed: Option<TransportError>,
+    /// Chunks handed to the outbox whose send has not ended yet.
+    chunks_in_flight: u32,
     chunks_sent: u32,
     bytes_sent: u64,
+    /// The prompt is computed (its first token and cached tokens): the reply waits only for
+    /// the chunks in flight.
+    computed: Option<(Sampled, usize)>,
+}
+
+/// A chunk's send ended, on its destination's sender thread.
+struct Sent {
+    seq_id: SeqId,
+    bytes: u64,
+    result: Result<(), TransportError>,
 }
 
 /// A request accepted and not yet in the engine: its cached prefix may be on the way.
@@ -302,6 +318,11 @@ struct Loop<R: ModelRunner> {
     config: PrefillConfig,
     engine: LlmEngine<R>,
     transport: Arc<dyn Transport>,
+    /// The prompts' KV and the exports leave through it, off this thread.
+    outbox: KvOutbox,
+    /// Where the outbox's sender threads say how each chunk's send ended.
+    sent_tx: Sender<Sent>,
+    sent_rx: Receiver<Sent>,
     inbox: Receiver<Inbox>,
     /// The KV of the prefixes this worker pulls.
     kv_rx: KvReceiver,
@@ -334,6 +355,7 @@ impl<R: ModelRunner> Loop<R> {
                 self.wait();
             }
             self.receive_pulls();
+            self.receive_sent();
             if !self.drain_inbox() {
                 break;
             }
@@ -365,11 +387,12 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
-    /// Blocks until a message, a pulled chunk or a holder's reply arrives, or a pull times
-    /// out.
+    /// Blocks until a message, a pulled chunk, a holder's reply or the end of a KV send
+    /// arrives, or a pull times out.
     fn wait(&self) {
         let mut sel = Select::new();
         sel.recv(&self.inbox);
+        sel.recv(&self.sent_rx);
         if !self.kv_closed {
             sel.recv(&self.kv_rx);
         }
@@ -431,14 +454,12 @@ impl<R: ModelRunner> Loop<R> {
                 let (req, reply, enqueued_at) = *job;
                 self.accept(req, reply, enqueued_at)
             }
-            Inbox::Export(job) => {
-                let result = job.serve(&self.engine, &*self.transport, self.config.send_timeout);
-                if let Ok(done) = result {
-                    self.metrics
-                        .kv_exported_blocks
-                        .increment(done.blocks as u64);
-                }
-            }
+            Inbox::Export(job) => job.serve(
+                &self.engine,
+                &self.outbox,
+                self.config.send_timeout,
+                self.metrics.kv_exported_blocks.clone(),
+            ),
             Inbox::Wake => {}
             Inbox::Stop => return false,
         }
@@ -506,9 +527,10 @@ impl<R: ModelRunner> Loop<R> {
                 cancel: req.cancel,
                 enqueued_at,
                 admitted: false,
-                failed: None,
+                chunks_in_flight: 0,
                 chunks_sent: 0,
                 bytes_sent: 0,
+                computed: None,
             },
         );
     }
@@ -536,7 +558,8 @@ impl<R: ModelRunner> Loop<R> {
         let num_layers = shape.num_layers;
         let mut push = Pusher {
             jobs: &mut self.jobs,
-            transport: &*self.transport,
+            outbox: &self.outbox,
+            sent: &self.sent_tx,
             block_shape: BlockShape {
                 num_kv_heads: shape.num_kv_heads as u32,
                 block_size: shape.block_size as u32,
@@ -544,7 +567,6 @@ impl<R: ModelRunner> Loop<R> {
             },
             send_timeout: self.config.send_timeout,
             last_layer: num_layers.saturating_sub(1),
-            metrics: &self.metrics,
         };
         let started = Instant::now();
         let result = self
@@ -568,18 +590,57 @@ impl<R: ModelRunner> Loop<R> {
         for out in outputs {
             self.finish(out);
         }
-        // A transfer that failed mid-prompt is not worth finishing.
-        let failed: Vec<SeqId> = self
-            .jobs
-            .iter()
-            .filter(|(_, j)| j.failed.is_some())
-            .map(|(&id, _)| id)
-            .collect();
-        for seq_id in failed {
-            self.engine.abort(seq_id);
-            let e = self.jobs[&seq_id].failed.clone().expect("filtered");
-            self.end(seq_id, Err(e.into()));
+    }
+
+    /// Takes the ends of KV sends: a failed one ends its request (a transfer that failed
+    /// mid-prompt is not worth finishing), the last one of a computed prompt answers it.
+    fn receive_sent(&mut self) {
+        while let Ok(Sent {
+            seq_id,
+            bytes,
+            result,
+        }) = self.sent_rx.try_recv()
+        {
+            let Some(job) = self.jobs.get_mut(&seq_id) else {
+                continue; // it ended already
+            };
+            job.chunks_in_flight -= 1;
+            match result {
+                Ok(()) => {
+                    job.chunks_sent += 1;
+                    job.bytes_sent += bytes;
+                    self.metrics.transfer_bytes.increment(bytes);
+                    self.settle(seq_id);
+                }
+                Err(e) => {
+                    tracing::warn!(request_id = %job.request_id, "KV push failed: {e}");
+                    if job.computed.is_none() {
+                        self.engine.abort(seq_id);
+                    }
+                    self.end(seq_id, Err(e.into()));
+                }
+            }
         }
+    }
+
+    /// Answers a computed prompt once all of its KV is sent.
+    fn settle(&mut self, seq_id: SeqId) {
+        let Some(job) = self.jobs.get(&seq_id) else {
+            return;
+        };
+        let Some((first, cached_tokens)) = &job.computed else {
+            return;
+        };
+        if job.chunks_in_flight > 0 {
+            return;
+        }
+        let done = PrefillDone {
+            first: first.clone(),
+            cached_tokens: *cached_tokens,
+            chunks_sent: job.chunks_sent,
+            bytes_sent: job.bytes_sent,
+        };
+        self.end(seq_id, Ok(done));
     }
 
     fn finish(&mut self, out: SeqOutput) {
@@ -591,25 +652,24 @@ impl<R: ModelRunner> Loop<R> {
         };
         // The engine ends a prefill-only sequence with its first token.
         debug_assert!(out.finish.is_some());
-        let result = match &job.failed {
-            Some(e) => Err(e.clone().into()),
-            None if !job.push.is_done() => Err(PrefillError::Engine(
-                "the prompt finished before all of its KV was sent".into(),
-            )),
-            None => Ok(PrefillDone {
-                first,
-                cached_tokens: out.cached_tokens.unwrap_or(0),
-                chunks_sent: job.chunks_sent,
-                bytes_sent: job.bytes_sent,
-            }),
-        };
-        self.end(out.seq_id, result);
+        if !job.push.is_done() {
+            let e =
+                PrefillError::Engine("the prompt finished before all of its KV was sent".into());
+            return self.end(out.seq_id, Err(e));
+        }
+        if let Some(job) = self.jobs.get_mut(&out.seq_id) {
+            job.computed = Some((first, out.cached_tokens.unwrap_or(0)));
+        }
+        self.settle(out.seq_id);
     }
 
     fn end(&mut self, seq_id: SeqId, result: Result<PrefillDone, PrefillError>) {
         if let Some(job) = self.jobs.remove(&seq_id) {
             tracing::debug!(request_id = %job.request_id, ok = result.is_ok(), "prefill ended");
-            self.transport.end_transfer(job.dest_node, job.request_id);
+            // After the chunks handed over before it.
+            let (dest, request) = (job.dest_node, job.request_id);
+            self.outbox
+                .hand_over(dest, Box::new(move |t| t.end_transfer(dest, request)));
             self.shared.queue.give_back();
             job.reply.send(result);
         }
@@ -644,14 +704,15 @@ impl<R: ModelRunner> Loop<R> {
     }
 }
 
-/// The per-layer hook: pushes the blocks each job completed in this step.
+/// The per-layer hook: reads the blocks each job completed in this step and hands them to
+/// the outbox; the step never waits for the network.
 struct Pusher<'a> {
     jobs: &'a mut HashMap<SeqId, Job>,
-    transport: &'a dyn Transport,
+    outbox: &'a KvOutbox,
+    sent: &'a Sender<Sent>,
     block_shape: BlockShape,
     send_timeout: Duration,
     last_layer: usize,
-    metrics: &'a WorkerMetrics,
 }
 
 impl Pusher<'_> {
@@ -660,9 +721,6 @@ impl Pusher<'_> {
             let Some(job) = self.jobs.get_mut(&chunk.seq_id) else {
                 continue;
             };
-            if job.failed.is_some() {
-                continue;
-            }
             let blocks = job.push.pending(chunk);
             if blocks.is_empty() {
                 continue;
@@ -683,17 +741,19 @@ impl Pusher<'_> {
             )
             .expect("the payload matches its header by construction");
             let deadline = Instant::now() + self.send_timeout;
-            match self.transport.send(job.dest_node, sealed, deadline) {
-                Ok(()) => {
-                    job.chunks_sent += 1;
-                    job.bytes_sent += bytes;
-                    self.metrics.transfer_bytes.increment(bytes);
-                }
-                Err(e) => {
-                    tracing::warn!(request_id = %job.request_id, "KV push failed: {e}");
-                    job.failed = Some(e);
-                }
-            }
+            let (dest, seq_id, sent) = (job.dest_node, chunk.seq_id, self.sent.clone());
+            job.chunks_in_flight += 1;
+            self.outbox.hand_over(
+                dest,
+                Box::new(move |transport| {
+                    let result = transport.send(dest, sealed, deadline);
+                    let _ = sent.send(Sent {
+                        seq_id,
+                        bytes,
+                        result,
+                    });
+                }),
+            );
             if layer == self.last_layer {
                 job.push.mark_sent(blocks);
             }

@@ -10,7 +10,7 @@ use kvmesh_engine::runner::{KvSource, ModelRunner};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_engine::Loaded;
 use kvmesh_prefill::{PrefillConfig, PrefillWorker};
-use kvmesh_transfer::{InProcessTransport, KvChunk, Transport};
+use kvmesh_transfer::{InProcessTransport, KvChunk, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, ExportSource, KvDestination, PrefillDone, PrefillError, PrefillReply,
     PrefillRequest,
@@ -333,4 +333,83 @@ fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
         other => panic!("not refused as invalid: {other:?}"),
     }
     prefill_on(&worker, dest, &prompt(40), 0, None);
+}
+
+/// A transport whose sends to `slow` wait until the gate opens (its sender is dropped).
+struct SlowTo {
+    inner: InProcessTransport,
+    slow: NodeId,
+    gate: Receiver<()>,
+}
+
+impl Transport for SlowTo {
+    fn bind(&self, node: NodeId) -> Result<kvmesh_transfer::KvReceiver, TransportError> {
+        self.inner.bind(node)
+    }
+
+    fn unbind(&self, node: NodeId) {
+        self.inner.unbind(node)
+    }
+
+    fn send(
+        &self,
+        dest: NodeId,
+        chunk: KvChunk,
+        deadline: std::time::Instant,
+    ) -> Result<(), TransportError> {
+        if dest == self.slow {
+            let _ = self.gate.recv_deadline(deadline);
+        }
+        self.inner.send(dest, chunk, deadline)
+    }
+}
+
+#[test]
+fn a_slow_destination_holds_up_no_other_prefill() {
+    let (open, gate) = crossbeam_channel::bounded::<()>(0);
+    let (slow, fast) = (NodeId(2), NodeId(3));
+    let transport = Arc::new(SlowTo {
+        inner: InProcessTransport::new(4096),
+        slow,
+        gate,
+    });
+    let _slow_kv = transport.bind(slow).unwrap();
+    let fast_kv = transport.bind(fast).unwrap();
+    let config = PrefillConfig {
+        send_timeout: Duration::from_secs(120),
+        ..PrefillConfig::new(NodeId(1))
+    };
+    let worker = PrefillWorker::spawn(config, engine(4096), transport.clone()).unwrap();
+    // Dropped before the worker even when the test fails: the worker's thread then never
+    // waits on the gate while it is joined.
+    let open = open;
+    let request = |dest: NodeId| PrefillRequest {
+        request_id: RequestId(rand_id()),
+        prompt: prompt(40),
+        params: SamplingParams::greedy(4),
+        cached_prefix_len: 0,
+        destination: KvDestination {
+            node: dest,
+            blocks: (0..3).map(BlockId).collect(),
+        },
+        holder: None,
+        cancel: CancelToken::new(),
+    };
+    let (slow_tx, slow_rx) = crossbeam_channel::unbounded();
+    worker.handle().prefill(request(slow), slow_tx).unwrap();
+    let (fast_tx, fast_rx) = crossbeam_channel::unbounded();
+    worker.handle().prefill(request(fast), fast_tx).unwrap();
+    // The slow destination takes nothing yet; the other prompt is computed and delivered.
+    let fast_reply = fast_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a prefill waited behind another one's slow destination");
+    let done = fast_reply.result.expect("the fast prefill succeeds");
+    assert_eq!(drain(&fast_kv).len() as u32, done.chunks_sent);
+    assert!(
+        slow_rx.try_recv().is_err(),
+        "answered before its KV was sent"
+    );
+    drop(open);
+    let slow_reply = slow_rx.recv_timeout(Duration::from_secs(30)).unwrap();
+    assert!(slow_reply.result.is_ok(), "{:?}", slow_reply.result);
 }

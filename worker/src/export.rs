@@ -2,9 +2,11 @@
 //! instead of that node recomputing them. The node that wants them (a decode or a prefill
 //! worker, see [`crate::Puller`]) reserves blocks and sends an [`ExportRequest`]; the holder (a prefill or a decode worker, in this
 //! process or across the network through `KvCache.Export`) reads the longest leading run of
-//! the asked-for blocks it holds, in its pool or a tier below, and pushes it through the KV
-//! transport, one chunk per layer, between two of its engine steps; then it replies.
+//! the asked-for blocks it holds, in its pool or a tier below, between two of its engine
+//! steps, and pushes it through the KV transport, one chunk per layer, from a sender thread
+//! ([`crate::KvOutbox`]: a slow puller never holds up the holder's engine); then it replies.
 
+use crate::outbox::KvOutbox;
 use crate::request::KvDestination;
 use crossbeam_channel::Sender;
 use kvmesh_common::{NodeId, RequestId, SequenceHash};
@@ -89,16 +91,32 @@ impl ExportJob {
             .map_err(|_| ExportError::Unavailable)
     }
 
-    /// Serves the export ([`serve_export`]) and replies; returns the outcome for metrics.
+    /// Serves the export: reads its KV out of `engine` here, between two engine steps, and
+    /// hands the sending and the reply to `outbox`, so a slow puller never holds up the
+    /// engine thread. `exported` counts the blocks of each export that completes.
     pub fn serve<R: ModelRunner>(
         self,
         engine: &LlmEngine<R>,
-        transport: &dyn Transport,
+        outbox: &KvOutbox,
         send_timeout: Duration,
-    ) -> Result<ExportDone, ExportError> {
-        let result = serve_export(engine, &self.request, transport, send_timeout);
-        self.answer(result.clone());
-        result
+        exported: metrics::Counter,
+    ) {
+        match read_export(engine, &self.request) {
+            Err(e) => self.answer(Err(e)),
+            Ok(read) => {
+                let dest = self.request.destination.node;
+                outbox.hand_over(
+                    dest,
+                    Box::new(move |transport| {
+                        let result = read.send(transport, send_timeout);
+                        if let Ok(done) = &result {
+                            exported.increment(done.blocks as u64);
+                        }
+                        self.answer(result);
+                    }),
+                );
+            }
+        }
     }
 
     /// Answers an export that reached a stopping worker.
@@ -115,15 +133,20 @@ impl ExportJob {
     }
 }
 
-/// What a worker thread does with an [`ExportRequest`]: reads the KV out of `engine` and
-/// sends it to the destination on `transport`, each chunk waiting at most `send_timeout` for
-/// room. Sends nothing when the destination's blocks do not match the request.
-pub fn serve_export<R: ModelRunner>(
+/// An export's KV, read out of the engine and sealed, ready to send.
+pub struct ReadExport {
+    transfer_id: RequestId,
+    dest: NodeId,
+    chunks: Vec<KvChunk>,
+    blocks: usize,
+    bytes: u64,
+}
+
+/// Reads the KV an export asks for out of `engine` (on the engine thread: a copy).
+pub fn read_export<R: ModelRunner>(
     engine: &LlmEngine<R>,
     request: &ExportRequest,
-    transport: &dyn Transport,
-    send_timeout: Duration,
-) -> Result<ExportDone, ExportError> {
+) -> Result<ReadExport, ExportError> {
     let ExportRequest {
         transfer_id,
         hashes,
@@ -150,26 +173,48 @@ pub fn serve_export<R: ModelRunner>(
     };
     let dest = &destination.blocks[..kv.blocks];
     let mut bytes = 0;
-    let result = kv
+    let chunks = kv
         .layers
         .into_iter()
         .enumerate()
-        .try_for_each(|(layer, payload)| {
+        .map(|(layer, payload)| {
             bytes += payload.len() as u64;
-            let chunk = KvChunk::seal(
+            KvChunk::seal(
                 *transfer_id,
                 layer..layer + 1,
                 dest.to_vec(),
                 block_shape,
                 payload,
             )
-            .expect("the payload matches its header by construction");
-            transport.send(destination.node, chunk, Instant::now() + send_timeout)
-        });
-    transport.end_transfer(destination.node, *transfer_id);
-    result?;
-    Ok(ExportDone {
+            .expect("the payload matches its header by construction")
+        })
+        .collect();
+    Ok(ReadExport {
+        transfer_id: *transfer_id,
+        dest: destination.node,
+        chunks,
         blocks: kv.blocks,
         bytes,
     })
+}
+
+impl ReadExport {
+    /// Sends the chunks in layer order, each waiting at most `send_timeout` for room.
+    pub fn send(
+        self,
+        transport: &dyn Transport,
+        send_timeout: Duration,
+    ) -> Result<ExportDone, ExportError> {
+        let dest = self.dest;
+        let result = self
+            .chunks
+            .into_iter()
+            .try_for_each(|chunk| transport.send(dest, chunk, Instant::now() + send_timeout));
+        transport.end_transfer(dest, self.transfer_id);
+        result?;
+        Ok(ExportDone {
+            blocks: self.blocks,
+            bytes: self.bytes,
+        })
+    }
 }

@@ -12,7 +12,9 @@
 //!   serves its cache to pullers ([`export`], [`KvCacheService`]), and every worker pulls with
 //!   a [`Puller`]: a decode worker from the node the router names, a prefill worker from the
 //!   request's destination, which holds the prefix it did not ask for. [`IncomingTransfer`]
-//!   checks each chunk that arrives, for a pull or a prompt's KV.
+//!   checks each chunk that arrives, for a pull or a prompt's KV. KV leaves through a
+//!   [`KvOutbox`]: the engine thread reads it into buffers and sender threads move them, so a
+//!   slow destination never stalls an engine step.
 //! - Role switching ([`role`]): the node's role state ([`RoleMachine`]) and the hand-back of
 //!   a worker's engine ([`EngineReturn`]) to the other role's worker.
 //! - The peer clients: a prefill worker as a decode worker sees it ([`PrefillClient`]; across
@@ -26,6 +28,7 @@ mod export_rpc;
 mod incoming;
 pub mod load;
 pub mod metrics;
+pub mod outbox;
 mod publish;
 mod pull;
 mod remote;
@@ -42,6 +45,7 @@ pub use export::{
 pub use export_rpc::{HolderDirectory, KvCacheService, LearnPeer, RemoteExporter};
 pub use incoming::{IncomingError, IncomingTransfer};
 pub use load::{LoadCell, QueueSlots};
+pub use outbox::KvOutbox;
 pub use publish::LoadPublisher;
 pub use pull::{KvPull, Puller};
 pub use remote::RemotePrefill;
