@@ -2,14 +2,15 @@
 //! (`--tls-ca/--tls-cert/--tls-key`).
 //!
 //! Every node certificate names `kvmesh.cluster` (what peers check, see
-//! `kvmesh_common::tls`), the node's own name and any `--san`, and is good as TLS server and
+//! `kvmesh_common::tls`), the node's own name, its roles (`--roles`: what it may call, see
+//! `kvmesh_common::tls::CallerRole`) and any `--san`, and is good as TLS server and
 //! client. An existing CA in the directory is reused, so nodes can be added later; its key
 //! never leaves the directory, which should stay on the operator's machine or secret store.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
-use kvmesh_common::tls::{ClusterTls, CLUSTER_SERVER_NAME};
+use kvmesh_common::tls::{CallerRole, ClusterTls, CLUSTER_SERVER_NAME, ROLE_DOMAIN};
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
@@ -37,6 +38,15 @@ pub struct CertsArgs {
     /// Re-issue node certificates that already exist (the CA is always kept).
     #[arg(long)]
     pub force: bool,
+    /// What the new certificates may call, comma-separated: router (Generate), prefill
+    /// (pull prefixes), decode (Prefill, pull prefixes), admin (Drain, SwitchRole). Nodes
+    /// that may switch roles need prefill,decode; `kvmesh node` and the planner need admin.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "router,prefill,decode,admin"
+    )]
+    pub roles: Vec<CallerRole>,
 }
 
 /// How long a new CA is valid: longer than any certificate it signs.
@@ -52,6 +62,12 @@ pub fn run(args: &CertsArgs) -> Result<()> {
         if san.parse::<std::net::IpAddr>().is_err() && !is_dns_name(san) {
             bail!("invalid subject alternative name {san:?}: give an IP address or a DNS name");
         }
+        if is_role_name(san) {
+            bail!("{san:?} would grant a role: use --roles");
+        }
+    }
+    if args.roles.is_empty() {
+        bail!("--roles is empty: a certificate needs at least one role");
     }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
@@ -65,7 +81,9 @@ pub fn run(args: &CertsArgs) -> Result<()> {
             println!("kept    {} (--force re-issues it)", cert.display());
             continue;
         }
-        let (cert_pem, key_pem) = ca.issue(name, &args.sans, args.valid_for)?;
+        let mut sans = args.sans.clone();
+        sans.extend(args.roles.iter().map(|r| r.dns_name()));
+        let (cert_pem, key_pem) = ca.issue(name, &sans, args.valid_for)?;
         // What every peer will check, checked now.
         ClusterTls::from_pem(ca.pem.as_bytes(), cert_pem.as_bytes(), key_pem.as_bytes())
             .with_context(|| {
@@ -73,11 +91,23 @@ pub fn run(args: &CertsArgs) -> Result<()> {
             })?;
         write(&key, &key_pem, 0o600, args.force)?;
         write(&cert, &cert_pem, 0o644, args.force)?;
-        println!("issued  {} and {}", cert.display(), key.display());
+        let roles: Vec<_> = args.roles.iter().map(|r| r.as_str()).collect();
+        println!(
+            "issued  {} and {} (roles {})",
+            cert.display(),
+            key.display(),
+            roles.join(",")
+        );
     }
     let dir = args.out.display();
     println!("start each node with --tls-ca {dir}/ca.pem --tls-cert {dir}/NAME.pem --tls-key {dir}/NAME.key");
     Ok(())
+}
+
+/// A DNS name under the domain of roles: only `--roles` puts one in a certificate.
+fn is_role_name(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    name == ROLE_DOMAIN || name.ends_with(&format!(".{ROLE_DOMAIN}"))
 }
 
 fn node_file(dir: &Path, name: &str, ext: &str) -> PathBuf {
@@ -103,6 +133,9 @@ fn check_node_name(name: &str) -> Result<()> {
     }
     if name == "ca" {
         bail!("\"ca\" names the CA's own files; pick another node name");
+    }
+    if is_role_name(name) {
+        bail!("{name:?} would grant a role; pick another node name");
     }
     Ok(())
 }

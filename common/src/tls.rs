@@ -243,6 +243,185 @@ pub fn grpc_endpoint(
         .keep_alive_while_idle(true))
 }
 
+/// What a cluster member may call. A certificate from `kvmesh certs` carries its roles as
+/// DNS names `ROLE.role.kvmesh.cluster` ([`CallerRole::dns_name`]), signed by the CA like
+/// the rest of it, so a node learns a caller's roles from the handshake alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CallerRole {
+    /// Opens requests on decode nodes (`Decode.Generate`).
+    Router,
+    /// Pulls prefixes (`KvCache.Export`) from the destination of its prompts.
+    Prefill,
+    /// Asks prefill nodes to prefill (`Prefill.Prefill`, `RdmaConnect`) and pulls prefixes.
+    Decode,
+    /// Operates nodes: `Drain`, `Node.SwitchRole` (`kvmesh node`, the planner).
+    Admin,
+}
+
+impl CallerRole {
+    pub const ALL: [CallerRole; 4] = [
+        CallerRole::Router,
+        CallerRole::Prefill,
+        CallerRole::Decode,
+        CallerRole::Admin,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallerRole::Router => "router",
+            CallerRole::Prefill => "prefill",
+            CallerRole::Decode => "decode",
+            CallerRole::Admin => "admin",
+        }
+    }
+
+    /// The DNS name a certificate carries to hold this role.
+    pub fn dns_name(self) -> String {
+        format!("{}.{ROLE_DOMAIN}", self.as_str())
+    }
+}
+
+impl std::str::FromStr for CallerRole {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        CallerRole::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| format!("unknown role {s:?}: router, prefill, decode or admin"))
+    }
+}
+
+/// The domain under which certificates name their roles.
+pub const ROLE_DOMAIN: &str = "role.kvmesh.cluster";
+
+/// Decides, per call, whether the caller's certificate holds a role the call needs. Without
+/// TLS every call passes (the node warns that its cluster is unauthenticated). A certificate
+/// that names no role at all (issued before roles existed) holds every role.
+pub struct Authorizer {
+    verifier: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    /// Roles by leaf certificate: a role check verifies a signature, a lookup does not.
+    known: std::sync::Mutex<std::collections::HashMap<Vec<u8>, Vec<CallerRole>>>,
+    /// Which certificate (a hash of its leaf) first named each node id as its KV
+    /// destination: only that one may tell where the node receives KV.
+    owners: std::sync::Mutex<std::collections::HashMap<crate::NodeId, u64>>,
+}
+
+impl Authorizer {
+    pub fn new(tls: Option<&ClusterTls>) -> Result<Authorizer, rustls::Error> {
+        let verifier = match tls {
+            None => None,
+            Some(tls) => {
+                let provider = Arc::new(rustls::crypto::ring::default_provider());
+                let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+                    Arc::new(tls.roots()?),
+                    provider,
+                )
+                .build()
+                .map_err(|e| rustls::Error::General(e.to_string()))?;
+                Some(verifier)
+            }
+        };
+        Ok(Authorizer {
+            verifier,
+            known: Default::default(),
+            owners: Default::default(),
+        })
+    }
+
+    /// `Ok` when the caller of `request` may say where `node` receives KV (a `Prefill` or
+    /// `Export` names the caller's own destination): the first certificate that names a node
+    /// id owns it, and another certificate naming it is refused with `PERMISSION_DENIED`,
+    /// so no member can redirect another node's KV to itself. Always `Ok` without TLS.
+    pub fn bind_destination<T>(
+        &self,
+        request: &tonic::Request<T>,
+        node: crate::NodeId,
+    ) -> Result<(), tonic::Status> {
+        if self.verifier.is_none() {
+            return Ok(());
+        }
+        let Some(leaf) = request.peer_certs().and_then(|c| c.first().cloned()) else {
+            return Err(tonic::Status::permission_denied("no client certificate"));
+        };
+        let caller = xxhash_rust::xxh3::xxh3_64(leaf.as_ref());
+        let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: node ids come and go with leases; a flood of them resets the bindings.
+        if owners.len() >= 4096 && !owners.contains_key(&node) {
+            owners.clear();
+        }
+        match *owners.entry(node).or_insert(caller) {
+            owner if owner == caller => Ok(()),
+            _ => Err(tonic::Status::permission_denied(format!(
+                "node {node}'s KV address is bound to another certificate: a caller may only \
+                 name itself as a KV destination"
+            ))),
+        }
+    }
+
+    /// `Ok` when the caller of `request` holds one of `allowed` (always without TLS);
+    /// `PERMISSION_DENIED` naming the call (`what`) otherwise.
+    pub fn check<T>(
+        &self,
+        request: &tonic::Request<T>,
+        allowed: &[CallerRole],
+        what: &str,
+    ) -> Result<(), tonic::Status> {
+        let Some(verifier) = &self.verifier else {
+            return Ok(());
+        };
+        let denied = |held: &str| {
+            let names: Vec<_> = allowed.iter().map(|r| r.as_str()).collect();
+            tonic::Status::permission_denied(format!(
+                "{what} needs a certificate with the role {}; the caller's holds {held}",
+                names.join(" or ")
+            ))
+        };
+        let Some(chain) = request.peer_certs() else {
+            return Err(denied("no certificate"));
+        };
+        let Some((leaf, intermediates)) = chain.split_first() else {
+            return Err(denied("no certificate"));
+        };
+        let roles = self.roles(verifier, leaf, intermediates);
+        if roles.iter().any(|r| allowed.contains(r)) {
+            return Ok(());
+        }
+        let held: Vec<_> = roles.iter().map(|r| r.as_str()).collect();
+        Err(denied(&format!("[{}]", held.join(", "))))
+    }
+
+    fn roles(
+        &self,
+        verifier: &rustls::client::WebPkiServerVerifier,
+        leaf: &CertificateDer<'static>,
+        intermediates: &[CertificateDer<'static>],
+    ) -> Vec<CallerRole> {
+        let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(roles) = known.get(leaf.as_ref()) {
+            return roles.clone();
+        }
+        let now = UnixTime::now();
+        let holds = |role: CallerRole| {
+            ServerName::try_from(role.dns_name()).is_ok_and(|name| {
+                verifier
+                    .verify_server_cert(leaf, intermediates, &name, &[], now)
+                    .is_ok()
+            })
+        };
+        let mut roles: Vec<_> = CallerRole::ALL.into_iter().filter(|&r| holds(r)).collect();
+        if roles.is_empty() {
+            roles = CallerRole::ALL.to_vec();
+        }
+        // Bounded: the CA issues few certificates; a flood of distinct ones resets it.
+        if known.len() >= 1024 {
+            known.clear();
+        }
+        known.insert(leaf.as_ref().to_vec(), roles.clone());
+        roles
+    }
+}
+
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| TlsError::Read {
         path: path.to_path_buf(),

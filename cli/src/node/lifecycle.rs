@@ -11,12 +11,12 @@
 
 use super::metrics::{PublisherMetrics, RoleMetrics};
 use super::roles::{RoleKit, RoleWorker, Serving};
-use super::switchboard::{SwitchCall, SwitchDone, Switchboard};
+use super::switchboard::{GuardedKvCache, SwitchCall, SwitchDone, Switchboard};
 use super::KvPublisherSlot;
 use crate::node::config::MeshNodeConfig;
 use anyhow::{Context, Result};
 use kvmesh_common::grpc::{self, pb};
-use kvmesh_common::tls::ClusterTls;
+use kvmesh_common::tls::{Authorizer, ClusterTls};
 use kvmesh_common::NodeInfo;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::runner::ModelRunner;
@@ -44,13 +44,18 @@ pub async fn run_node<R: ModelRunner + 'static>(
     let node = info.node_id;
     let (first, mut returned) = kit.start(info.role, engine)?;
     let (switch_tx, mut switches) = mpsc::unbounded_channel();
-    let board = Arc::new(Switchboard::new(first.serving().clone(), switch_tx)?);
+    let auth = Arc::new(Authorizer::new(tls).context("the cluster CA for authorizing calls")?);
+    let board = Arc::new(Switchboard::new(
+        first.serving().clone(),
+        switch_tx,
+        auth.clone(),
+    )?);
     if let Some(addr) = args.metrics_listen {
         super::metrics::serve(addr, Some(board.clone()));
     }
     let mut worker = Some(first);
     let role_metrics = RoleMetrics::new(node);
-    let (server, stop) = serve_front(&board, &kit, args.listen()?, tls)?;
+    let (server, stop) = serve_front(&board, &kit, args.listen()?, tls, auth)?;
     tracing::info!(%node, role = info.role.as_str(), "serving");
     {
         let board = board.clone();
@@ -143,6 +148,7 @@ fn serve_front(
     kit: &RoleKit,
     listen: SocketAddr,
     tls: Option<&ClusterTls>,
+    auth: Arc<Authorizer>,
 ) -> Result<Front> {
     let (stop, stopped) = oneshot::channel::<()>();
     // Keepalive from this side too: a caller that hangs (a stopped router) has its streams
@@ -155,11 +161,28 @@ fn serve_front(
             .tls_config(tls.grpc_server())
             .context("gRPC server TLS")?;
     }
-    let kv_cache = KvCacheService::new(board.clone(), kit.learn.clone());
+    let kv_cache = pb::kv_cache_server::KvCacheServer::new(GuardedKvCache {
+        inner: KvCacheService::new(board.clone(), kit.learn.clone()),
+        auth,
+    });
+    if tls.is_none() {
+        // Said once at start-up is easily missed; an open control plane is worth repeating.
+        tokio::spawn(async {
+            let mut every = tokio::time::interval(Duration::from_secs(600));
+            every.tick().await;
+            loop {
+                every.tick().await;
+                tracing::warn!(
+                    "still no --tls-ca/--tls-cert/--tls-key: any caller that reaches this node \
+                     can drain it, switch its role and send it requests and KV"
+                );
+            }
+        });
+    }
     let server = server
         .add_service(pb::decode_server::DecodeServer::from_arc(board.clone()))
         .add_service(pb::prefill_server::PrefillServer::from_arc(board.clone()))
-        .add_service(kv_cache.into_server())
+        .add_service(kv_cache)
         .add_service(pb::node_server::NodeServer::from_arc(board.clone()))
         .serve_with_shutdown(listen, async {
             let _ = stopped.await;

@@ -8,13 +8,14 @@
 
 use super::roles::Serving;
 use kvmesh_common::grpc::{self, pb};
+use kvmesh_common::tls::{Authorizer, CallerRole};
 use kvmesh_common::{NodeId, NodeRole};
 use kvmesh_decode::DecodeService;
 use kvmesh_prefill::PrefillService;
 use kvmesh_transfer::crossbeam_channel::Sender;
 use kvmesh_worker::{
-    ExportError, ExportReply, ExportRequest, KvExporter, RoleMachine, RoleState, SwitchError,
-    SwitchPlan,
+    ExportError, ExportReply, ExportRequest, KvCacheService, KvExporter, RoleMachine, RoleState,
+    SwitchError, SwitchPlan,
 };
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,6 +53,8 @@ pub struct Switchboard {
     switches: mpsc::UnboundedSender<SwitchCall>,
     /// Wakes the driver when a shutdown is asked for.
     shutdown: Notify,
+    /// Which caller may make which call (by the roles in its certificate).
+    auth: Arc<Authorizer>,
 }
 
 struct Now {
@@ -60,9 +63,11 @@ struct Now {
 }
 
 impl Switchboard {
+    /// `auth` decides which callers may make which calls.
     pub fn new(
         serving: Serving,
         switches: mpsc::UnboundedSender<SwitchCall>,
+        auth: Arc<Authorizer>,
     ) -> anyhow::Result<Self> {
         let machine = RoleMachine::new(serving.role())?;
         let node_id = match &serving {
@@ -76,6 +81,7 @@ impl Switchboard {
             retired_decode: AtomicU64::new(0),
             switches,
             shutdown: Notify::new(),
+            auth,
         })
     }
 
@@ -237,6 +243,11 @@ impl pb::decode_server::Decode for Switchboard {
         &self,
         request: Request<pb::GenerateRequest>,
     ) -> Result<Response<GenerateStream>, Status> {
+        self.auth.check(
+            &request,
+            &[CallerRole::Router, CallerRole::Admin],
+            "Generate",
+        )?;
         pb::decode_server::Decode::generate(&*self.decode()?, request).await
     }
 
@@ -249,8 +260,9 @@ impl pb::decode_server::Decode for Switchboard {
 
     async fn drain(
         &self,
-        _request: Request<pb::DrainRequest>,
+        request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainReply>, Status> {
+        self.auth.check(&request, &[CallerRole::Admin], "Drain")?;
         Switchboard::drain(self)
     }
 }
@@ -261,6 +273,11 @@ impl pb::prefill_server::Prefill for Switchboard {
         &self,
         request: Request<pb::PrefillRequest>,
     ) -> Result<Response<pb::PrefillReply>, Status> {
+        self.auth
+            .check(&request, &[CallerRole::Decode], "Prefill")?;
+        if let Some(d) = &request.get_ref().destination {
+            self.auth.bind_destination(&request, NodeId(d.node_id))?;
+        }
         pb::prefill_server::Prefill::prefill(&*self.prefill()?, request).await
     }
 
@@ -275,6 +292,8 @@ impl pb::prefill_server::Prefill for Switchboard {
         &self,
         request: Request<pb::RdmaConnectRequest>,
     ) -> Result<Response<pb::RdmaConnectReply>, Status> {
+        self.auth
+            .check(&request, &[CallerRole::Decode], "RdmaConnect")?;
         pb::prefill_server::Prefill::rdma_connect(&*self.prefill()?, request).await
     }
 
@@ -287,8 +306,9 @@ impl pb::prefill_server::Prefill for Switchboard {
 
     async fn drain(
         &self,
-        _request: Request<pb::DrainRequest>,
+        request: Request<pb::DrainRequest>,
     ) -> Result<Response<pb::DrainReply>, Status> {
+        self.auth.check(&request, &[CallerRole::Admin], "Drain")?;
         Switchboard::drain(self)
     }
 }
@@ -299,6 +319,8 @@ impl pb::node_server::Node for Switchboard {
         &self,
         request: Request<pb::SwitchRoleRequest>,
     ) -> Result<Response<pb::SwitchRoleReply>, Status> {
+        self.auth
+            .check(&request, &[CallerRole::Admin], "SwitchRole")?;
         let to = grpc::node_role_from_pb("SwitchRoleRequest", request.into_inner().to)?;
         let asked_at = Instant::now();
         let plan = self.now().machine.begin_switch(to).map_err(switch_status)?;
@@ -339,5 +361,27 @@ fn switch_status(e: SwitchError) -> Status {
         SwitchError::InProgress { .. } | SwitchError::ShuttingDown => {
             Status::failed_precondition(e.to_string())
         }
+    }
+}
+
+/// `KvCache` as the node serves it: pulls only from prefill and decode nodes, each naming
+/// only itself as the KV destination (see [`Authorizer::bind_destination`]).
+pub struct GuardedKvCache {
+    pub inner: KvCacheService,
+    pub auth: Arc<Authorizer>,
+}
+
+#[tonic::async_trait]
+impl pb::kv_cache_server::KvCache for GuardedKvCache {
+    async fn export(
+        &self,
+        request: Request<pb::ExportKvRequest>,
+    ) -> Result<Response<pb::ExportKvReply>, Status> {
+        let pullers = [CallerRole::Prefill, CallerRole::Decode];
+        self.auth.check(&request, &pullers, "KvCache.Export")?;
+        if let Some(d) = &request.get_ref().destination {
+            self.auth.bind_destination(&request, NodeId(d.node_id))?;
+        }
+        pb::kv_cache_server::KvCache::export(&self.inner, request).await
     }
 }
