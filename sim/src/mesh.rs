@@ -17,6 +17,10 @@
 //! router sees stale load as it does in the real mesh. The first token reaches the client
 //! when the decode node has the KV (it streams the response), so TTFT includes the transfer.
 //!
+//! A decode node runs its quiet decode steps as one event ([`crate::node`]); the mesh catches
+//! such a run up whenever something touches the node (`mesh/quiet.rs`), so a run is the one
+//! stepping one by one gives ([`MeshConfig::quiet_runs`]).
+//!
 //! # Faults
 //!
 //! [`MeshConfig::faults`] kill nodes and slow links at instants of virtual time
@@ -41,11 +45,11 @@
 
 use crate::autoscale::{self, AutoscaleReport, ChangeError, NodeChange};
 use crate::cpu::{CpuError, Hosts, SharedCpu};
-use crate::events::{EventKey, EventQueue};
+use crate::events::EventQueue;
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
 use crate::gaps::GapHistogram;
 use crate::link::{Link, LinkClass};
-use crate::node::{Finished, NodeConfig, NodeError, RunTokens, SimNode};
+use crate::node::{Finished, NodeConfig, NodeError, SimNode};
 use crate::stats::{mesh_stats, NodeTotals};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::report::{MeshStats, Point};
@@ -68,6 +72,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 mod lifecycle;
+mod quiet;
 mod scaler;
 
 use lifecycle::{Life, NodeTimes};
@@ -917,59 +922,6 @@ impl Mesh<'_> {
                 self.queue.push_as_of(end, as_of, event);
             }
             None => self.queue.push_at(end, event),
-        }
-    }
-
-    /// Brings node `n` to now before anything touches it: the quiet steps of its run that
-    /// would have ended before the event being handled are applied (their tokens delivered)
-    /// and the next is put in flight, its event sorting as its own would have.
-    fn touch(&mut self, n: usize) {
-        let Some((started, ends)) = self.nodes[n].run() else {
-            return;
-        };
-        let now = self.queue.current();
-        let seq = self.run_seq[n];
-        let key = |i: usize| EventKey {
-            at: ends[i],
-            pushed: i.checked_sub(1).map_or(started, |p| ends[p]),
-            seq,
-        };
-        let applied = (0..ends.len()).take_while(|&i| key(i) < now).count();
-        let (next, last) = (key(applied), key(ends.len() - 1));
-        let tokens = self.nodes[n].catch_up(applied);
-        self.deliver(&tokens);
-        // The run's event stands for its last step; any other takes its place.
-        if next != last {
-            self.queue.cancel(last);
-            self.step_event[n] += 1;
-            self.queue
-                .push_keyed(next, Event::StepDone(n, self.step_event[n]));
-        }
-    }
-
-    /// Every node brought to now ([`Mesh::touch`]).
-    fn touch_all(&mut self) {
-        for n in 0..self.nodes.len() {
-            self.touch(n);
-        }
-    }
-
-    /// The tokens of quiet steps reach their clients.
-    fn deliver(&mut self, tokens: &RunTokens) {
-        for &seq in &tokens.seqs {
-            let i = seq as usize;
-            let Some(live) = self.live[i].as_mut() else {
-                continue;
-            };
-            match self.scaler.as_mut() {
-                None => live.tokens.extend_from_slice(&tokens.ends),
-                Some(s) => {
-                    for &t in &tokens.ends {
-                        s.token(&live.tokens, self.sent[i], t);
-                        live.tokens.push(t);
-                    }
-                }
-            }
         }
     }
 
