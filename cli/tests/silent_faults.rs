@@ -9,7 +9,11 @@
 //!   the decode node that is running a streamed request: it is refused alone with
 //!   `INVALID_ARGUMENT`, and the request beside it finishes on its node, not migrated.
 //!
-//! Afterwards both nodes' KV pools are empty (the stopped node, once continued, dropped the
+//! - a client that goes away before the first token of a long prompt, which a prefill node
+//!   is computing: the prefill and the decode node are back to zero KV blocks in use within
+//!   seconds.
+//!
+//! Afterwards every node's KV pool is empty (the stopped node, once continued, dropped the
 //! request the router moved away from it). Prints the figures.
 
 mod cluster;
@@ -20,6 +24,7 @@ use kvmesh_common::tls::grpc_endpoint;
 use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
 use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
 use serde_json::{json, Value};
+use std::io::Write;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -47,11 +52,11 @@ fn await_running(rt: &tokio::runtime::Runtime, addrs: &[SocketAddr]) -> usize {
 }
 
 /// Waits until the node at `addr` is idle with no KV block in use.
-fn await_empty_pool(rt: &tokio::runtime::Runtime, addr: SocketAddr) {
+fn await_empty_pool(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let load = rt
-            .block_on(node_health(&addr.to_string(), NodeRole::Decode, None))
+            .block_on(node_health(&addr.to_string(), role, None))
             .load
             .unwrap_or_default();
         if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
@@ -93,7 +98,7 @@ fn stall_across(o: &Outcome, at: Instant) -> Duration {
 }
 
 #[test]
-fn a_hung_decode_node_is_migrated_and_a_poison_request_fails_alone() {
+fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
     let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("silent_faults");
     std::fs::create_dir_all(&logs).unwrap();
@@ -101,6 +106,11 @@ fn a_hung_decode_node_is_migrated_and_a_poison_request_fails_alone() {
     let endpoint = etcd.endpoint();
     let router_addr = free_addr("127.0.0.2");
     let decode_addrs = [free_addr("127.0.0.5"), free_addr("127.0.0.6")];
+    let prefill_addr = free_addr("127.0.0.3");
+    let prefill = Node::spawn(
+        mesh_args("prefill", prefill_addr, &endpoint, "silent"),
+        log("prefill"),
+    );
     let decode: Vec<Node> = (0..2)
         .map(|i| {
             Node::spawn(
@@ -121,8 +131,8 @@ fn a_hung_decode_node_is_migrated_and_a_poison_request_fails_alone() {
             ..EtcdConfig::default()
         }))
         .expect("the test's own etcd client");
-    rt.block_on(await_membership(&discovery, 0, 2, START_TIMEOUT));
-    let all: Vec<&Node> = decode.iter().chain([&router]).collect();
+    rt.block_on(await_membership(&discovery, 1, 2, START_TIMEOUT));
+    let all: Vec<&Node> = decode.iter().chain([&router, &prefill]).collect();
     await_health(router_addr, &all);
 
     // The reference, from each node in turn (round robin): the same greedy text.
@@ -202,9 +212,49 @@ fn a_hung_decode_node_is_migrated_and_a_poison_request_fails_alone() {
         "the request beside the poison one failed on its node and had to move"
     );
 
-    for addr in decode_addrs {
-        await_empty_pool(&rt, addr);
+    // 3. The client goes away while a prefill node computes its long prompt.
+    let long = json!({"model": MODEL_NAME, "prompt": "rivers and the sea ".repeat(400),
+                      "max_tokens": 8, "temperature": 0, "stream": true});
+    let mut conn = std::net::TcpStream::connect(router_addr).unwrap();
+    let text = long.to_string();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{text}",
+        text.len()
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let h = rt.block_on(node_health(
+            &prefill_addr.to_string(),
+            NodeRole::Prefill,
+            None,
+        ));
+        if h.load.is_some_and(|l| l.kv_blocks_used > 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the prefill node never took the prompt"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
+    drop(conn);
+    let closed = Instant::now();
+    for addr in decode_addrs {
+        await_empty_pool(&rt, addr, NodeRole::Decode);
+    }
+    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill);
+    let freed = closed.elapsed();
+    println!(
+        "silent faults: client gone mid-prefill: every pool empty {:.3} s later",
+        freed.as_secs_f64()
+    );
+    assert!(
+        freed < Duration::from_secs(10),
+        "KV held {freed:?} after the client left"
+    );
 }
 
 /// Sends a `Generate` with a token id past any vocabulary straight to the decode node at
