@@ -98,15 +98,26 @@ impl From<&SamplingParams> for pb::SamplingParams {
             min_tokens: p.min_tokens,
             ignore_eos: p.ignore_eos,
             logprobs: p.logprobs,
+            constraint: p
+                .constraint
+                .as_ref()
+                .map(|c| serde_json::to_string(c).expect("a constraint serializes")),
         }
     }
 }
 
-impl From<pb::SamplingParams> for SamplingParams {
+impl TryFrom<pb::SamplingParams> for SamplingParams {
+    type Error = serde_json::Error;
+
     /// Every field maps; ranges are checked by `SamplingParams::validate` where the request is
-    /// accepted, exactly as for a local request.
-    fn from(p: pb::SamplingParams) -> Self {
-        SamplingParams {
+    /// accepted, exactly as for a local request. Fails on a constraint that is not one.
+    fn try_from(p: pb::SamplingParams) -> Result<Self, serde_json::Error> {
+        let constraint = p
+            .constraint
+            .as_deref()
+            .map(serde_json::from_str)
+            .transpose()?;
+        Ok(SamplingParams {
             temperature: p.temperature,
             top_k: p.top_k,
             top_p: p.top_p,
@@ -122,7 +133,8 @@ impl From<pb::SamplingParams> for SamplingParams {
             min_tokens: p.min_tokens,
             ignore_eos: p.ignore_eos,
             logprobs: p.logprobs,
-        }
+            constraint,
+        })
     }
 }
 
@@ -131,8 +143,11 @@ pub fn params_from(
     message: &'static str,
     p: Option<pb::SamplingParams>,
 ) -> Result<SamplingParams, WireError> {
-    p.map(SamplingParams::from)
-        .ok_or_else(|| WireError::missing(message, "params"))
+    let p = p.ok_or_else(|| WireError::missing(message, "params"))?;
+    SamplingParams::try_from(p).map_err(|e| WireError {
+        message,
+        reason: format!("params.constraint: {e}"),
+    })
 }
 
 /// A prefill node the decode node should use: which, and where it listens (the decode node
@@ -435,6 +450,9 @@ mod tests {
                 logit_bias: vec![(5, -1.5)],
                 stop: vec!["\n\n".into()],
                 logprobs: Some(2),
+                constraint: Some(crate::Constraint::JsonSchema {
+                    schema: serde_json::json!({"type": "object", "required": ["a"]}),
+                }),
                 ..SamplingParams::greedy(9)
             },
             resume: vec![4, 5],
@@ -457,6 +475,11 @@ mod tests {
         let (_, none) =
             generate_request_from_pb(generate_request_to_pb(&req, &Placement::default())).unwrap();
         assert_eq!(none, Placement::default());
+        // A constraint that is not one is refused, not dropped.
+        let mut bad = generate_request_to_pb(&req, &placement);
+        bad.params.as_mut().unwrap().constraint = Some("{\"type\": \"yaml\"}".into());
+        let e = generate_request_from_pb(bad).unwrap_err();
+        assert!(e.to_string().contains("constraint"), "{e}");
     }
 
     #[test]

@@ -18,4 +18,4 @@ pub use protocol::{
     GenerateEvent, GenerateRequest, KvEvent, LoadReport, NodeInfo, NodeRole, TokenEvent, Usage,
     WorkerError,
 };
-pub use sampling::{FinishReason, SamplingParams, SamplingParamsError};
+pub use sampling::{Constraint, FinishReason, SamplingParams, SamplingParamsError};

@@ -35,6 +35,25 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Number of top log-probabilities to return per token (`None` = no logprobs).
     pub logprobs: Option<u32>,
+    /// What the output must match (structured outputs): tokens that would break it are
+    /// masked before sampling.
+    pub constraint: Option<Constraint>,
+}
+
+/// A structured-output constraint: the language the generated text must belong to.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Constraint {
+    /// Any JSON object.
+    JsonObject,
+    /// JSON valid against this JSON schema.
+    JsonSchema { schema: serde_json::Value },
+    /// Text matching this regular expression (Rust `regex` syntax), whole.
+    Regex { pattern: String },
+    /// Exactly one of these strings.
+    Choice { options: Vec<String> },
+    /// A context-free grammar in llguidance's Lark syntax.
+    Grammar { lark: String },
 }
 
 impl Default for SamplingParams {
@@ -55,6 +74,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             ignore_eos: false,
             logprobs: None,
+            constraint: None,
         }
     }
 }

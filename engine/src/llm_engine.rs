@@ -21,6 +21,7 @@ use kvmesh_common::{
     BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, TokenId,
 };
 use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
+use kvmesh_prompt::grammar::{ConstrainedSequence, GrammarError, Grammars};
 use kvmesh_prompt::stop::StopChecker;
 use kvmesh_prompt::tokenizer::Tokenizer;
 use std::collections::HashMap;
@@ -37,6 +38,8 @@ pub enum EngineError {
     Runner(#[from] RunnerError),
     #[error("KV tier: {0}")]
     Tier(#[from] TierError),
+    #[error("invalid constraint: {0}")]
+    Constraint(#[from] GrammarError),
 }
 
 /// What one step produced for one sequence.
@@ -64,6 +67,8 @@ struct SeqState {
     reported_cached: bool,
     /// Ends after its first token: the sequence of a prefill worker.
     prefill_only: bool,
+    /// Its structured-output constraint's state: masks each draw, follows each token.
+    grammar: Option<ConstrainedSequence>,
 }
 
 impl SeqState {
@@ -86,6 +91,26 @@ impl SeqState {
             }
             let piece = self.detokenizer.push(tokenizer, token);
             self.stop.push_text(&piece);
+            if let Some(grammar) = &mut self.grammar {
+                // Tokens another node drew under the same constraint: they fit it.
+                let _ = grammar.accept(token);
+            }
+        }
+    }
+
+    /// Masks what the constraint forbids; a grammar in error allows only the end of the
+    /// sequence (the text so far stands).
+    fn constrain(&mut self, logits: &mut [f32], eos: Option<TokenId>) {
+        let Some(grammar) = &mut self.grammar else {
+            return;
+        };
+        if let Err(e) = grammar.mask(logits) {
+            tracing::warn!("structured output: {e}; ending the sequence");
+            for (id, l) in logits.iter_mut().enumerate() {
+                if Some(id as TokenId) != eos {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
         }
     }
 }
@@ -118,6 +143,8 @@ pub struct LlmEngine<R: ModelRunner> {
     remote_admitted: Vec<RemoteAdmission>,
     last_step_tokens: usize,
     tiers: TierStore,
+    /// Constraint compiler over the tokenizer's vocabulary, built on first use.
+    grammars: Option<Arc<Grammars>>,
 }
 
 impl<R: ModelRunner> LlmEngine<R> {
@@ -131,6 +158,7 @@ impl<R: ModelRunner> LlmEngine<R> {
             remote_admitted: Vec::new(),
             last_step_tokens: 0,
             tiers: TierStore::default(),
+            grammars: None,
         }
     }
 
@@ -205,6 +233,14 @@ impl<R: ModelRunner> LlmEngine<R> {
         self.add(seq_id, prompt, Vec::new(), params, 0, Mode::PrefillOnly)
     }
 
+    /// The constraint compiler, built on the first constrained request.
+    fn grammars(&mut self) -> Result<Arc<Grammars>, GrammarError> {
+        if self.grammars.is_none() {
+            self.grammars = Some(Arc::new(Grammars::new(self.tokenizer.clone())?));
+        }
+        Ok(self.grammars.clone().expect("built above"))
+    }
+
     fn add(
         &mut self,
         seq_id: SeqId,
@@ -220,6 +256,10 @@ impl<R: ModelRunner> LlmEngine<R> {
         if let Some(&token) = generated.iter().find(|&&t| t as usize >= vocab) {
             return Err(RunnerError::TokenOutOfRange { token, vocab }.into());
         }
+        let grammar = match &params.constraint {
+            Some(constraint) => Some(self.grammars()?.start(constraint)?),
+            None => None,
+        };
         let mut state = SeqState {
             sampler: Sampler::new(&params, eos),
             stop: StopChecker::new(&params, eos),
@@ -229,6 +269,7 @@ impl<R: ModelRunner> LlmEngine<R> {
             cached_tokens: None,
             reported_cached: false,
             prefill_only: matches!(mode, Mode::PrefillOnly),
+            grammar,
         };
         state.replay(&self.tokenizer, vocab, &prompt, &generated);
         match mode {
@@ -494,6 +535,7 @@ impl<R: ModelRunner> LlmEngine<R> {
 
         let mut sampled = Vec::with_capacity(result.logits.len());
         let mut outputs = Vec::with_capacity(result.logits.len());
+        let eos = self.tokenizer.eos_token_id();
         for (seq_id, mut logits) in result.logits {
             let (Some(state), Some(tokens)) = (
                 self.seqs.get_mut(&seq_id),
@@ -502,6 +544,7 @@ impl<R: ModelRunner> LlmEngine<R> {
                 continue;
             };
             let top_logits = top_n(&logits, state.top_logits);
+            state.constrain(&mut logits, eos);
             let s = state
                 .sampler
                 .sample(&state.params, &mut logits, tokens.prompt, tokens.output);
@@ -538,6 +581,12 @@ impl<R: ModelRunner> LlmEngine<R> {
                 if hit {
                     out.finish = Some(FinishReason::Stop);
                     matched_stop_string.push(out.seq_id);
+                }
+            }
+            if let Some(grammar) = &mut state.grammar {
+                // The constraint's language ends here: nothing more may follow.
+                if grammar.accept(token).is_err() || grammar.is_finished() {
+                    out.finish.get_or_insert(FinishReason::Stop);
                 }
             }
             if context_full.contains(&out.seq_id) || state.prefill_only {

@@ -9,6 +9,7 @@ pub mod detokenizer;
 pub mod error;
 pub mod fingerprint;
 pub mod gguf;
+pub mod grammar;
 pub mod model_fetch;
 pub mod model_text;
 pub mod stop;

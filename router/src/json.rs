@@ -23,7 +23,7 @@ pub(crate) struct FieldPolicy {
 #[derive(Debug)]
 pub(crate) struct Parsed<T> {
     pub(crate) request: T,
-    /// The policy's ignored fields, then (unless strict) unknown ones.
+    /// The policy's ignored fields, then (unless strict) unknown ones in the body's order.
     pub(crate) ignored: Vec<String>,
 }
 
@@ -67,18 +67,20 @@ pub(crate) fn parse_body<T: DeserializeOwned>(
             None => {}
         }
     }
+    let known = struct_fields::<T>();
+    let is_policys = |k: &str| policy.ignored.iter().any(|(f, _)| *f == k);
+    // In the body's order (taken before any removal reorders the map).
+    let unknown: Vec<String> = map
+        .keys()
+        .filter(|k| !known.contains(&k.as_str()) && !is_policys(k))
+        .cloned()
+        .collect();
     let mut ignored = Vec::new();
     for (field, _) in policy.ignored {
         if map.remove(*field).is_some() {
             ignored.push(field.to_string());
         }
     }
-    let known = struct_fields::<T>();
-    let unknown: Vec<String> = map
-        .keys()
-        .filter(|k| !known.contains(&k.as_str()))
-        .cloned()
-        .collect();
     if let (true, Some(param)) = (strict, unknown.first()) {
         return Err(ApiError::UnknownParameter {
             param: param.clone(),
@@ -197,7 +199,7 @@ mod tests {
     fn fields_that_do_not_apply_are_ignored_and_named() {
         let p = parse_with(r#"{"store": true, "model": "m", "zz": 1, "aa": {}}"#, false).unwrap();
         assert_eq!(p.request.model, "m");
-        assert_eq!(p.ignored, ["store", "aa", "zz"]);
+        assert_eq!(p.ignored, ["store", "zz", "aa"]);
         // Strict: a field of the policy's ignored list still passes, an unknown one is refused.
         assert_eq!(
             parse_with(r#"{"model": "m", "store": 1}"#, true)

@@ -13,6 +13,7 @@ pub(crate) mod chat;
 pub(crate) mod completions;
 pub(crate) mod models;
 mod params;
+mod structured;
 mod types;
 
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -201,16 +202,4 @@ pub(crate) fn unix_now() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-/// `response_format` other than `{"type": "text"}` is unsupported.
-pub(crate) fn check_response_format(value: Option<&serde_json::Value>) -> Result<(), ApiError> {
-    match value {
-        None | Some(serde_json::Value::Null) => Ok(()),
-        Some(v) if v.get("type").and_then(|t| t.as_str()) == Some("text") => Ok(()),
-        Some(_) => Err(ApiError::unsupported(
-            "response_format",
-            "only `{\"type\": \"text\"}` is supported for `response_format`",
-        )),
-    }
 }

@@ -15,10 +15,11 @@
 //! (templates write `bos_token` themselves); completion prompts get what the model's
 //! metadata asks for.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use kvmesh_common::TokenId;
+use kvmesh_common::{Constraint, TokenId};
 use kvmesh_prompt::chat_template::{ChatMessage, ChatTemplate, ChatTemplateError};
+use kvmesh_prompt::grammar::{GrammarError, Grammars};
 use kvmesh_prompt::tokenizer::Tokenizer;
 
 use crate::error::ApiError;
@@ -38,6 +39,8 @@ enum Template {
 /// Turns request prompts into token ids.
 pub(crate) struct Prompts {
     tokenizer: Arc<Tokenizer>,
+    /// Compiles structured-output constraints, built on the first one.
+    grammars: OnceLock<Result<Grammars, GrammarError>>,
     template: Template,
     /// Text of every special token, to spot them in message content.
     specials: Vec<String>,
@@ -66,10 +69,24 @@ impl Prompts {
         let (prefix, suffix) = affixes(&tokenizer);
         Prompts {
             tokenizer,
+            grammars: OnceLock::new(),
             template,
             specials,
             prefix,
             suffix,
+        }
+    }
+
+    /// Whether `constraint` compiles over this model's vocabulary (what is wrong if not).
+    pub(crate) fn check_constraint(&self, constraint: &Constraint) -> Result<(), GrammarError> {
+        let grammars = self
+            .grammars
+            .get_or_init(|| Grammars::new(self.tokenizer.clone()));
+        match grammars {
+            Ok(g) => g.start(constraint).map(drop),
+            Err(e) => Err(GrammarError(format!(
+                "structured outputs are unavailable: {e}"
+            ))),
         }
     }
 

@@ -243,9 +243,24 @@ async fn bad_requests_get_400_with_the_parameter_named() {
         ),
         (
             chat,
-            with(json!({"response_format": {"type": "json_object"}})),
+            with(json!({"response_format": {"type": "yaml"}})),
             Some("response_format"),
-            "unsupported_parameter",
+            "invalid_value",
+        ),
+        (
+            chat,
+            with(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}),
+            ),
+            Some("response_format"),
+            "invalid_value",
+        ),
+        (
+            cmpl,
+            json!({"prompt": "a", "response_format": {"type": "regex", "pattern": "("}})
+                .to_string(),
+            Some("response_format"),
+            "invalid_value",
         ),
         (
             chat,

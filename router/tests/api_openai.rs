@@ -325,6 +325,7 @@ async fn stop_and_sampling_parameters_reach_the_backend() {
         min_tokens: 2,
         ignore_eos: true,
         logprobs: None,
+        constraint: None,
     };
     assert_eq!(*p, expected);
     // A system message suppresses the template's default one.

@@ -17,9 +17,7 @@ use super::params::{self, PromptInfo, SamplingFields};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
-use super::{
-    check_model, check_response_format, name_ignored, respond, unix_now, Format, Prepared,
-};
+use super::{check_model, name_ignored, respond, structured, unix_now, Format, Prepared};
 use crate::error::ApiError;
 use crate::generation::Job;
 use crate::json::{parse_body, FieldPolicy, Parsed};
@@ -196,7 +194,7 @@ pub(crate) async fn handle(
         state.config.strict_params,
     )?;
     check_model(&state, req.model.as_deref())?;
-    check_response_format(req.response_format.as_ref())?;
+    let constraint = structured::constraint(req.response_format, &state.prompts)?;
     if req.modalities.iter().flatten().any(|m| m != "text") {
         return Err(ApiError::unsupported(
             "modalities",
@@ -238,6 +236,7 @@ pub(crate) async fn handle(
         ignore_eos: req.ignore_eos,
         min_tokens: req.min_tokens,
         logprobs,
+        constraint,
     };
     let info = PromptInfo {
         tokens: prompt.len(),

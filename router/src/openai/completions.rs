@@ -16,9 +16,7 @@ use super::params::{self, PromptInfo, SamplingFields};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
-use super::{
-    check_model, check_response_format, name_ignored, respond, unix_now, Format, Prepared,
-};
+use super::{check_model, name_ignored, respond, structured, unix_now, Format, Prepared};
 use crate::error::ApiError;
 use crate::generation::Job;
 use crate::json::{parse_body, FieldPolicy, Parsed};
@@ -138,7 +136,7 @@ pub(crate) async fn handle(
         state.config.strict_params,
     )?;
     check_model(&state, req.model.as_deref())?;
-    check_response_format(req.response_format.as_ref())?;
+    let constraint = structured::constraint(req.response_format, &state.prompts)?;
     if req.best_of.is_some_and(|b| b != 1 && Some(b) != req.n) {
         return Err(ApiError::unsupported(
             "best_of",
@@ -181,6 +179,7 @@ pub(crate) async fn handle(
         ignore_eos: req.ignore_eos,
         min_tokens: req.min_tokens,
         logprobs,
+        constraint,
     };
     let info = PromptInfo {
         tokens: prompt.len(),

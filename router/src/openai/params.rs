@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use kvmesh_common::SamplingParams;
+use kvmesh_common::{Constraint, SamplingParams};
 
 use super::types::StopParam;
 use crate::config::RouterConfig;
@@ -30,6 +30,8 @@ pub(crate) struct SamplingFields {
     pub(crate) min_tokens: Option<i64>,
     /// Top logprobs per token (`Some(0)`: only the chosen token's).
     pub(crate) logprobs: Option<u32>,
+    /// From `response_format` (checked already).
+    pub(crate) constraint: Option<Constraint>,
 }
 
 /// The prompt, for the context check.
@@ -153,6 +155,7 @@ pub(crate) fn build(
         min_tokens,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs: f.logprobs,
+        constraint: f.constraint,
     };
     params
         .validate()

@@ -1,0 +1,74 @@
+//! `response_format` -> a structured-output [`Constraint`], checked by compiling it against
+//! the model's vocabulary so a bad schema, regex or grammar is a 400 that says what is wrong
+//! before any work is queued. The engines enforce it (docs/api.md, "Structured outputs").
+
+use kvmesh_common::Constraint;
+use serde::Deserialize;
+use serde_json::Value;
+
+use crate::error::ApiError;
+use crate::prompt::Prompts;
+
+const PARAM: &str = "response_format";
+
+/// OpenAI's `response_format`, and kvmesh's extensions (`regex`, `choice`, `grammar`).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+    Regex { pattern: String },
+    Choice { choices: Vec<String> },
+    Grammar { grammar: String },
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonSchemaFormat {
+    #[allow(dead_code)]
+    name: String,
+    #[allow(dead_code)]
+    #[serde(default)]
+    description: Option<String>,
+    schema: Option<Value>,
+    /// Always enforced here: the output follows the schema whether or not this is set.
+    #[allow(dead_code)]
+    #[serde(default)]
+    strict: Option<bool>,
+}
+
+/// The constraint a request's `response_format` asks for (`None`: free text).
+pub(crate) fn constraint(
+    value: Option<Value>,
+    prompts: &Prompts,
+) -> Result<Option<Constraint>, ApiError> {
+    let format = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(v) => serde_json::from_value::<ResponseFormat>(v).map_err(|e| {
+            ApiError::invalid(
+                PARAM,
+                format!(
+                    "invalid `response_format`: {e} (types: text, json_object, json_schema, \
+                     and kvmesh's regex, choice, grammar)"
+                ),
+            )
+        })?,
+    };
+    let constraint = match format {
+        ResponseFormat::Text => return Ok(None),
+        ResponseFormat::JsonObject => Constraint::JsonObject,
+        ResponseFormat::JsonSchema { json_schema } => Constraint::JsonSchema {
+            schema: json_schema.schema.ok_or_else(|| {
+                ApiError::invalid(PARAM, "`response_format.json_schema.schema` is required")
+            })?,
+        },
+        ResponseFormat::Regex { pattern } => Constraint::Regex { pattern },
+        ResponseFormat::Choice { choices } => Constraint::Choice { options: choices },
+        ResponseFormat::Grammar { grammar } => Constraint::Grammar { lark: grammar },
+    };
+    prompts
+        .check_constraint(&constraint)
+        .map_err(|e| ApiError::invalid(PARAM, format!("invalid `response_format`: {e}")))?;
+    Ok(Some(constraint))
+}
