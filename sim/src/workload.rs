@@ -8,7 +8,7 @@ use crate::mesh::{
 };
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::trace::paced_offsets;
-use kvmesh_bench::workload::{WorkItem, Workload};
+use kvmesh_bench::workload::{Prompt, WorkItem, Workload};
 use kvmesh_common::TokenId;
 use std::num::NonZeroUsize;
 use std::time::Duration;
@@ -39,7 +39,44 @@ pub fn requests(
     shape: &LoadShape,
     seed: u64,
 ) -> Result<Vec<SimRequest>, WorkloadError> {
-    let offsets: Vec<_> = match shape {
+    let offsets = offsets(items, shape, seed)?;
+    // Only those an open loop sends need a token prompt.
+    let sent = &items[..offsets.len().min(items.len())];
+    Ok(in_order(sent, &prompts(sent)?, offsets))
+}
+
+/// As [`requests`], each request sharing its prompt with `prompts` (the [`prompts`] of
+/// `items`, whatever the items hold now): a caller that simulates the same items at several
+/// points keeps one copy of each prompt.
+pub fn requests_sharing(
+    items: &[WorkItem],
+    prompts: &[SimPrompt],
+    shape: &LoadShape,
+    seed: u64,
+) -> Result<Vec<SimRequest>, WorkloadError> {
+    let offsets = offsets(items, shape, seed)?;
+    Ok(in_order(items, prompts, offsets))
+}
+
+/// Each item's token prompt in a buffer its requests share ([`requests_sharing`]).
+pub fn prompts(items: &[WorkItem]) -> Result<Vec<SimPrompt>, WorkloadError> {
+    let prompt = |(item, w): (usize, &WorkItem)| match &w.prompt {
+        Prompt::Tokens(ids) => Ok(SimPrompt::from(ids.clone())),
+        _ => Err(WorkloadError::Item {
+            item,
+            source: MeshError::TextPrompt,
+        }),
+    };
+    items.iter().enumerate().map(prompt).collect()
+}
+
+/// The send offsets of `items` under `shape`.
+fn offsets(
+    items: &[WorkItem],
+    shape: &LoadShape,
+    seed: u64,
+) -> Result<Vec<Duration>, WorkloadError> {
+    Ok(match shape {
         LoadShape::Concurrency(_) => vec![Duration::ZERO; items.len()],
         LoadShape::Open(open) => open.schedule(seed).take(items.len()).collect(),
         LoadShape::Trace(pacing) => {
@@ -54,15 +91,23 @@ pub fn requests(
                 .collect::<Result<Vec<_>, _>>()?;
             paced_offsets(&ms, *pacing)
         }
-    };
-    let out = items
+    })
+}
+
+/// `items` with their `prompts` at `offsets` (an open loop may have fewer than items), in
+/// arrival order.
+fn in_order(items: &[WorkItem], prompts: &[SimPrompt], offsets: Vec<Duration>) -> Vec<SimRequest> {
+    let out: Vec<SimRequest> = items
         .iter()
+        .zip(prompts)
         .zip(offsets)
-        .enumerate()
-        .map(|(item, (w, at))| {
-            SimRequest::from_work_item(w, at).map_err(|source| WorkloadError::Item { item, source })
+        .map(|((w, prompt), at)| SimRequest {
+            at,
+            prompt: prompt.clone(),
+            max_tokens: w.max_tokens as usize,
+            after: w.previous_turn,
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
     // Arrival order, renumbering the turns each request follows.
     let mut order: Vec<usize> = (0..out.len()).collect();
     order.sort_by_key(|&i| out[i].at);
@@ -74,7 +119,7 @@ pub fn requests(
     for r in &mut sorted {
         r.after = r.after.and_then(|p| position.get(p).copied());
     }
-    Ok(sorted)
+    sorted
 }
 
 /// Runs `workload` under `shape` through the mesh `config` describes.
@@ -235,6 +280,28 @@ mod tests {
             r.iter().map(|r| r.after).collect::<Vec<_>>(),
             [None, None, Some(1)]
         );
+    }
+
+    #[test]
+    fn shared_prompts_make_the_same_requests_whatever_the_items_hold() {
+        let mut follows = item(Prompt::Tokens(vec![7, 8]), Some(60));
+        follows.previous_turn = Some(0);
+        let mut w = workload(vec![tokens(50), tokens(0), follows]);
+        let shape = LoadShape::Trace(Pacing::Speedup(1.0));
+        let expected = requests(&w.items, &shape, 0).unwrap();
+        let shared = prompts(&w.items).unwrap();
+        for item in &mut w.items {
+            item.prompt = Prompt::Tokens(Vec::new());
+        }
+        assert_eq!(
+            requests_sharing(&w.items, &shared, &shape, 0).unwrap(),
+            expected
+        );
+        assert_eq!(expected[2].prompt.to_vec(), [7, 8]);
+        assert!(matches!(
+            prompts(&[item(Prompt::Text("hi".into()), None)]),
+            Err(WorkloadError::Item { item: 0, .. })
+        ));
     }
 
     #[test]
