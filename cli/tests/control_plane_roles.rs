@@ -104,7 +104,11 @@ async fn switch_role(addr: &str, tls: &ClusterTls) -> Result<(), tonic::Status> 
 fn denied<T: std::fmt::Debug>(call: &str, result: Result<T, tonic::Status>) {
     match result {
         Err(s) if s.code() == Code::PermissionDenied => {
-            assert!(s.message().contains("certificate"), "{call}: {}", s.message())
+            assert!(
+                s.message().contains("certificate"),
+                "{call}: {}",
+                s.message()
+            )
         }
         other => panic!("{call} was not refused: {other:?}"),
     }
