@@ -27,10 +27,11 @@ use kvmesh_sim::cpu::SharedCpu;
 use kvmesh_sim::fault::{Fault, FaultKind};
 use kvmesh_sim::hardware::Hardware;
 use kvmesh_sim::link::LinkClass;
+use kvmesh_sim::mesh::SimPrompt;
 use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
 use kvmesh_sim::planner::Role;
 use kvmesh_sim::timing::TimingProfile;
-use kvmesh_sim::workload::{multiply, multiply_within, requests};
+use kvmesh_sim::workload::{multiply, multiply_within, prompts, requests_sharing};
 
 use crate::bench_serve::outputs;
 use crate::measure_args::{ApiArg, MeasureArgs, Mode};
@@ -361,7 +362,10 @@ fn node_number(n: &str, bad: &impl Fn(&str) -> String) -> Result<NodeId, String>
 struct Simulation<'a> {
     args: &'a SimArgs,
     config: MeshConfig,
+    /// The workload, its token prompts moved into `prompts`.
     workload: Workload,
+    /// Each item's prompt, shared by every point's requests.
+    prompts: Vec<SimPrompt>,
     /// Wall time spent simulating and virtual time simulated, over every point.
     wall: Duration,
     simulated: Duration,
@@ -381,7 +385,7 @@ impl Simulation<'_> {
         let wanted = m.requests().map(|n| n.saturating_mul(length as usize));
         let all = &self.workload.items;
         let items = wanted.map_or(all.len(), |n| n.div_ceil(copies).min(all.len()));
-        let timed = requests(&all[..items], shape, m.seed)?;
+        let timed = requests_sharing(&all[..items], &self.prompts[..items], shape, m.seed)?;
         let mut reqs = match self.args.copies_within {
             Some(window) => multiply_within(&timed, self.args.copies, window),
             None => multiply(&timed, self.args.copies),
@@ -591,6 +595,11 @@ pub fn run(args: &SimArgs) -> Result<()> {
         })
         .context("building the workload")?;
     tokenize(&mut workload, args.tokenizer.as_deref())?;
+    let prompts = prompts(&workload.items)?;
+    // Their tokens live in `prompts` now: one copy of each, however many points use them.
+    for item in &mut workload.items {
+        item.prompt = Prompt::Tokens(Vec::new());
+    }
     let mut report = BenchReport::new(
         args.target(&hardware),
         workload.name.clone(),
@@ -601,6 +610,7 @@ pub fn run(args: &SimArgs) -> Result<()> {
         args,
         config,
         workload,
+        prompts,
         wall: Duration::ZERO,
         simulated: Duration::ZERO,
         events: 0,

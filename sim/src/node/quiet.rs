@@ -155,9 +155,9 @@ mod tests {
     use crate::timing::TimingProfile;
     use std::collections::BTreeMap;
 
-    /// Each sequence's token times, and the node's steps and busy time, running `node` alone
-    /// until it has no work; with `cut`, every run of quiet steps is caught up after that
-    /// many of its steps, as a submission would cut it.
+    /// Each sequence's token times and the runs of quiet steps planned, running `node` alone
+    /// until it has no work; with `cut`, every run is caught up after that many of its
+    /// steps, as a submission would cut it.
     fn token_times(
         node: &mut SimNode,
         cut: Option<usize>,
