@@ -31,6 +31,9 @@
 //! results for that sequence are then ignored. Exactly one step is in flight at a time; the
 //! `SchedulerOutput` is the ticket that ends it and cannot be used twice.
 //!
+//! A driver that only prices steps (the simulator) may run the quiet decode steps ahead at
+//! once, with the result of stepping through them: `quiet_decode_steps`, `advance_decode`.
+//!
 //! # Remote prefill
 //!
 //! A sequence added with `add_remote_sequence` gets its prompt's KV from another node (a
