@@ -224,22 +224,7 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
         text.len()
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let h = rt.block_on(node_health(
-            &prefill_addr.to_string(),
-            NodeRole::Prefill,
-            None,
-        ));
-        if h.load.is_some_and(|l| l.kv_blocks_used > 0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the prefill node never took the prompt"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    await_prefill_holds_kv(&rt, prefill_addr);
     drop(conn);
     let closed = Instant::now();
     for addr in decode_addrs {
@@ -255,6 +240,67 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
         freed < Duration::from_secs(10),
         "KV held {freed:?} after the client left"
     );
+
+    // 4. The prefill node stops (SIGSTOP) while it computes a long prompt: the decode node
+    // must notice (keepalive on its Prefill call) and prefill locally, well before its 10 s
+    // remote-prefill silence bound would.
+    let long = |topic: &str, stream: bool| {
+        json!({"model": MODEL_NAME, "prompt": format!("{topic} and the sea ").repeat(400),
+               "max_tokens": 8, "temperature": 0, "stream": stream})
+    };
+    // How long a fresh long prompt takes without a fault (its prefill, mostly).
+    let started = Instant::now();
+    let (status, v) = post(router_addr, "/v1/completions", &long("lakes", false));
+    assert_eq!(status, 200, "{v}");
+    let unhurried = started.elapsed();
+    let (outcome, at) = std::thread::scope(|s| {
+        let client = s.spawn(|| stream_completion(router_addr, &long("clouds", true)));
+        await_prefill_holds_kv(&rt, prefill_addr);
+        signal(&prefill, "-STOP");
+        let at = Instant::now();
+        (client.join().unwrap(), at)
+    });
+    let took = at.elapsed();
+    signal(&prefill, "-CONT");
+    // The reference afterwards (cached by now; the text does not depend on it).
+    let (status, v) = post(router_addr, "/v1/completions", &long("clouds", false));
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        outcome.error, None,
+        "the request failed with its prefill node"
+    );
+    assert_eq!(outcome.text, v["choices"][0]["text"].as_str().unwrap());
+    println!(
+        "silent faults: SIGSTOP prefill node mid-prompt: answered {:.3} s after the stop \
+         (the same work without a fault: {:.3} s)",
+        took.as_secs_f64(),
+        unhurried.as_secs_f64()
+    );
+    assert!(
+        took < unhurried + Duration::from_secs(6),
+        "the stopped prefill node held the request {took:?}"
+    );
+
+    for addr in decode_addrs {
+        await_empty_pool(&rt, addr, NodeRole::Decode);
+    }
+    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill);
+}
+
+/// Waits (polling gRPC health) until the prefill node at `addr` holds KV in use.
+fn await_prefill_holds_kv(rt: &tokio::runtime::Runtime, addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let h = rt.block_on(node_health(&addr.to_string(), NodeRole::Prefill, None));
+        if h.load.is_some_and(|l| l.kv_blocks_used > 0) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the prefill node never took the prompt"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// Sends a `Generate` with a token id past any vocabulary straight to the decode node at
