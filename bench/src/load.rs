@@ -57,6 +57,9 @@ pub struct Target {
     pub ignore_eos: bool,
     /// A request still running after this fails as `timeout`.
     pub request_timeout: Duration,
+    /// Fields set in every request body, over the generator's own (`response_format`,
+    /// sampling parameters, a vendor's extensions).
+    pub extra_body: serde_json::Map<String, serde_json::Value>,
 }
 
 /// How one run offers load.

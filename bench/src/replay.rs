@@ -81,6 +81,7 @@ pub async fn replay(
         api_key: opts.api_key.clone(),
         ignore_eos: opts.ignore_eos,
         request_timeout: opts.request_timeout,
+        extra_body: Default::default(),
     };
     let plan = RunPlan {
         // The requests' times are already paced by the scaling.

@@ -53,6 +53,10 @@ pub struct BenchServeArgs {
     /// Let the model stop at its end-of-sequence token.
     #[arg(long, overrides_with = "ignore_eos")]
     pub no_ignore_eos: bool,
+    /// A JSON object whose fields are set in every request body, over the generator's own
+    /// (e.g. '{"response_format": {"type": "json_object"}}').
+    #[arg(long, value_parser = parse_extra_body)]
+    pub extra_body: Option<serde_json::Map<String, serde_json::Value>>,
     /// A request still running after this fails as a timeout.
     #[arg(long, default_value = "300s", value_parser = humantime::parse_duration)]
     pub request_timeout: Duration,
@@ -99,7 +103,16 @@ impl BenchServeArgs {
             api_key: self.api_key.clone(),
             ignore_eos: !self.no_ignore_eos,
             request_timeout: self.request_timeout,
+            extra_body: self.extra_body.clone().unwrap_or_default(),
         }
+    }
+}
+
+fn parse_extra_body(s: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(s) {
+        Ok(serde_json::Value::Object(map)) => Ok(map),
+        Ok(_) => Err("--extra-body must be a JSON object".into()),
+        Err(e) => Err(format!("--extra-body is not JSON: {e}")),
     }
 }
 

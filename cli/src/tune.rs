@@ -237,6 +237,7 @@ pub fn run(args: &TuneArgs) -> Result<()> {
             api_key: None,
             ignore_eos: true,
             request_timeout: Duration::from_secs(60),
+            extra_body: Default::default(),
         },
         workload,
         slo: args.slo.clone(),

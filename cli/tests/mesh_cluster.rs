@@ -237,6 +237,37 @@ fn pull_from_a_busy_holder(
 }
 
 /// A metric's value in Prometheus text, summed over its label sets.
+/// A JSON-schema request whose prompt is disaggregated (the prefill node draws the first
+/// token under the schema, the decode node goes on from there): valid against the schema,
+/// and the same text as `kvmesh serve` gives.
+fn structured_output_crosses_the_mesh(router: SocketAddr, serve: SocketAddr) {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "topic": {"enum": ["rivers", "bread", "chess"]},
+            "facts": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 2}
+        },
+        "required": ["topic", "facts"],
+        "additionalProperties": false
+    });
+    let notes = "Rivers carry water to the sea and shape valleys over time. ".repeat(6);
+    let body = json!({"model": MODEL_NAME, "max_tokens": 120, "temperature": 0,
+        "messages": [{"role": "user", "content": format!("{notes}Summarize as JSON.")}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "summary", "schema": schema}}});
+    let path = "/v1/chat/completions";
+    let (status, v) = post(router, path, &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let text = output_text(path, &v);
+    let parsed: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(["rivers", "bread", "chess"].contains(&parsed["topic"].as_str().unwrap()), "{text}");
+    let facts = parsed["facts"].as_array().unwrap();
+    assert!(facts.len() <= 2 && facts.iter().all(|f| f.as_str().unwrap().chars().count() <= 30));
+    let (_, reference) = post(serve, path, &body);
+    assert_eq!(text, output_text(path, &reference), "the mesh and `kvmesh serve` disagree");
+}
+
 fn metric_value(metrics: &str, name: &str) -> f64 {
     metrics
         .lines()
@@ -326,6 +357,8 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
             assert!(n > 0, "decode node {a} served nothing");
         }
     });
+
+    structured_output_crosses_the_mesh(router_addr, serve_addr);
 
     // Prefix reuse: a second prompt sharing a 1,000-token prefix goes to the decode node that
     // holds it and is served from its cache.

@@ -105,6 +105,9 @@ pub(crate) fn request_body(
     if target.ignore_eos {
         body["ignore_eos"] = json!(true);
     }
+    for (key, value) in &target.extra_body {
+        body[key] = value.clone();
+    }
     Ok(Bytes::from(body.to_string()))
 }
 
@@ -322,6 +325,7 @@ mod tests {
             api_key: None,
             ignore_eos: false,
             request_timeout: Duration::from_secs(1),
+            extra_body: Default::default(),
         }
     }
 
@@ -356,6 +360,14 @@ mod tests {
         let b = body(&item(Prompt::Text("hi".into())), &chat);
         assert_eq!(b["messages"], json!([{"role": "user", "content": "hi"}]));
         assert_eq!((&b["model"], &b["ignore_eos"]), (&json!("m"), &json!(true)));
+        let extra = json!({"response_format": {"type": "json_object"}, "temperature": 0.7});
+        let with_extra = Target {
+            extra_body: extra.as_object().unwrap().clone(),
+            ..chat.clone()
+        };
+        let b = body(&item(Prompt::Text("hi".into())), &with_extra);
+        assert_eq!(b["response_format"], extra["response_format"]);
+        assert_eq!(b["temperature"], json!(0.7), "the extra body wins");
         let conversation = vec![Message {
             role: "system".into(),
             content: "be brief".into(),
