@@ -261,11 +261,23 @@ fn structured_output_crosses_the_mesh(router: SocketAddr, serve: SocketAddr) {
     assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     let text = output_text(path, &v);
     let parsed: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
-    assert!(["rivers", "bread", "chess"].contains(&parsed["topic"].as_str().unwrap()), "{text}");
+    assert!(
+        ["rivers", "bread", "chess"].contains(&parsed["topic"].as_str().unwrap()),
+        "{text}"
+    );
     let facts = parsed["facts"].as_array().unwrap();
-    assert!(facts.len() <= 2 && facts.iter().all(|f| f.as_str().unwrap().chars().count() <= 30));
+    assert!(
+        facts.len() <= 2
+            && facts
+                .iter()
+                .all(|f| f.as_str().unwrap().chars().count() <= 30)
+    );
     let (_, reference) = post(serve, path, &body);
-    assert_eq!(text, output_text(path, &reference), "the mesh and `kvmesh serve` disagree");
+    assert_eq!(
+        text,
+        output_text(path, &reference),
+        "the mesh and `kvmesh serve` disagree"
+    );
 }
 
 fn metric_value(metrics: &str, name: &str) -> f64 {
