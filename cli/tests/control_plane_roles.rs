@@ -205,6 +205,13 @@ fn each_call_needs_a_role_the_callers_certificate_holds() {
             .prefill(redirect)
             .await;
         denied("Prefill into another certificate's node", redirected);
+        let rdma = pb::prefill_client::PrefillClient::new(channel(&addr, &other).await)
+            .rdma_connect(pb::RdmaConnectRequest {
+                node_id: 42,
+                info: None,
+            })
+            .await;
+        denied("RdmaConnect as another certificate's node", rdma);
         let own = export(&addr, &other, 43).await.unwrap_err();
         assert_eq!(own.code(), Code::InvalidArgument, "{own:?}");
         // Operations: admin only.

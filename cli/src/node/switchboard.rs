@@ -294,6 +294,9 @@ impl pb::prefill_server::Prefill for Switchboard {
     ) -> Result<Response<pb::RdmaConnectReply>, Status> {
         self.auth
             .check(&request, &[CallerRole::Decode], "RdmaConnect")?;
+        // The ring it pins is for the caller's own node: it may not claim another's.
+        self.auth
+            .bind_destination(&request, NodeId(request.get_ref().node_id))?;
         pb::prefill_server::Prefill::rdma_connect(&*self.prefill()?, request).await
     }
 
