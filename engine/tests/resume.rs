@@ -4,57 +4,25 @@
 
 mod common;
 
-use common::model;
-use kvmesh_common::{FinishReason, SamplingParams, TokenId};
+use common::{model, run_alone};
+use kvmesh_common::{FinishReason, SamplingParams};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
-
-fn engine() -> LlmEngine<LlamaRunner> {
-    common::engine(EngineConfig {
-        num_blocks: 64,
-        ..EngineConfig::default()
-    })
-}
-
-/// Every token, the text each one released, and how the run ended.
-fn run(
-    prompt: &[TokenId],
-    generated: &[TokenId],
-    params: &SamplingParams,
-) -> (Vec<TokenId>, Vec<String>, FinishReason) {
-    let mut e = engine();
-    if generated.is_empty() {
-        e.add_request(0, prompt.to_vec(), params.clone(), 0)
-    } else {
-        e.resume_request(0, prompt.to_vec(), generated.to_vec(), params.clone(), 0)
-    }
-    .expect("accepted");
-    let (mut tokens, mut texts) = (Vec::new(), Vec::new());
-    loop {
-        for out in e.step().expect("step") {
-            tokens.push(out.sampled.expect("a token").token);
-            texts.push(out.text);
-            if let Some(reason) = out.finish {
-                return (tokens, texts, reason);
-            }
-        }
-    }
-}
 
 fn check_resumes_at_every_cut(params: SamplingParams) -> FinishReason {
     let (_, tokenizer) = model();
     let prompt = tokenizer
         .encode("Write a short poem about the sea and the sky.", false)
         .expect("encodes");
-    let (tokens, texts, reason) = run(&prompt, &[], &params);
+    let (tokens, texts, reason) = run_alone(&prompt, &[], &params);
     assert!(
         tokens.len() >= 8,
         "too short a run to cut: {:?}",
         texts.concat()
     );
     for cut in [1, tokens.len() / 2, tokens.len() - 1] {
-        let (rest, rest_texts, rest_reason) = run(&prompt, &tokens[..cut], &params);
+        let (rest, rest_texts, rest_reason) = run_alone(&prompt, &tokens[..cut], &params);
         assert_eq!(rest, tokens[cut..], "tokens after a cut at {cut}");
         assert_eq!(
             rest_texts.concat(),
@@ -88,7 +56,10 @@ fn a_resumed_seeded_request_continues_the_same_random_stream() {
 
 #[test]
 fn resumed_tokens_must_exist_and_fit_the_context() {
-    let mut e = engine();
+    let mut e: LlmEngine<LlamaRunner> = common::engine(EngineConfig {
+        num_blocks: 64,
+        ..EngineConfig::default()
+    });
     let bad = e.resume_request(0, vec![1, 2], vec![u32::MAX], SamplingParams::greedy(4), 0);
     assert!(
         bad.is_err(),

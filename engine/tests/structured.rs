@@ -16,26 +16,8 @@ fn run(
     generated: &[TokenId],
     params: &SamplingParams,
 ) -> (Vec<TokenId>, String, FinishReason) {
-    let mut e: LlmEngine<_> = common::engine(EngineConfig {
-        num_blocks: 64,
-        ..EngineConfig::default()
-    });
-    if generated.is_empty() {
-        e.add_request(0, prompt.to_vec(), params.clone(), 0)
-    } else {
-        e.resume_request(0, prompt.to_vec(), generated.to_vec(), params.clone(), 0)
-    }
-    .expect("accepted");
-    let (mut tokens, mut text) = (Vec::new(), String::new());
-    loop {
-        for out in e.step().expect("step") {
-            tokens.push(out.sampled.expect("a token").token);
-            text.push_str(&out.text);
-            if let Some(reason) = out.finish {
-                return (tokens, text, reason);
-            }
-        }
-    }
+    let (tokens, texts, reason) = common::run_alone(prompt, generated, params);
+    (tokens, texts.concat(), reason)
 }
 
 fn prompt(text: &str) -> Vec<TokenId> {

@@ -73,3 +73,36 @@ pub fn run<R: kvmesh_engine::runner::ModelRunner>(
         }
     }
 }
+
+/// Runs one request alone on a 64-block engine, from its start or resumed after `generated`
+/// (a migration): every token, the text each one released, and how it ended.
+pub fn run_alone(
+    prompt: &[kvmesh_common::TokenId],
+    generated: &[kvmesh_common::TokenId],
+    params: &kvmesh_common::SamplingParams,
+) -> (
+    Vec<kvmesh_common::TokenId>,
+    Vec<String>,
+    kvmesh_common::FinishReason,
+) {
+    let mut e = engine(kvmesh_engine::engine_config::EngineConfig {
+        num_blocks: 64,
+        ..Default::default()
+    });
+    if generated.is_empty() {
+        e.add_request(0, prompt.to_vec(), params.clone(), 0)
+    } else {
+        e.resume_request(0, prompt.to_vec(), generated.to_vec(), params.clone(), 0)
+    }
+    .expect("accepted");
+    let (mut tokens, mut texts) = (Vec::new(), Vec::new());
+    loop {
+        for out in e.step().expect("step") {
+            tokens.push(out.sampled.expect("a token").token);
+            texts.push(out.text);
+            if let Some(reason) = out.finish {
+                return (tokens, texts, reason);
+            }
+        }
+    }
+}
