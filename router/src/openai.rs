@@ -14,6 +14,7 @@ pub(crate) mod completions;
 pub(crate) mod models;
 mod params;
 mod structured;
+pub(crate) mod tokenize;
 mod types;
 
 use std::time::{SystemTime, UNIX_EPOCH};

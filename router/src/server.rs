@@ -24,7 +24,7 @@ use crate::backend::Backend;
 use crate::config::{ConfigError, RouterConfig};
 use crate::error::ApiError;
 use crate::metrics;
-use crate::openai::{self, chat, completions, models};
+use crate::openai::{self, chat, completions, models, tokenize};
 use crate::prompt::Prompts;
 use crate::rate_limit::{self, RateLimiter};
 use crate::request_id;
@@ -116,6 +116,8 @@ impl Router {
                 rate_limit::limit,
             ))
             .route("/v1/models", get(models::list))
+            .route("/tokenize", post(tokenize::tokenize))
+            .route("/detokenize", post(tokenize::detokenize))
             .method_not_allowed_fallback(method_not_allowed)
             .route_layer(from_fn_with_state(self.keys.clone(), auth::require_api_key))
             .route_layer(from_fn(metrics::track));

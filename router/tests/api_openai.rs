@@ -473,3 +473,44 @@ async fn models_lists_the_served_model() {
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["data"][0]["owned_by"], "kvmesh");
 }
+
+#[tokio::test]
+async fn tokenize_gives_the_prompt_a_request_would_send_and_detokenize_inverts_it() {
+    let backend = ScriptedBackend::replying("ok", FinishReason::Stop);
+    let app = router(&backend).app();
+    let messages = json!([{"role": "user", "content": "How long is this?"}]);
+    let v = post(&app, "/tokenize", json!({"messages": messages}))
+        .await
+        .json();
+    post(&app, "/v1/chat/completions", json!({"messages": messages})).await;
+    let sent: Vec<u64> = backend.requests()[0]
+        .prompt
+        .iter()
+        .map(|&t| t as u64)
+        .collect();
+    let tokens: Vec<u64> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(tokens, sent, "the chat prompt the backend received");
+    assert_eq!(v["count"], sent.len());
+    assert_eq!(v["max_model_len"], config().max_context);
+
+    let v = post(&app, "/tokenize", json!({"prompt": "plain words"}))
+        .await
+        .json();
+    let back = post(&app, "/detokenize", json!({"tokens": v["tokens"]}))
+        .await
+        .json();
+    assert_eq!(back["prompt"], "plain words");
+
+    for bad in [json!({"tokens": [1, 999_999]}), json!({"tokens": [-1]})] {
+        let r = post(&app, "/detokenize", bad).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(r.json()["error"]["param"], "tokens");
+    }
+    let r = post(
+        &app,
+        "/tokenize",
+        json!({"prompt": "a", "messages": messages}),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+}

@@ -63,6 +63,8 @@ async fn the_openapi_document_describes_every_route() {
         ("/health", "get"),
         ("/metrics", "get"),
         ("/openapi.json", "get"),
+        ("/tokenize", "post"),
+        ("/detokenize", "post"),
     ] {
         assert!(doc["paths"][path][method].is_object(), "{method} {path}");
         // And the route exists: anything but 404.

@@ -86,7 +86,7 @@ struct ChatRequest {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct MessageIn {
+pub(crate) struct MessageIn {
     role: String,
     content: Option<Value>,
     /// Accepted and ignored (templates get role and content).
@@ -95,7 +95,7 @@ struct MessageIn {
 }
 
 /// Messages as the chat template takes them: roles checked, content parts joined.
-fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
+pub(crate) fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
             "messages",
