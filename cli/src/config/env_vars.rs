@@ -97,6 +97,8 @@ env_vars! {
     PULL_MIN_BLOCKS = "KVMESH_PULL_MIN_BLOCKS";
     /// How many times a broken stream may move to another decode node (`--max-migrations`).
     MAX_MIGRATIONS = "KVMESH_MAX_MIGRATIONS";
+    /// The least silence after a token that makes a decode stream count as hung (`--stream-idle-timeout`).
+    STREAM_IDLE_TIMEOUT = "KVMESH_STREAM_IDLE_TIMEOUT";
     /// Whether prefill nodes may pull a prefix this decode node holds (`--prefill-pulls`).
     PREFILL_PULLS = "KVMESH_PREFILL_PULLS";
 }

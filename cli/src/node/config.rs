@@ -209,6 +209,9 @@ pub struct RouterNodeConfig {
     pub threads: Option<usize>,
     /// How many times a request whose decode node fails mid-stream may move to another one.
     pub max_migrations: usize,
+    /// The least silence after a token that makes a decode node's stream count as hung.
+    #[serde(with = "humantime_serde")]
+    pub stream_idle_timeout: Duration,
     pub mesh: MeshNodeConfig,
     /// The HTTP API; its `listen` is `mesh.listen`.
     pub router: RouterConfig,
@@ -222,6 +225,7 @@ impl Default for RouterNodeConfig {
             model: None,
             threads: None,
             max_migrations: MeshBackendConfig::default().max_migrations,
+            stream_idle_timeout: MeshBackendConfig::default().stream_idle.min,
             mesh: MeshNodeConfig::default(),
             router: RouterConfig::default(),
             routing: RoutingConfig::default(),
@@ -252,6 +256,12 @@ impl Layered for RouterNodeConfig {
 
     fn finish(&mut self) -> Result<(), Invalid> {
         self.mesh.check()?;
+        if self.stream_idle_timeout.is_zero() {
+            return Err(Invalid::new(
+                "stream_idle_timeout",
+                "must be positive: a zero bound would move every stream at its first gap",
+            ));
+        }
         let default_listen = RouterConfig::default().listen;
         if let Some(listen) = self.mesh.listen {
             if self.router.listen != default_listen && self.router.listen != listen {

@@ -7,12 +7,14 @@ use crate::config::{env_vars, ConfigArgs};
 use crate::model_args::{self, ModelArgs};
 use anyhow::{Context, Result};
 use clap::Args;
+use humantime_serde::re::humantime;
 use kvmesh_kvstore::{Discovery, EtcdPrefixIndex};
 use kvmesh_router::policy::RoutingConfig;
 use kvmesh_router::routing::Routing;
-use kvmesh_router::{MeshBackendConfig, RemoteBackend, RemoteConfig, Router};
+use kvmesh_router::{MeshBackendConfig, RemoteBackend, RemoteConfig, Router, StreamIdleConfig};
 use serde::Serialize;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The flags of `kvmesh router`, layered over its TOML (`RouterNodeConfig`).
 #[derive(Args, Debug, Serialize)]
@@ -50,6 +52,12 @@ pub struct RouterArgs {
     /// (0: never; the client gets an error instead).
     #[arg(long, env = env_vars::MAX_MIGRATIONS)]
     pub max_migrations: Option<usize>,
+    /// The least silence after a token that makes a decode node's stream count as hung
+    /// (then it migrates); the bound grows to 20 of the node's step times when those are
+    /// longer (e.g. 2s, 500ms).
+    #[arg(long, env = env_vars::STREAM_IDLE_TIMEOUT, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde")]
+    pub stream_idle_timeout: Option<Duration>,
     #[command(flatten)]
     #[serde(skip)]
     pub config: ConfigArgs,
@@ -87,6 +95,10 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
                 tls,
                 mesh: MeshBackendConfig {
                     max_migrations: args.max_migrations,
+                    stream_idle: StreamIdleConfig {
+                        min: args.stream_idle_timeout,
+                        ..StreamIdleConfig::default()
+                    },
                     ..MeshBackendConfig::default()
                 },
                 ..RemoteConfig::default()
