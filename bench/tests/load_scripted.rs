@@ -35,6 +35,7 @@ fn target(url: &str, api: Api) -> Target {
         api_key: Some("secret".into()),
         ignore_eos: true,
         request_timeout: Duration::from_secs(30),
+        extra_body: Default::default(),
     }
 }
 

@@ -39,6 +39,7 @@ fn bench(url: &str, slo: &str, requests: usize) -> Bench {
             api_key: None,
             ignore_eos: true,
             request_timeout: Duration::from_secs(30),
+            extra_body: Default::default(),
         },
         workload,
         slo: slo.parse::<SloSpec>().unwrap(),
