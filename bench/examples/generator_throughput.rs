@@ -104,6 +104,7 @@ fn main() {
         api_key: None,
         ignore_eos: true,
         request_timeout: Duration::from_secs(30),
+        extra_body: Default::default(),
     };
     let workload = Workload {
         name: "throughput".into(),
