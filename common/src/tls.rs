@@ -528,6 +528,40 @@ mod tests {
     }
 
     #[test]
+    fn roles_come_from_the_certificates_role_names() {
+        let ca = Ca::new();
+        let (cert, key) = ca.issue(&[CLUSTER_SERVER_NAME, "node-1"]);
+        let tls =
+            ClusterTls::from_pem(ca.0.pem().as_bytes(), cert.as_bytes(), key.as_bytes()).unwrap();
+        let auth = Authorizer::new(Some(&tls)).unwrap();
+        let verifier = auth.verifier.clone().unwrap();
+        let roles_of = |names: &[&str]| {
+            let (pem, _) = ca.issue(names);
+            let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
+            auth.roles(&verifier, &der, &[])
+        };
+        let admin = CallerRole::Admin.dns_name();
+        let router = CallerRole::Router.dns_name();
+        assert_eq!(
+            roles_of(&[CLUSTER_SERVER_NAME, &admin]),
+            [CallerRole::Admin]
+        );
+        assert_eq!(
+            roles_of(&[CLUSTER_SERVER_NAME, "x", &router, &admin]),
+            [CallerRole::Router, CallerRole::Admin]
+        );
+        // Issued before roles: every role.
+        assert_eq!(roles_of(&[CLUSTER_SERVER_NAME, "old"]), CallerRole::ALL);
+        // A name that only looks like a role grants nothing it does not name exactly.
+        assert_eq!(
+            roles_of(&[CLUSTER_SERVER_NAME, "xadmin.role.kvmesh.cluster", &router]),
+            [CallerRole::Router]
+        );
+        assert_eq!("decode".parse(), Ok(CallerRole::Decode));
+        assert!("root".parse::<CallerRole>().is_err());
+    }
+
+    #[test]
     fn missing_files_are_named() {
         let err = ClusterTls::load(
             Path::new("/nonexistent/ca.pem"),
