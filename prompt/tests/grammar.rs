@@ -24,15 +24,18 @@ fn grammars() -> &'static Grammars {
     G.get_or_init(|| Grammars::new(tokenizer()).expect("grammars"))
 }
 
-/// Generates under `constraint` by always taking the allowed token that `prefer` ranks first
-/// (a stand-in for a model's logits), until EOS or the grammar's end: the text.
-fn drive(constraint: &Constraint, prefer: impl Fn(TokenId) -> f32) -> String {
+/// Generates under `constraint` by always taking the allowed token that `prefer(token, step)`
+/// ranks first (a stand-in for a model's logits), until EOS or the grammar's end (or 400
+/// tokens): the text.
+fn drive(constraint: &Constraint, prefer: impl Fn(TokenId, u32) -> f32) -> String {
     let tok = tokenizer();
     let eos = tok.eos_token_id().unwrap();
     let mut seq = grammars().start(constraint).expect("compiles");
     let mut out = Vec::new();
-    for _ in 0..200 {
-        let mut logits: Vec<f32> = (0..tok.vocab_size() as TokenId).map(&prefer).collect();
+    for step in 0..400 {
+        let mut logits: Vec<f32> = (0..tok.vocab_size() as TokenId)
+            .map(|t| prefer(t, step))
+            .collect();
         seq.mask(&mut logits).unwrap();
         let (best, _) = logits
             .iter()
@@ -64,7 +67,7 @@ fn a_json_schema_admits_only_valid_json() {
     let constraint = Constraint::JsonSchema { schema };
     // Prefer long tokens with letters: the grammar must still close the object.
     let tok = tokenizer();
-    let text = drive(&constraint, |t| {
+    let text = drive(&constraint, |t, _| {
         tok.token_bytes(t).map_or(0.0, |b| b.len() as f32 * 0.01) + (t % 97) as f32 * 0.001
     });
     let v: serde_json::Value =
@@ -101,18 +104,18 @@ fn choices_regexes_and_grammars_constrain_the_text() {
         &Constraint::Choice {
             options: options.clone(),
         },
-        |t| -(t as f32),
+        |t, _| -(t as f32),
     );
     assert!(options.contains(&text), "{text:?}");
     let text = drive(
         &Constraint::Regex {
             pattern: "[0-9]{3}-[a-z]{2}".into(),
         },
-        |t| (t % 13) as f32,
+        |t, _| (t % 13) as f32,
     );
     assert!(regex_like(&text), "{text:?}");
     let lark = r#"start: "yes" | "no""#.to_string();
-    let text = drive(&Constraint::Grammar { lark }, |t| t as f32);
+    let text = drive(&Constraint::Grammar { lark }, |t, _| t as f32);
     assert!(text == "yes" || text == "no", "{text:?}");
 }
 
@@ -141,5 +144,145 @@ fn bad_constraints_are_refused_with_a_reason() {
     for c in bad {
         let e = grammars().start(&c).unwrap_err();
         assert!(!e.0.is_empty(), "{c:?}");
+    }
+}
+
+/// A random JSON schema of the kinds products send: nested objects with required fields,
+/// arrays with bounds, enums, bounded integers and numbers, bounded strings, booleans.
+fn schema_strategy() -> impl proptest::strategy::Strategy<Value = serde_json::Value> {
+    use proptest::prelude::*;
+    let leaf = prop_oneof![
+        (0i64..50, 0i64..50).prop_map(
+            |(a, b)| json!({"type": "integer", "minimum": a.min(b), "maximum": a.max(b)})
+        ),
+        (-5.0f64..5.0).prop_map(|m| json!({"type": "number", "minimum": m.floor()})),
+        (1u32..12).prop_map(|n| json!({"type": "string", "maxLength": n})),
+        Just(json!({"type": "boolean"})),
+        proptest::collection::btree_set("[a-z]{1,6}", 1..4)
+            .prop_map(|s| json!({"enum": s.into_iter().collect::<Vec<_>>()})),
+    ];
+    leaf.prop_recursive(3, 12, 4, |inner| {
+        prop_oneof![
+            (inner.clone(), 0u32..2, 1u32..3).prop_map(|(items, min, extra)| {
+                json!({"type": "array", "items": items, "minItems": min, "maxItems": min + extra})
+            }),
+            proptest::collection::btree_map("[a-z]{1,5}", inner, 1..4).prop_flat_map(|props| {
+                let names: Vec<String> = props.keys().cloned().collect();
+                proptest::sample::subsequence(names.clone(), 0..=names.len()).prop_map(
+                    move |required| {
+                        json!({"type": "object", "properties": props.clone(),
+                               "required": required, "additionalProperties": false})
+                    },
+                )
+            }),
+        ]
+    })
+    .prop_map(|s| {
+        if s["type"] == "object" {
+            s
+        } else {
+            json!({"type": "object", "properties": {"value": s}, "required": ["value"],
+                   "additionalProperties": false})
+        }
+    })
+}
+
+/// Whether `v` is valid against `schema` (the subset `schema_strategy` draws).
+fn valid(schema: &serde_json::Value, v: &serde_json::Value) -> Result<(), String> {
+    let fail = |why: &str| Err(format!("{v} against {schema}: {why}"));
+    if let Some(options) = schema["enum"].as_array() {
+        return if options.contains(v) {
+            Ok(())
+        } else {
+            fail("not in the enum")
+        };
+    }
+    match schema["type"].as_str().unwrap() {
+        "integer" => {
+            let Some(n) = v.as_i64() else {
+                return fail("not an integer");
+            };
+            let (lo, hi) = (
+                schema["minimum"].as_i64().unwrap(),
+                schema["maximum"].as_i64().unwrap(),
+            );
+            if n < lo || n > hi {
+                return fail("out of bounds");
+            }
+        }
+        "number" => {
+            let Some(n) = v.as_f64() else {
+                return fail("not a number");
+            };
+            if n < schema["minimum"].as_f64().unwrap() {
+                return fail("below the minimum");
+            }
+        }
+        "string" => {
+            let Some(s) = v.as_str() else {
+                return fail("not a string");
+            };
+            if s.chars().count() as u64 > schema["maxLength"].as_u64().unwrap() {
+                return fail("too long");
+            }
+        }
+        "boolean" => {
+            if !v.is_boolean() {
+                return fail("not a boolean");
+            }
+        }
+        "array" => {
+            let Some(a) = v.as_array() else {
+                return fail("not an array");
+            };
+            let n = a.len() as u64;
+            if n < schema["minItems"].as_u64().unwrap() || n > schema["maxItems"].as_u64().unwrap()
+            {
+                return fail("wrong length");
+            }
+            for item in a {
+                valid(&schema["items"], item)?;
+            }
+        }
+        "object" => {
+            let Some(o) = v.as_object() else {
+                return fail("not an object");
+            };
+            let props = schema["properties"].as_object().unwrap();
+            for r in schema["required"].as_array().unwrap() {
+                if !o.contains_key(r.as_str().unwrap()) {
+                    return fail("a required field is missing");
+                }
+            }
+            for (k, x) in o {
+                let Some(p) = props.get(k) else {
+                    return fail("an extra field");
+                };
+                valid(p, x)?;
+            }
+        }
+        other => return fail(&format!("unexpected type {other}")),
+    }
+    Ok(())
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 50, ..Default::default() })]
+
+    /// Whatever the token preferences (random, so every branch of the schema gets taken),
+    /// the mask leads to text that parses and validates against the schema.
+    #[test]
+    fn fifty_random_schemas_give_valid_json(schema in schema_strategy(), salt in 0u32..1_000_000) {
+        let tok = tokenizer();
+        let constraint = Constraint::JsonSchema { schema: schema.clone() };
+        // A hash of (token, salt, step): a different arbitrary "model" per case and step.
+        // Short tokens are favoured so that strings and numbers end and brackets close.
+        let text = drive(&constraint, |t, step| {
+            let h = (t ^ salt ^ step.wrapping_mul(40_503)).wrapping_mul(2_654_435_761) >> 8;
+            (h % 1000) as f32 / 1000.0 - tok.token_bytes(t).map_or(0.0, |b| b.len() as f32 * 0.3)
+        });
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| proptest::test_runner::TestCaseError::fail(format!("{text:?}: {e}")))?;
+        valid(&schema, &v).map_err(proptest::test_runner::TestCaseError::fail)?;
     }
 }
