@@ -67,10 +67,22 @@ def wait_for(what, cond, within, every=0.25):
 
 # --- containers ------------------------------------------------------------------------
 
+# Container name -> id, as last listed: a replica removed and started again under the same
+# name is another container, with another address.
+IDS = {}
+
+
 def containers(service):
-    """The service's containers, by name, sorted."""
-    ids = compose("ps", "-q", service).split()
-    names = [run("docker", "inspect", "-f", "{{.Name}}", i).strip().lstrip("/") for i in ids]
+    """The service's running containers, by name, sorted (one `docker ps`: it lists what
+    runs at one instant, while Compose may be removing a replica)."""
+    out = run("docker", "ps", "--filter", f"label=com.docker.compose.project={PROJECT}",
+              "--filter", f"label=com.docker.compose.service={service}",
+              "--format", "{{.ID}} {{.Names}}")
+    names = []
+    for line in out.splitlines():
+        i, name = line.split()
+        IDS[name] = i
+        names.append(name)
     return sorted(names)
 
 
@@ -86,10 +98,11 @@ IPS = {}
 
 
 def ip(name):
-    """The container's address (remembered: a restarted container is forgotten first)."""
-    if name not in IPS:
-        IPS[name] = inspect(name, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
-    return IPS[name]
+    """The container's address (remembered per container; a restart forgets it)."""
+    key = IDS.get(name, name)
+    if key not in IPS:
+        IPS[key] = inspect(name, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+    return IPS[key]
 
 
 def node_metrics(name):
@@ -311,7 +324,7 @@ def check_kill(expected_texts):
     assert moved >= 1, "the router migrated nothing"
     log(f"docker kill {victim} at chunk {seen} of {s.chunks}: the stream moved ({moved:.0f} "
         "migration) and ended with the fault-free text")
-    IPS.pop(victim, None)
+    IPS.pop(IDS.get(victim, victim), None)
     compose("up", "-d", "--no-recreate", "--scale", "decode=2", "--scale", "prefill=2")
     wait_for(f"{victim} back", lambda: health(victim) == "healthy", 120)
 
