@@ -80,39 +80,6 @@ fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole,
     }
 }
 
-/// Waits until `node` is idle with no KV block in use; returns its last load.
-fn await_baseline(
-    rt: &tokio::runtime::Runtime,
-    addr: SocketAddr,
-    role: NodeRole,
-    tls: &ClusterTls,
-) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let load = rt
-            .block_on(node_health(&addr.to_string(), role, Some(tls)))
-            .load
-            .unwrap_or_default();
-        if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{addr} ({role:?}) kept {load:?} after the run: KV stranded"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn signal(node: &Node, signal: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([signal, &node.child.id().to_string()])
-        .status()
-        .expect("kill runs")
-        .success();
-    assert!(ok, "kill {signal} failed");
-}
-
 #[test]
 fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     let mut etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
@@ -324,6 +291,6 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     );
 
     // No KV stranded: every surviving node is back to an empty pool.
-    await_baseline(&rt, decode_addrs[2], NodeRole::Decode, &tls);
-    await_baseline(&rt, prefill_addrs[1], NodeRole::Prefill, &tls);
+    await_empty_pool(&rt, decode_addrs[2], NodeRole::Decode, Some(&tls));
+    await_empty_pool(&rt, prefill_addrs[1], NodeRole::Prefill, Some(&tls));
 }

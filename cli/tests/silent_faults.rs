@@ -51,34 +51,6 @@ fn await_running(rt: &tokio::runtime::Runtime, addrs: &[SocketAddr]) -> usize {
     }
 }
 
-/// Waits until the node at `addr` is idle with no KV block in use.
-fn await_empty_pool(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let load = rt
-            .block_on(node_health(&addr.to_string(), role, None))
-            .load
-            .unwrap_or_default();
-        if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{addr} kept {load:?}: KV stranded"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn signal(node: &Node, signal: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([signal, &node.child.id().to_string()])
-        .status()
-        .expect("kill runs")
-        .success();
-    assert!(ok, "kill {signal} failed");
-}
-
 /// A Prometheus counter's value in `/metrics` text (0 when absent).
 fn counter(router: SocketAddr, name: &str) -> f64 {
     get(router, "/metrics")
@@ -228,9 +200,9 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     drop(conn);
     let closed = Instant::now();
     for addr in decode_addrs {
-        await_empty_pool(&rt, addr, NodeRole::Decode);
+        await_empty_pool(&rt, addr, NodeRole::Decode, None);
     }
-    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill);
+    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill, None);
     let freed = closed.elapsed();
     println!(
         "silent faults: client gone mid-prefill: every pool empty {:.3} s later",
@@ -282,9 +254,9 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     );
 
     for addr in decode_addrs {
-        await_empty_pool(&rt, addr, NodeRole::Decode);
+        await_empty_pool(&rt, addr, NodeRole::Decode, None);
     }
-    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill);
+    await_empty_pool(&rt, prefill_addr, NodeRole::Prefill, None);
 }
 
 /// Waits (polling gRPC health) until the prefill node at `addr` holds KV in use.

@@ -349,3 +349,38 @@ impl Progress {
         assert!(!timeout.timed_out(), "requests stopped completing");
     }
 }
+
+/// Waits until the node at `addr` runs and queues nothing and holds no KV block (its
+/// requests' KV freed), failing after 20 s.
+pub fn await_empty_pool(
+    rt: &tokio::runtime::Runtime,
+    addr: SocketAddr,
+    role: NodeRole,
+    tls: Option<&ClusterTls>,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let load = rt
+            .block_on(node_health(&addr.to_string(), role, tls))
+            .load
+            .unwrap_or_default();
+        if load.running == 0 && load.waiting == 0 && load.kv_blocks_used == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} ({role:?}) kept {load:?}: KV stranded"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`, `-KILL`, ...) to `node`'s process.
+pub fn signal(node: &Node, signal: &str) {
+    let ok = Command::new("kill")
+        .args([signal, &node.child.id().to_string()])
+        .status()
+        .expect("kill runs")
+        .success();
+    assert!(ok, "kill {signal} failed");
+}

@@ -9,6 +9,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::Json;
 use kvmesh_common::TokenId;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use super::chat::{messages, MessageIn};
@@ -21,6 +22,22 @@ const POLICY: FieldPolicy = FieldPolicy {
     ignored: &[],
     unsupported: &[],
 };
+
+/// A request body under [`POLICY`], naming this server's model (or none).
+fn parse<T: DeserializeOwned>(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    model: impl Fn(&T) -> &Option<String>,
+) -> Result<T, ApiError> {
+    let Parsed { request, .. } = parse_body::<T>(
+        body,
+        state.config.max_body_bytes,
+        &POLICY,
+        state.config.strict_params,
+    )?;
+    check_model(state, model(&request).as_deref())?;
+    Ok(request)
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -44,13 +61,7 @@ pub(crate) async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Tokenized>, ApiError> {
-    let Parsed { request, .. } = parse_body::<TokenizeRequest>(
-        body,
-        state.config.max_body_bytes,
-        &POLICY,
-        state.config.strict_params,
-    )?;
-    check_model(&state, request.model.as_deref())?;
+    let request: TokenizeRequest = parse(&state, body, |r: &TokenizeRequest| &r.model)?;
     let tokens = match (request.prompt, request.messages) {
         (Some(prompt), None) => state.prompts.text(&prompt)?,
         (None, Some(m)) => state.prompts.chat(&messages(m)?)?,
@@ -84,13 +95,7 @@ pub(crate) async fn detokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Detokenized>, ApiError> {
-    let Parsed { request, .. } = parse_body::<DetokenizeRequest>(
-        body,
-        state.config.max_body_bytes,
-        &POLICY,
-        state.config.strict_params,
-    )?;
-    check_model(&state, request.model.as_deref())?;
+    let request: DetokenizeRequest = parse(&state, body, |r: &DetokenizeRequest| &r.model)?;
     let tokenizer = state.prompts.tokenizer();
     let vocab = tokenizer.vocab_size();
     let ids = request
