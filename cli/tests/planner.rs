@@ -11,7 +11,7 @@ use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer, Leadership};
 use serde_json::Value;
 use std::process::{Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const CLUSTER: &str = "planner-test";
 
@@ -155,15 +155,24 @@ async fn a_step_load_makes_the_planner_add_a_decode_node_and_drain_it_after() {
     assert_eq!(point["failed"], 0, "{}", point["errors"]);
     assert_eq!(point["ok"], point["requests"], "{point}");
 
-    // The planner's metrics tell the same story.
-    let metrics = get(metrics_addr, "/metrics");
-    for series in [
+    // The planner's metrics tell the same story, once it has observed the drain (its gauges
+    // follow its own observations, a second apart, not the test's view of etcd).
+    let expected = [
         "kvmesh_planner_leader 1",
         "kvmesh_planner_desired_nodes{role=\"decode\"} 1",
         "kvmesh_planner_actual_nodes{role=\"decode\"} 1",
         "kvmesh_planner_decisions_total{role=\"decode\",reason=\"kv_usage_high\"}",
         "kvmesh_planner_node_seconds_total{role=\"decode\"}",
-    ] {
+    ];
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let metrics = loop {
+        let metrics = get(metrics_addr, "/metrics");
+        if expected.iter().all(|s| metrics.contains(s)) || Instant::now() > deadline {
+            break metrics;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    for series in expected {
         assert!(metrics.contains(series), "no {series} in:\n{metrics}");
     }
 
