@@ -64,7 +64,6 @@ if $dockerfile; then
       echo "build-images: need a Debian bookworm host with apt sources to debootstrap from" >&2
       exit 1
     }
-    command -v debootstrap >/dev/null || apt-get install -y -qq debootstrap >/dev/null
     base="$(mktemp -d)"
     debootstrap --variant=minbase "$suite" "$base" "$mirror" >/dev/null
     # Slim: no package lists, caches, documentation or locales.

@@ -12,6 +12,8 @@ command -v unzip >/dev/null 2>&1 || need+=(unzip)
 # image, the alert rules' check).
 command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# deploy/build-images.sh --dockerfile: a Debian base image made here (none can be pulled).
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 # The `rdma` feature (ibverbs bindings are generated with bindgen and built with cmake).
 for pkg in libibverbs-dev cmake pkg-config libclang-dev; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
