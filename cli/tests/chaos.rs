@@ -15,7 +15,7 @@ mod cluster;
 use cluster::*;
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeRole;
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
+use kvmesh_kvstore::EtcdServer;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -123,13 +123,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     let router = Node::spawn(router_args, log("router"));
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = rt
-        .block_on(EtcdDiscovery::connect(EtcdConfig {
-            endpoints: vec![etcd.endpoint()],
-            cluster: "chaos".into(),
-            ..EtcdConfig::default()
-        }))
-        .expect("the test's own etcd client");
+    let discovery = discovery(&rt, &etcd.endpoint(), "chaos");
     rt.block_on(await_membership(&discovery, 2, 3, START_TIMEOUT));
     let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
     await_health(router_addr, &all);

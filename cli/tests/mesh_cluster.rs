@@ -340,13 +340,7 @@ fn five_processes_serve_as_one_mesh_and_survive_a_prefill_crash() {
     );
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = rt
-        .block_on(EtcdDiscovery::connect(EtcdConfig {
-            endpoints: vec![etcd.endpoint()],
-            cluster: "meshtest".into(),
-            ..EtcdConfig::default()
-        }))
-        .expect("the test's own etcd client");
+    let discovery = discovery(&rt, &etcd.endpoint(), "meshtest");
     rt.block_on(await_membership(&discovery, 2, 2, START_TIMEOUT));
     let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
     await_health(router_addr, &all);

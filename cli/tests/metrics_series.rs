@@ -8,7 +8,7 @@
 mod cluster;
 
 use cluster::*;
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
+use kvmesh_kvstore::EtcdServer;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -156,13 +156,7 @@ fn mesh_metrics() -> [(&'static str, String); 3] {
     let router = Node::spawn(router, log_dir().join("router.log"));
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = rt
-        .block_on(EtcdDiscovery::connect(EtcdConfig {
-            endpoints: vec![etcd.endpoint()],
-            cluster: "metricstest".into(),
-            ..EtcdConfig::default()
-        }))
-        .expect("the test's own etcd client");
+    let discovery = discovery(&rt, &etcd.endpoint(), "metricstest");
     rt.block_on(await_membership(&discovery, 1, 1, START_TIMEOUT));
     await_health(router_addr, &[&prefill, &decode, &router]);
     let long = "Here is a note about rivers, written at length. ".repeat(6);

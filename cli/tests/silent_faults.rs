@@ -22,7 +22,7 @@ use cluster::*;
 use kvmesh_common::grpc::{self, pb, Placement};
 use kvmesh_common::tls::grpc_endpoint;
 use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
-use kvmesh_kvstore::{EtcdConfig, EtcdDiscovery, EtcdServer};
+use kvmesh_kvstore::EtcdServer;
 use serde_json::{json, Value};
 use std::io::Write;
 use std::net::SocketAddr;
@@ -96,13 +96,7 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let router = Node::spawn(router_args, log("router"));
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = rt
-        .block_on(EtcdDiscovery::connect(EtcdConfig {
-            endpoints: vec![etcd.endpoint()],
-            cluster: "silent".into(),
-            ..EtcdConfig::default()
-        }))
-        .expect("the test's own etcd client");
+    let discovery = discovery(&rt, &etcd.endpoint(), "silent");
     rt.block_on(await_membership(&discovery, 1, 2, START_TIMEOUT));
     let all: Vec<&Node> = decode.iter().chain([&router, &prefill]).collect();
     await_health(router_addr, &all);

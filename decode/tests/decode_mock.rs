@@ -13,7 +13,7 @@ use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInp
 use kvmesh_engine::scheduler::SchedulerConfig;
 use kvmesh_prompt::gguf::GgufFile;
 use kvmesh_prompt::tokenizer::Tokenizer;
-use kvmesh_transfer::{InProcessTransport, KvChunk, Transport, TransportError};
+use kvmesh_transfer::{InProcessTransport, SlowTo, Transport};
 use kvmesh_worker::{ExportRequest, KvDestination, KvExporter};
 use std::ops::Range;
 use std::sync::Arc;
@@ -225,30 +225,6 @@ fn a_draining_worker_finishes_its_requests_and_refuses_new_ones() {
     drop(permits);
     assert!(finishes(a));
     worker.join();
-}
-
-/// A transport whose sends to `slow` wait until the gate opens (its sender is dropped).
-struct SlowTo {
-    inner: InProcessTransport,
-    slow: NodeId,
-    gate: Receiver<()>,
-}
-
-impl Transport for SlowTo {
-    fn bind(&self, node: NodeId) -> Result<kvmesh_transfer::KvReceiver, TransportError> {
-        self.inner.bind(node)
-    }
-
-    fn unbind(&self, node: NodeId) {
-        self.inner.unbind(node)
-    }
-
-    fn send(&self, dest: NodeId, chunk: KvChunk, deadline: Instant) -> Result<(), TransportError> {
-        if dest == self.slow {
-            let _ = self.gate.recv_deadline(deadline);
-        }
-        self.inner.send(dest, chunk, deadline)
-    }
 }
 
 #[test]

@@ -10,7 +10,7 @@ use kvmesh_engine::runner::{KvSource, ModelRunner};
 use kvmesh_engine::sampler::Sampled;
 use kvmesh_engine::Loaded;
 use kvmesh_prefill::{PrefillConfig, PrefillWorker};
-use kvmesh_transfer::{InProcessTransport, KvChunk, Transport, TransportError};
+use kvmesh_transfer::{InProcessTransport, KvChunk, SlowTo, Transport};
 use kvmesh_worker::{
     CancelToken, ExportSource, KvDestination, PrefillDone, PrefillError, PrefillReply,
     PrefillRequest,
@@ -333,35 +333,6 @@ fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
         other => panic!("not refused as invalid: {other:?}"),
     }
     prefill_on(&worker, dest, &prompt(40), 0, None);
-}
-
-/// A transport whose sends to `slow` wait until the gate opens (its sender is dropped).
-struct SlowTo {
-    inner: InProcessTransport,
-    slow: NodeId,
-    gate: Receiver<()>,
-}
-
-impl Transport for SlowTo {
-    fn bind(&self, node: NodeId) -> Result<kvmesh_transfer::KvReceiver, TransportError> {
-        self.inner.bind(node)
-    }
-
-    fn unbind(&self, node: NodeId) {
-        self.inner.unbind(node)
-    }
-
-    fn send(
-        &self,
-        dest: NodeId,
-        chunk: KvChunk,
-        deadline: std::time::Instant,
-    ) -> Result<(), TransportError> {
-        if dest == self.slow {
-            let _ = self.gate.recv_deadline(deadline);
-        }
-        self.inner.send(dest, chunk, deadline)
-    }
 }
 
 #[test]

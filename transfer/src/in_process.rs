@@ -64,3 +64,34 @@ impl Transport for InProcessTransport {
         }
     }
 }
+
+/// The in-process transport with one slow peer: sends to `slow` wait until the gate opens
+/// (its sender is dropped) or their deadline passes. For tests of what a slow destination
+/// does to everything else a worker serves.
+pub struct SlowTo {
+    pub inner: InProcessTransport,
+    pub slow: NodeId,
+    pub gate: crossbeam_channel::Receiver<()>,
+}
+
+impl Transport for SlowTo {
+    fn bind(&self, node: NodeId) -> Result<KvReceiver, TransportError> {
+        self.inner.bind(node)
+    }
+
+    fn unbind(&self, node: NodeId) {
+        self.inner.unbind(node)
+    }
+
+    fn send(
+        &self,
+        dest: NodeId,
+        chunk: KvChunk,
+        deadline: std::time::Instant,
+    ) -> Result<(), TransportError> {
+        if dest == self.slow {
+            let _ = self.gate.recv_deadline(deadline);
+        }
+        self.inner.send(dest, chunk, deadline)
+    }
+}

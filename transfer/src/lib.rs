@@ -34,7 +34,7 @@ mod transport;
 
 pub use chunk::{BlockShape, ChunkError, KvChunk, KvChunkHeader, KvDtype};
 pub use crossbeam_channel;
-pub use in_process::InProcessTransport;
+pub use in_process::{InProcessTransport, SlowTo};
 pub use network::{NetworkTransport, RdmaPeering};
 pub use quic::{QuicConfig, QuicError, QuicTransport, TlsConfig};
 pub use rdma::{

@@ -384,3 +384,13 @@ pub fn signal(node: &Node, signal: &str) {
         .success();
     assert!(ok, "kill {signal} failed");
 }
+
+/// The test's own view of `cluster`'s discovery in the etcd at `endpoint`.
+pub fn discovery(rt: &tokio::runtime::Runtime, endpoint: &str, cluster: &str) -> EtcdDiscovery {
+    rt.block_on(EtcdDiscovery::connect(kvmesh_kvstore::EtcdConfig {
+        endpoints: vec![endpoint.to_string()],
+        cluster: cluster.into(),
+        ..Default::default()
+    }))
+    .expect("the test's own etcd client")
+}
