@@ -5,6 +5,8 @@ set -euo pipefail
 
 need=()
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+# protoc's well-known types (google/protobuf/*.proto), which etcd-client's protos import.
+dpkg -s libprotobuf-dev >/dev/null 2>&1 || need+=(libprotobuf-dev)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
