@@ -11,6 +11,7 @@
 
 pub(crate) mod chat;
 pub(crate) mod completions;
+mod content;
 pub(crate) mod models;
 mod params;
 mod structured;
@@ -29,25 +30,28 @@ use crate::generation::{self, Generation, Job, Update};
 use crate::metrics::Outcome;
 use crate::request_id::RequestContext;
 use crate::server::AppState;
-use crate::sse;
+use crate::sse::{self, Chunk, Framing};
 use types::ChoiceOutput;
 
 /// How one endpoint shapes its responses.
 pub(crate) trait Format: Send + 'static {
+    /// How the streamed chunks are framed as server-sent events.
+    const FRAMING: Framing = Framing::Done;
     /// Chunks streamed before any token (chat: the assistant role; completions: the echoed
-    /// prompt).
-    fn opening_chunks(&mut self, choices: usize) -> Vec<String>;
-    /// A streamed chunk of choice `index`: new `text`, the token it came with (for
-    /// logprobs), and the finish reason on the last one.
+    /// prompt; Responses: `response.created`, `response.in_progress`).
+    fn opening_chunks(&mut self, choices: usize) -> Vec<Chunk>;
+    /// The streamed chunks of an update of choice `index` (none, one or several): new
+    /// `text`, the token it came with (for logprobs), and the finish reason on the last one.
     fn chunk(
         &mut self,
         index: usize,
         text: &str,
         token: Option<&TokenEvent>,
         finish: Option<FinishReason>,
-    ) -> String;
-    /// The last chunk with `stream_options.include_usage`: no choices, the usage.
-    fn usage_chunk(&mut self, usage: &Usage) -> String;
+    ) -> Vec<Chunk>;
+    /// The chunks after every choice finished (chat with `stream_options.include_usage`:
+    /// the usage, no choices; Responses: `response.completed`).
+    fn closing_chunks(&mut self, usage: &Usage) -> Vec<Chunk>;
     /// The whole non-streaming response.
     fn complete(&mut self, choices: Vec<ChoiceOutput>, usage: &Usage) -> String;
     /// Whether logprobs were asked for (tokens are kept and sent even without text).
@@ -59,7 +63,6 @@ pub(crate) struct Prepared<F> {
     pub(crate) job: Job,
     pub(crate) format: F,
     pub(crate) stream: bool,
-    pub(crate) include_usage: bool,
 }
 
 /// Starts the generation and answers with SSE or one JSON body.
@@ -73,7 +76,6 @@ pub(crate) async fn respond<F: Format>(
         job,
         format,
         stream,
-        include_usage,
     } = prepared;
     // Every choice is prefilled: all of them queue.
     let own = (job.prompt.len() as u64).saturating_mul(job.n as u64);
@@ -89,7 +91,8 @@ pub(crate) async fn respond<F: Format>(
     .await?;
     if stream {
         Ok(sse::response(
-            stream_chunks(generation, format, include_usage),
+            stream_chunks(generation, format),
+            F::FRAMING,
             state.config.sse_keep_alive,
             ctx.span.clone(),
             outcome,
@@ -100,34 +103,37 @@ pub(crate) async fn respond<F: Format>(
     }
 }
 
-/// The chunks of a streaming response (the SSE layer adds errors and `[DONE]`).
+/// The chunks of a streaming response (the SSE layer adds errors and the framing).
 fn stream_chunks<F: Format>(
     mut generation: Generation,
     mut format: F,
-    include_usage: bool,
-) -> impl Stream<Item = Result<String, ApiError>> + Send {
+) -> impl Stream<Item = Result<Chunk, ApiError>> + Send {
     async_stream::stream! {
         for chunk in format.opening_chunks(generation.choices()) {
             yield Ok(chunk);
         }
         while let Some(update) = generation.next().await {
-            match update {
+            let chunks = match update {
                 Ok(Update::Token { index, token }) => {
-                    if !token.text.is_empty() || format.logprobs() {
-                        yield Ok(format.chunk(index, &token.text, Some(&token), None));
+                    if token.text.is_empty() && !format.logprobs() {
+                        continue;
                     }
+                    format.chunk(index, &token.text, Some(&token), None)
                 }
                 Ok(Update::Finished { index, reason, text }) => {
-                    yield Ok(format.chunk(index, &text, None, Some(reason)));
+                    format.chunk(index, &text, None, Some(reason))
                 }
                 Err(e) => {
                     yield Err(e);
                     return;
                 }
+            };
+            for chunk in chunks {
+                yield Ok(chunk);
             }
         }
-        if include_usage {
-            yield Ok(format.usage_chunk(&generation.usage()));
+        for chunk in format.closing_chunks(&generation.usage()) {
+            yield Ok(chunk);
         }
     }
 }

@@ -17,13 +17,14 @@ use super::params::{self, PromptInfo, SamplingFields};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
-use super::{check_model, name_ignored, respond, structured, unix_now, Format, Prepared};
+use super::{check_model, content, name_ignored, respond, structured, unix_now, Format, Prepared};
 use crate::error::ApiError;
 use crate::generation::Job;
 use crate::json::{parse_body, FieldPolicy, Parsed};
 use crate::metrics::Outcome;
 use crate::request_id::RequestContext;
 use crate::server::AppState;
+use crate::sse::Chunk;
 
 /// What happens to the OpenAI fields `ChatRequest` does not read (docs/api.md).
 const POLICY: FieldPolicy = FieldPolicy {
@@ -134,46 +135,11 @@ pub(crate) fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, Api
 /// `content`: a string, or an array of `{"type": "text", "text": ...}` parts (joined with
 /// newlines); `null` only for assistant messages.
 fn content_text(i: usize, role: &str, content: Option<Value>) -> Result<String, ApiError> {
-    let param = || format!("messages[{i}].content");
-    match content {
-        Some(Value::String(s)) => Ok(s),
-        None | Some(Value::Null) if role == "assistant" => Ok(String::new()),
-        None | Some(Value::Null) => Err(ApiError::invalid(param(), "`content` is required")),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for (j, part) in parts.iter().enumerate() {
-                let kind = part.get("type").and_then(Value::as_str);
-                let text = part.get("text").and_then(Value::as_str);
-                match (kind, text) {
-                    (Some("text"), Some(text)) => texts.push(text),
-                    (Some("text"), None) => {
-                        return Err(ApiError::invalid(
-                            format!("{}[{j}].text", param()),
-                            "a text part needs a string `text`",
-                        ))
-                    }
-                    (Some(other), _) => {
-                        return Err(ApiError::unsupported(
-                            format!("{}[{j}].type", param()),
-                            format!(
-                                "content parts of type {other:?} are not supported (text only)"
-                            ),
-                        ))
-                    }
-                    (None, _) => {
-                        return Err(ApiError::invalid(
-                            format!("{}[{j}]", param()),
-                            "a content part must be an object with a `type`",
-                        ))
-                    }
-                }
-            }
-            Ok(texts.join("\n"))
-        }
-        Some(_) => Err(ApiError::invalid(
-            param(),
-            "`content` must be a string or an array of text parts",
-        )),
+    let param = format!("messages[{i}].content");
+    match content::text(&param, content, &["text"])? {
+        Some(text) => Ok(text),
+        None if role == "assistant" => Ok(String::new()),
+        None => Err(ApiError::invalid(param, "`content` is required")),
     }
 }
 
@@ -270,7 +236,6 @@ pub(crate) async fn handle(
         job,
         format,
         stream,
-        include_usage,
     };
     let response = respond(&state, &ctx, outcome, prepared).await?;
     Ok(name_ignored(response, &ignored))
@@ -392,7 +357,7 @@ impl ChatFormat {
 }
 
 impl Format for ChatFormat {
-    fn opening_chunks(&mut self, choices: usize) -> Vec<String> {
+    fn opening_chunks(&mut self, choices: usize) -> Vec<Chunk> {
         (0..choices)
             .map(|index| {
                 let choice = ChunkChoice {
@@ -404,7 +369,7 @@ impl Format for ChatFormat {
                     logprobs: None,
                     finish_reason: None,
                 };
-                self.chunk_json(vec![choice], self.meta.chunk_usage())
+                Chunk::from(self.chunk_json(vec![choice], self.meta.chunk_usage()))
             })
             .collect()
     }
@@ -415,7 +380,7 @@ impl Format for ChatFormat {
         text: &str,
         token: Option<&TokenEvent>,
         finish: Option<FinishReason>,
-    ) -> String {
+    ) -> Vec<Chunk> {
         let logprobs = token.filter(|_| self.logprobs).map(|t| Logprobs {
             content: vec![self.token_logprob(t)],
         });
@@ -428,11 +393,16 @@ impl Format for ChatFormat {
             logprobs,
             finish_reason: finish.map(finish_reason),
         };
-        self.chunk_json(vec![choice], self.meta.chunk_usage())
+        let json = self.chunk_json(vec![choice], self.meta.chunk_usage());
+        vec![json.into()]
     }
 
-    fn usage_chunk(&mut self, usage: &Usage) -> String {
-        self.chunk_json(Vec::new(), Some(Some(usage.into())))
+    fn closing_chunks(&mut self, usage: &Usage) -> Vec<Chunk> {
+        if !self.meta.include_usage {
+            return Vec::new();
+        }
+        let json = self.chunk_json(Vec::new(), Some(Some(usage.into())));
+        vec![json.into()]
     }
 
     fn complete(&mut self, choices: Vec<ChoiceOutput>, usage: &Usage) -> String {

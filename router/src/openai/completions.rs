@@ -23,6 +23,7 @@ use crate::json::{parse_body, FieldPolicy, Parsed};
 use crate::metrics::Outcome;
 use crate::request_id::RequestContext;
 use crate::server::AppState;
+use crate::sse::Chunk;
 
 /// What happens to the OpenAI fields `CompletionRequest` does not read (docs/api.md).
 const POLICY: FieldPolicy = FieldPolicy {
@@ -214,7 +215,6 @@ pub(crate) async fn handle(
         job,
         format,
         stream,
-        include_usage,
     };
     let response = respond(&state, &ctx, outcome, prepared).await?;
     Ok(name_ignored(response, &ignored))
@@ -290,7 +290,7 @@ impl CompletionFormat {
 }
 
 impl Format for CompletionFormat {
-    fn opening_chunks(&mut self, choices: usize) -> Vec<String> {
+    fn opening_chunks(&mut self, choices: usize) -> Vec<Chunk> {
         let Some(echo) = self.echo.as_deref() else {
             return Vec::new();
         };
@@ -304,7 +304,7 @@ impl Format for CompletionFormat {
                     logprobs: None,
                     finish_reason: None,
                 };
-                self.chunk_json(vec![choice], self.meta.chunk_usage())
+                Chunk::from(self.chunk_json(vec![choice], self.meta.chunk_usage()))
             })
             .collect()
     }
@@ -315,7 +315,7 @@ impl Format for CompletionFormat {
         text: &str,
         token: Option<&TokenEvent>,
         finish: Option<FinishReason>,
-    ) -> String {
+    ) -> Vec<Chunk> {
         let logprobs = match token.filter(|_| self.logprobs) {
             Some(t) => {
                 let mut lp = Logprobs::default();
@@ -334,11 +334,16 @@ impl Format for CompletionFormat {
             logprobs,
             finish_reason: finish.map(finish_reason),
         };
-        self.chunk_json(vec![choice], self.meta.chunk_usage())
+        let json = self.chunk_json(vec![choice], self.meta.chunk_usage());
+        vec![json.into()]
     }
 
-    fn usage_chunk(&mut self, usage: &Usage) -> String {
-        self.chunk_json(Vec::new(), Some(Some(usage.into())))
+    fn closing_chunks(&mut self, usage: &Usage) -> Vec<Chunk> {
+        if !self.meta.include_usage {
+            return Vec::new();
+        }
+        let json = self.chunk_json(Vec::new(), Some(Some(usage.into())));
+        vec![json.into()]
     }
 
     fn complete(&mut self, choices: Vec<ChoiceOutput>, usage: &Usage) -> String {
