@@ -98,6 +98,19 @@ pub(crate) fn parse_body<T: DeserializeOwned>(
     Ok(Parsed { request, ignored })
 }
 
+/// Deserializes `value`, found at `at` in the request (`input[2]`), into `T` (which denies
+/// unknown fields); errors name the parameter as [`parse_body`]'s do (`input[2].role`).
+pub(crate) fn parse_value<T: DeserializeOwned>(value: Value, at: &str) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = match e.path().to_string() {
+            inner if inner == "." => at.to_string(),
+            inner if inner.starts_with('[') => format!("{at}{inner}"),
+            inner => format!("{at}.{inner}"),
+        };
+        classify(&path, &e.into_inner().to_string())
+    })
+}
+
 /// The field names the struct `T` deserializes, read by handing its `Deserialize` a
 /// deserializer that only records what `deserialize_struct` is asked for.
 fn struct_fields<T: DeserializeOwned>() -> &'static [&'static str] {
@@ -253,5 +266,27 @@ mod tests {
         let e = parse(r#"{"model": "m", "tools": []}"#).unwrap_err();
         assert!(matches!(e, ApiError::UnsupportedParameter { .. }), "{e:?}");
         assert!(parse(r#"{"model": "m", "tools": null}"#).is_ok());
+    }
+
+    #[test]
+    fn values_inside_a_request_are_named_by_their_place() {
+        let at = |v: Value| parse_value::<Req>(v, "input[2]").unwrap_err();
+        assert!(parse_value::<Req>(serde_json::json!({"model": "m"}), "input[2]").is_ok());
+        assert_eq!(
+            at(serde_json::json!({"model": "m", "x": 1})),
+            ApiError::UnknownParameter {
+                param: "input[2].x".into()
+            }
+        );
+        assert_eq!(at(serde_json::json!({})).param(), Some("input[2].model"));
+        assert_eq!(
+            at(serde_json::json!({"model": 1})).param(),
+            Some("input[2].model")
+        );
+        assert_eq!(
+            at(serde_json::json!({"model": "m", "inner": {"flag": 3}})).param(),
+            Some("input[2].inner.flag")
+        );
+        assert_eq!(at(serde_json::json!("text")).param(), Some("input[2]"));
     }
 }

@@ -84,8 +84,8 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    /// Counts a finished completion request: `endpoint` (`chat_completions`, `completions`),
-    /// `status` (HTTP status; `499` when the client went away first).
+    /// Counts a finished completion request: `endpoint` (`chat_completions`, `completions`,
+    /// `responses`), `status` (HTTP status; `499` when the client went away first).
     fn request_finished(&self, endpoint: &'static str, status: &'static str) {
         counter!(names::ROUTER_REQUESTS_TOTAL, "endpoint" => endpoint, "status" => status)
             .increment(1);
@@ -270,6 +270,7 @@ pub(crate) async fn track(mut req: Request, next: Next) -> Response {
     let endpoint = match req.uri().path() {
         "/v1/chat/completions" => "chat_completions",
         "/v1/completions" => "completions",
+        "/v1/responses" => "responses",
         _ => return next.run(req).await,
     };
     let received = req

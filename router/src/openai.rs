@@ -14,6 +14,7 @@ pub(crate) mod completions;
 mod content;
 pub(crate) mod models;
 mod params;
+pub(crate) mod responses;
 mod structured;
 pub(crate) mod tokenize;
 mod types;

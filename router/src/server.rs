@@ -24,7 +24,7 @@ use crate::backend::Backend;
 use crate::config::{ConfigError, RouterConfig};
 use crate::error::ApiError;
 use crate::metrics;
-use crate::openai::{self, chat, completions, models, tokenize};
+use crate::openai::{self, chat, completions, models, responses, tokenize};
 use crate::prompt::Prompts;
 use crate::rate_limit::{self, RateLimiter};
 use crate::request_id;
@@ -44,8 +44,9 @@ pub(crate) struct AppState {
 
 /// The HTTP gateway. Cheap to clone; clones share the drain flag.
 ///
-/// Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` (these
-/// three behind API-key auth when keys are configured), `GET /health`, `GET /metrics`.
+/// Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`,
+/// `GET /v1/models` (these behind API-key auth when keys are configured), `GET /health`,
+/// `GET /metrics`.
 #[derive(Clone)]
 pub struct Router {
     state: Arc<AppState>,
@@ -107,6 +108,7 @@ impl Router {
         let api = axum::Router::new()
             .route("/v1/chat/completions", post(chat::handle))
             .route("/v1/completions", post(completions::handle))
+            .route("/v1/responses", post(responses::handle))
             .route_layer(from_fn_with_state(
                 self.state.admission.clone(),
                 admission::shed,

@@ -1,7 +1,8 @@
-//! The request-field table of docs/api.md, row by row: each field sent alone on top of a
-//! minimal request gets the outcome the table documents (supported: answered, not named as
-//! ignored; ignored: answered and named in `x-kvmesh-ignored-params`; refused: a 400
-//! `unsupported_parameter` naming it). Then unknown fields, lenient and strict.
+//! The request-field tables of docs/api.md (chat, completions, Responses), row by row: each
+//! field sent alone on top of a minimal request gets the outcome the table documents
+//! (supported: answered, not named as ignored; ignored: answered and named in
+//! `x-kvmesh-ignored-params`; refused: a 400 `unsupported_parameter` naming it). Then unknown
+//! fields, lenient and strict.
 
 mod common;
 
@@ -23,6 +24,8 @@ fn rows() -> Vec<(&'static str, String, String, Value)> {
             endpoint = Some("/v1/chat/completions");
         } else if line.starts_with("### Completions") {
             endpoint = Some("/v1/completions");
+        } else if line.starts_with("## Responses API") {
+            endpoint = Some("/v1/responses");
         }
         let cells: Vec<&str> = line.split(" | ").collect();
         let (Some(endpoint), true) = (endpoint, line.starts_with("| `") && cells.len() >= 4) else {
@@ -40,10 +43,10 @@ fn rows() -> Vec<(&'static str, String, String, Value)> {
 }
 
 fn body(endpoint: &str, patch: &Value) -> Value {
-    let mut body = if endpoint == "/v1/chat/completions" {
-        chat_body("Hi")
-    } else {
-        json!({"model": MODEL, "prompt": "Hi"})
+    let mut body = match endpoint {
+        "/v1/chat/completions" => chat_body("Hi"),
+        "/v1/responses" => json!({"model": MODEL, "input": "Hi"}),
+        _ => json!({"model": MODEL, "prompt": "Hi"}),
     };
     for (k, v) in patch.as_object().unwrap() {
         body[k] = v.clone();
