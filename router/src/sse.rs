@@ -103,12 +103,13 @@ where
         .into_response()
 }
 
+/// An SSE event: `event: <name>` (first, as OpenAI writes it) where named, then `data:`.
 fn event(chunk: Chunk) -> Event {
-    let event = Event::default().data(chunk.data);
-    match chunk.event {
-        Some(name) => event.event(name),
-        None => event,
-    }
+    let event = match chunk.event {
+        Some(name) => Event::default().event(name),
+        None => Event::default(),
+    };
+    event.data(chunk.data)
 }
 
 /// The event that reports `error` after `sent` events.

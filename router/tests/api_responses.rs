@@ -54,19 +54,23 @@ fn events(reply: &Reply) -> Vec<(String, Value)> {
     let text = std::str::from_utf8(&reply.body).unwrap();
     let mut out = Vec::new();
     for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
-        let field = |name: &str| {
-            block
-                .lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(|v| v.trim_start().to_string())
-        };
-        if block.lines().all(|l| l.starts_with(':')) {
-            continue; // keep-alive comment
+        // Keep-alive comments aside, each event is `event: <type>` then `data: <json>`.
+        let lines: Vec<&str> = block.lines().filter(|l| !l.starts_with(':')).collect();
+        if lines.is_empty() {
+            continue;
         }
-        let name = field("event:").unwrap_or_else(|| panic!("unnamed event: {block:?}"));
-        let data = field("data:").unwrap_or_else(|| panic!("event without data: {block:?}"));
+        let (name, data) = match lines[..] {
+            [event, data] => (
+                event.strip_prefix("event: ").map(str::to_string),
+                data.strip_prefix("data: "),
+            ),
+            _ => (None, None),
+        };
+        let (Some(name), Some(data)) = (name, data) else {
+            panic!("not an `event:` + `data:` event: {block:?}");
+        };
         assert_ne!(data, "[DONE]");
-        let value: Value = serde_json::from_str(&data).unwrap();
+        let value: Value = serde_json::from_str(data).unwrap();
         assert_eq!(value["type"], name.as_str(), "{block}");
         out.push((name, value));
     }
