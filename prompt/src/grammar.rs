@@ -106,7 +106,7 @@ impl Grammars {
 /// JSON laid out as `json.dumps` does (`{"a": 1, "b": [2, 3]}`), unless the schema sets its
 /// own layout: with free whitespace a model can pad its answer with newlines until
 /// `max_tokens` and never close it.
-fn json_layout(mut schema: serde_json::Value) -> serde_json::Value {
+pub fn json_layout(mut schema: serde_json::Value) -> serde_json::Value {
     if let Some(object) = schema.as_object_mut() {
         object.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({

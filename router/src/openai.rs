@@ -6,7 +6,7 @@
 //! (`store`, `metadata`, `service_tier`, ...) and top-level fields this server does not know
 //! are accepted with no effect and named in the `x-kvmesh-ignored-params` response header
 //! and the log; with `strict_params` unknown ones get a 400 `unknown_parameter`. Real
-//! OpenAI features this server lacks (`tools`, `functions`, `suffix`, ...) get a 400
+//! OpenAI features this server lacks (`functions`, `suffix`, ...) get a 400
 //! `unsupported_parameter` naming them; `null` counts as absent.
 
 pub(crate) mod chat;
@@ -17,6 +17,7 @@ mod params;
 pub(crate) mod responses;
 mod structured;
 pub(crate) mod tokenize;
+mod tools;
 mod types;
 
 use std::time::{SystemTime, UNIX_EPOCH};

@@ -238,7 +238,13 @@ async fn bad_requests_get_400_with_the_parameter_named() {
         (
             chat,
             with(json!({"tools": [{"type": "function"}]})),
-            Some("tools"),
+            Some("tools[0]"),
+            "invalid_value",
+        ),
+        (
+            chat,
+            with(json!({"tools": [{"type": "file_search"}]})),
+            Some("tools[0].type"),
             "unsupported_parameter",
         ),
         (

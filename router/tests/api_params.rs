@@ -65,7 +65,12 @@ fn ignored(reply: &Reply) -> Vec<String> {
 #[tokio::test]
 async fn every_documented_field_sent_alone_has_its_documented_outcome() {
     let backend = ScriptedBackend::replying("ok", FinishReason::Stop);
-    let app = router(&backend).app();
+    // Room for the tools' system text (this test tokenizer has a token per byte).
+    let config = kvmesh_router::RouterConfig {
+        max_context: 4096,
+        ..config()
+    };
+    let app = router_with(&backend, config).app();
     let rows = rows();
     assert!(
         rows.len() > 50,

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::params::{self, PromptInfo, SamplingFields};
+use super::tools::{self, CallParser, Found, PastCall, Tools};
 use super::types::{
     finish_reason, to_json, ChoiceOutput, Meta, StopParam, StreamOptions, UsageBody,
 };
@@ -40,13 +41,16 @@ const POLICY: FieldPolicy = FieldPolicy {
         ("user", "end users are not tracked"),
         ("safety_identifier", "end users are not tracked"),
         ("prompt_cache_key", "prefix caching is automatic"),
-        ("parallel_tool_calls", "there are no tool calls"),
     ],
     unsupported: &[
-        ("tools", "this server has no tool calling"),
-        ("tool_choice", "this server has no tool calling"),
-        ("functions", "this server has no function calling"),
-        ("function_call", "this server has no function calling"),
+        (
+            "functions",
+            "the deprecated `functions` are not supported: use `tools`",
+        ),
+        (
+            "function_call",
+            "the deprecated `function_call` is not supported: use `tool_choice`",
+        ),
         ("audio", "this server generates text only"),
         ("prediction", "predicted outputs are not implemented"),
         ("web_search_options", "this server does not search the web"),
@@ -83,6 +87,9 @@ struct ChatRequest {
     response_format: Option<Value>,
     /// Only `["text"]`.
     modalities: Option<Vec<String>>,
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -93,9 +100,33 @@ pub(crate) struct MessageIn {
     /// Accepted and ignored (templates get role and content).
     #[allow(dead_code)]
     name: Option<String>,
+    /// An assistant turn's calls.
+    tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool result's call (results are given back in the order of the calls).
+    #[allow(dead_code)]
+    tool_call_id: Option<String>,
 }
 
-/// Messages as the chat template takes them: roles checked, content parts joined.
+/// A call in an assistant message the client sends back.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ToolCallIn {
+    #[allow(dead_code)]
+    id: Option<String>,
+    #[allow(dead_code)]
+    r#type: Option<String>,
+    function: FunctionCallIn,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FunctionCallIn {
+    name: String,
+    arguments: String,
+}
+
+/// Messages as the chat template takes them: roles checked, content parts joined, tool
+/// calls and results written in the format the model calls tools in ([`tools`]).
 pub(crate) fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid(
@@ -103,42 +134,69 @@ pub(crate) fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, Api
             "`messages` must contain at least one message",
         ));
     }
-    messages
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let role = match m.role.as_str() {
-                "system" | "user" | "assistant" => m.role,
-                // OpenAI's newer name for system instructions.
-                "developer" => "system".to_string(),
-                "tool" | "function" => {
-                    return Err(ApiError::unsupported(
-                        format!("messages[{i}].role"),
-                        format!("`{}` messages are not supported (no tool calling)", m.role),
-                    ))
-                }
-                other => {
-                    return Err(ApiError::invalid(
-                        format!("messages[{i}].role"),
-                        format!(
-                            "unknown role {other:?}: expected system, developer, user or assistant"
-                        ),
-                    ))
-                }
-            };
-            let content = content_text(i, &role, m.content)?;
-            Ok(ChatMessage::new(role, content))
-        })
-        .collect()
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+    let mut after_result = false;
+    for (i, m) in messages.into_iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "user" | "assistant" | "tool" => m.role,
+            // OpenAI's newer name for system instructions.
+            "developer" => "system".to_string(),
+            "function" => {
+                return Err(ApiError::unsupported(
+                    format!("messages[{i}].role"),
+                    "the deprecated `function` messages are not supported: use `tool`",
+                ))
+            }
+            other => return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!(
+                    "unknown role {other:?}: expected system, developer, user, assistant or tool"
+                ),
+            )),
+        };
+        if m.tool_calls.is_some() && role != "assistant" {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].tool_calls"),
+                "only assistant messages carry `tool_calls`",
+            ));
+        }
+        let content = content_text(i, &role, m.content, m.tool_calls.is_some())?;
+        if role == "tool" {
+            tools::push_result(&mut out, &content, after_result);
+            after_result = true;
+            continue;
+        }
+        after_result = false;
+        let content = match m.tool_calls {
+            Some(calls) => {
+                let calls: Vec<PastCall> = calls
+                    .into_iter()
+                    .map(|c| PastCall {
+                        name: c.function.name,
+                        arguments: c.function.arguments,
+                    })
+                    .collect();
+                tools::assistant_text(&content, &calls)
+            }
+            None => content,
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
 }
 
 /// `content`: a string, or an array of `{"type": "text", "text": ...}` parts (joined with
 /// newlines); `null` only for assistant messages.
-fn content_text(i: usize, role: &str, content: Option<Value>) -> Result<String, ApiError> {
+fn content_text(
+    i: usize,
+    role: &str,
+    content: Option<Value>,
+    has_calls: bool,
+) -> Result<String, ApiError> {
     let param = format!("messages[{i}].content");
     match content::text(&param, content, &["text"])? {
         Some(text) => Ok(text),
-        None if role == "assistant" => Ok(String::new()),
+        None if role == "assistant" || has_calls => Ok(String::new()),
         None => Err(ApiError::invalid(param, "`content` is required")),
     }
 }
@@ -180,7 +238,27 @@ pub(crate) async fn handle(
                 .map_err(|_| ApiError::invalid("top_logprobs", "must be in [0, 20]"))?,
         ),
     };
-    let messages = messages(req.messages)?;
+    let tools = Tools::parse(
+        tools::Api::Chat,
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        &state.prompts,
+    )?;
+    let constraint = match (constraint, tools.as_ref().and_then(Tools::constraint)) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "response_format",
+                "`response_format` cannot be combined with a `tool_choice` that requires a \
+                 call: the answer is the call",
+            ))
+        }
+        (format, calls) => format.or(calls),
+    };
+    let mut messages = messages(req.messages)?;
+    if let Some(tools) = &tools {
+        messages = tools.show(messages);
+    }
     let prompt = state.prompts.chat(&messages)?;
     let fields = SamplingFields {
         n: req.n,
@@ -225,6 +303,7 @@ pub(crate) async fn handle(
             include_usage,
         },
         logprobs: logprobs.is_some(),
+        calls: tools.map(|_| Vec::new()),
     };
     let job = Job {
         id: ctx.id,
@@ -262,7 +341,29 @@ struct Choice {
 #[derive(Serialize)]
 struct MessageOut {
     role: &'static str,
-    content: String,
+    content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCallOut>,
+}
+
+/// A call in a response: whole, or in a stream the pieces that add up to it.
+#[derive(Debug, Default, Serialize)]
+struct ToolCallOut {
+    /// Streamed pieces say which call they belong to.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    index: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    r#type: Option<&'static str>,
+    function: FunctionOut,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct FunctionOut {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    arguments: String,
 }
 
 #[derive(Serialize)]
@@ -271,25 +372,27 @@ struct ChatChunk<'a> {
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: Vec<ChunkChoice<'a>>,
+    choices: Vec<ChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Option<UsageBody>>,
 }
 
 #[derive(Serialize)]
-struct ChunkChoice<'a> {
+struct ChunkChoice {
     index: usize,
-    delta: Delta<'a>,
+    delta: Delta,
     logprobs: Option<Logprobs>,
     finish_reason: Option<&'static str>,
 }
 
-#[derive(Serialize)]
-struct Delta<'a> {
+#[derive(Default, Serialize)]
+struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    content: Option<&'a str>,
+    content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tool_calls: Vec<ToolCallOut>,
 }
 
 /// `logprobs` of a chat choice.
@@ -316,6 +419,8 @@ struct TopLogprob {
 pub(crate) struct ChatFormat {
     meta: Meta,
     logprobs: bool,
+    /// With tools: each choice's parser of the model's calls.
+    calls: Option<Vec<CallParser>>,
 }
 
 impl ChatFormat {
@@ -340,11 +445,7 @@ impl ChatFormat {
         }
     }
 
-    fn chunk_json(
-        &self,
-        choices: Vec<ChunkChoice<'_>>,
-        usage: Option<Option<UsageBody>>,
-    ) -> String {
+    fn chunk_json(&self, choices: Vec<ChunkChoice>, usage: Option<Option<UsageBody>>) -> String {
         to_json(&ChatChunk {
             id: &self.meta.id,
             object: "chat.completion.chunk",
@@ -353,6 +454,73 @@ impl ChatFormat {
             choices,
             usage,
         })
+    }
+
+    /// Call `index` of choice `choice`'s id.
+    fn call_id(&self, choice: usize, index: usize) -> String {
+        let request = self.meta.id.trim_start_matches("chatcmpl-");
+        format!("call_{request}_{choice}_{index}")
+    }
+
+    /// What choice `choice`'s next text adds to a delta: content, and calls begun or
+    /// continued. Without tools, the text as it is.
+    fn delta(&mut self, choice: usize, text: &str, end: bool) -> (Delta, bool) {
+        let Some(parsers) = &mut self.calls else {
+            let content = (!text.is_empty() || !end).then(|| text.to_string());
+            return (
+                Delta {
+                    content,
+                    ..Delta::default()
+                },
+                false,
+            );
+        };
+        if parsers.len() <= choice {
+            parsers.resize_with(choice + 1, CallParser::default);
+        }
+        let parser = &mut parsers[choice];
+        let mut found = parser.push(text);
+        if end {
+            found.extend(parser.finish());
+        }
+        let called = parser.found_calls();
+        let mut delta = Delta::default();
+        for f in found {
+            match f {
+                Found::Text(t) => delta.content.get_or_insert_with(String::new).push_str(&t),
+                Found::CallStart { index, name } => delta.tool_calls.push(ToolCallOut {
+                    index: Some(index),
+                    id: Some(self.call_id(choice, index)),
+                    r#type: Some("function"),
+                    function: FunctionOut {
+                        name: Some(name),
+                        arguments: String::new(),
+                    },
+                }),
+                Found::Arguments { index, piece } => match delta.tool_calls.last_mut() {
+                    Some(call) if call.index == Some(index) => {
+                        call.function.arguments.push_str(&piece)
+                    }
+                    _ => delta.tool_calls.push(ToolCallOut {
+                        index: Some(index),
+                        function: FunctionOut {
+                            name: None,
+                            arguments: piece,
+                        },
+                        ..ToolCallOut::default()
+                    }),
+                },
+            }
+        }
+        (delta, called)
+    }
+}
+
+/// OpenAI's `finish_reason` of a choice that may have called tools.
+fn finish_with_calls(reason: FinishReason, called: bool) -> &'static str {
+    match reason {
+        FinishReason::Stop if called => "tool_calls",
+        reason => finish_reason(reason),
     }
 }
 
@@ -364,7 +532,8 @@ impl Format for ChatFormat {
                     index,
                     delta: Delta {
                         role: Some("assistant"),
-                        content: Some(""),
+                        content: Some(String::new()),
+                        ..Delta::default()
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -384,14 +553,16 @@ impl Format for ChatFormat {
         let logprobs = token.filter(|_| self.logprobs).map(|t| Logprobs {
             content: vec![self.token_logprob(t)],
         });
+        let (delta, called) = self.delta(index, text, finish.is_some());
+        let empty = delta.content.is_none() && delta.tool_calls.is_empty();
+        if empty && logprobs.is_none() && finish.is_none() {
+            return Vec::new();
+        }
         let choice = ChunkChoice {
             index,
-            delta: Delta {
-                role: None,
-                content: (!text.is_empty() || finish.is_none()).then_some(text),
-            },
+            delta,
             logprobs,
-            finish_reason: finish.map(finish_reason),
+            finish_reason: finish.map(|f| finish_with_calls(f, called)),
         };
         let json = self.chunk_json(vec![choice], self.meta.chunk_usage());
         vec![json.into()]
@@ -409,16 +580,17 @@ impl Format for ChatFormat {
         let choices = choices
             .into_iter()
             .enumerate()
-            .map(|(index, c)| Choice {
-                index,
-                logprobs: self.logprobs.then(|| Logprobs {
+            .map(|(index, c)| {
+                let logprobs = self.logprobs.then(|| Logprobs {
                     content: c.tokens.iter().map(|t| self.token_logprob(t)).collect(),
-                }),
-                message: MessageOut {
-                    role: "assistant",
-                    content: c.text,
-                },
-                finish_reason: c.finish.map(finish_reason),
+                });
+                let (message, called) = self.message(index, c.text);
+                Choice {
+                    index,
+                    logprobs,
+                    message,
+                    finish_reason: c.finish.map(|f| finish_with_calls(f, called)),
+                }
             })
             .collect();
         to_json(&ChatCompletion {
@@ -436,6 +608,38 @@ impl Format for ChatFormat {
     }
 }
 
+impl ChatFormat {
+    /// A whole choice's message: with tools, its calls apart from its content.
+    fn message(&mut self, choice: usize, text: String) -> (MessageOut, bool) {
+        if self.calls.is_none() {
+            let message = MessageOut {
+                role: "assistant",
+                content: Some(text),
+                tool_calls: Vec::new(),
+            };
+            return (message, false);
+        }
+        let (delta, called) = self.delta(choice, &text, true);
+        let tool_calls: Vec<ToolCallOut> = delta
+            .tool_calls
+            .into_iter()
+            .map(|c| ToolCallOut { index: None, ..c })
+            .collect();
+        let content = delta.content.unwrap_or_default();
+        let content = match (called, content.trim()) {
+            (true, "") => None,
+            (true, trimmed) => Some(trimmed.to_string()),
+            (false, _) => Some(content),
+        };
+        let message = MessageOut {
+            role: "assistant",
+            content,
+            tool_calls,
+        };
+        (message, called)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -445,6 +649,8 @@ mod tests {
             role: role.into(),
             content: Some(content),
             name: None,
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
 
@@ -460,6 +666,8 @@ mod tests {
                 role: "assistant".into(),
                 content: None,
                 name: None,
+                tool_calls: None,
+                tool_call_id: None,
             },
         ])
         .unwrap();
@@ -474,7 +682,7 @@ mod tests {
             Some("messages[0].role")
         );
         assert!(matches!(
-            err(msg("tool", Value::from("x"))),
+            err(msg("function", Value::from("x"))),
             ApiError::UnsupportedParameter { .. }
         ));
         assert_eq!(
@@ -493,7 +701,9 @@ mod tests {
             err(MessageIn {
                 role: "user".into(),
                 content: None,
-                name: None
+                name: None,
+                tool_calls: None,
+                tool_call_id: None,
             })
             .param(),
             Some("messages[0].content")
