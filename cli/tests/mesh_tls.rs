@@ -53,6 +53,7 @@ fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner:
         host_tier_blocks: 0,
         disk_tier_blocks: 0,
         disk_tier_dir: None,
+        grammar_fast_forward: true,
     }
     .llama_engine(loaded())
     .unwrap()

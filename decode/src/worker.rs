@@ -497,9 +497,11 @@ impl<R: ModelRunner> Loop<R> {
             .engine
             .complete_remote_prefill(seq_id, done.first, done.cached_tokens)
         {
-            Ok(out) => {
+            Ok(outputs) => {
                 self.metrics.transfer_seconds.record(elapsed.as_secs_f64());
-                self.emit(out);
+                for out in outputs {
+                    self.emit(out);
+                }
             }
             Err(e) => {
                 tracing::warn!("completing a remote prefill: {e}; prefilling locally");

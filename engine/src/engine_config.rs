@@ -36,6 +36,10 @@ pub struct EngineConfig {
     pub disk_tier_blocks: usize,
     /// The disk tier's directory (one file per block); required when `disk_tier_blocks` > 0.
     pub disk_tier_dir: Option<std::path::PathBuf>,
+    /// Structured outputs: the tokens a format forces (a JSON schema's keys and punctuation)
+    /// follow the drawn token without a step and a draw each. Off only to compare; the nodes
+    /// of a mesh must agree for a moved request to continue exactly.
+    pub grammar_fast_forward: bool,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +54,7 @@ impl Default for EngineConfig {
             host_tier_blocks: 0,
             disk_tier_blocks: 0,
             disk_tier_dir: None,
+            grammar_fast_forward: true,
         }
     }
 }
@@ -79,7 +84,8 @@ impl EngineConfig {
         let config = self.scheduler_config(loaded.fingerprint, loaded.model.config.max_context);
         config.validate()?;
         let runner = LlamaRunner::new(loaded.model.clone(), self.num_blocks, self.block_size);
-        let engine = LlmEngine::new(config, runner, loaded.tokenizer.clone());
+        let mut engine = LlmEngine::new(config, runner, loaded.tokenizer.clone());
+        engine.set_fast_forward(self.grammar_fast_forward);
         match (&self.disk_tier_dir, self.disk_tier_blocks) {
             (_, 0) => Ok(engine),
             (None, _) => Err(SchedulerError::InvalidConfig(

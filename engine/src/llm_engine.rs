@@ -1,6 +1,13 @@
 //! The engine loop: one step = schedule, execute, sample, absorb. Synchronous and single
 //! threaded; servers drive it from a dedicated thread and talk to it through channels.
 //!
+//! Structured outputs ride on the same loop. The grammar state of a constrained sequence
+//! is final once its last token is known, so the tokens it allows next are computed on the
+//! rayon pool while the model computes the logits (`set_mask_overlap`), and applied to them
+//! after. Where the grammar forces the next tokens (a JSON schema's keys and punctuation),
+//! they follow the drawn token in the same step's outputs, without a draw each, and the
+//! next step computes them together (`set_fast_forward`).
+//!
 //! Disaggregated serving adds two roles on top of the plain loop:
 //! - a *prefill worker* adds `add_prefill_request` sequences (they end after their first
 //!   token) and runs `step_observed`, pushing each layer's KV as soon as it is written;
@@ -21,7 +28,7 @@ use kvmesh_common::{
     BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, TokenId,
 };
 use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
-use kvmesh_prompt::grammar::{ConstrainedSequence, GrammarError, Grammars};
+use kvmesh_prompt::grammar::{AllowedTokens, ConstrainedSequence, GrammarError, Grammars};
 use kvmesh_prompt::stop::StopChecker;
 use kvmesh_prompt::tokenizer::Tokenizer;
 use std::collections::HashMap;
@@ -42,11 +49,15 @@ pub enum EngineError {
     Constraint(#[from] GrammarError),
 }
 
-/// What one step produced for one sequence.
+/// One token a step produced for one sequence. A structured output whose format forces
+/// the tokens after the drawn one gets several outputs in one step, in order: each is a
+/// generated token like any other (stop conditions, usage, streaming).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqOutput {
     pub seq_id: SeqId,
-    /// The sampled token (`None` when the sequence ended without one, e.g. context full).
+    /// The token (`None` when the sequence ended without one, e.g. context full). A forced
+    /// token has log-probability 0 (probability 1 under the constraint) and, when
+    /// log-probabilities are asked for, itself as its only top alternative.
     pub sampled: Option<Sampled>,
     /// Raw logits of the `top_logits` best tokens at this position, best first (diagnostics).
     pub top_logits: Vec<(TokenId, f32)>,
@@ -69,49 +80,200 @@ struct SeqState {
     prefill_only: bool,
     /// Its structured-output constraint's state: masks each draw, follows each token.
     grammar: Option<ConstrainedSequence>,
+    /// Tokens generated so far (delivered before a migration included): what `max_tokens`
+    /// counts.
+    num_generated: usize,
+    /// Forced tokens a migration cut off: already among the sequence's tokens (computed with
+    /// them), delivered before its next drawn token.
+    undelivered: Vec<TokenId>,
 }
 
 impl SeqState {
     /// Brings a migrated sequence's per-token state to where it was after `generated`:
-    /// the text they completed is dropped (the client has it already).
+    /// the text they completed is dropped (the client has it already). Tokens the format
+    /// forced (with `fast_forward`, as this engine would have forced them) took no draw.
+    /// Returns the rest of a forced run that `generated` cuts off: see `deliver_later`.
     fn replay(
         &mut self,
         tokenizer: &Tokenizer,
         vocab: usize,
         prompt: &[TokenId],
         generated: &[TokenId],
-    ) {
+        fast_forward: bool,
+    ) -> Vec<TokenId> {
+        let mut forced = std::collections::VecDeque::new();
         for (i, &token) in generated.iter().enumerate() {
-            if !self.params.is_greedy() {
-                // One draw per token, as `complete_remote_prefill` does: later draws continue
-                // the same random stream.
-                let mut logits = vec![0.0; vocab];
-                self.sampler
-                    .sample(&self.params, &mut logits, prompt, &generated[..i]);
+            let was_forced = forced.front() == Some(&token);
+            if was_forced {
+                forced.pop_front();
+            } else {
+                forced.clear();
+                if !self.params.is_greedy() {
+                    // One draw per drawn token, as `complete_remote_prefill` does: later
+                    // draws continue the same random stream.
+                    let mut logits = vec![0.0; vocab];
+                    self.sampler
+                        .sample(&self.params, &mut logits, prompt, &generated[..i]);
+                }
             }
             let piece = self.detokenizer.push(tokenizer, token);
             self.stop.push_text(&piece);
             if let Some(grammar) = &mut self.grammar {
                 // Tokens another node drew under the same constraint: they fit it.
                 let _ = grammar.accept(token);
+                if fast_forward && !was_forced {
+                    forced = grammar.forced_tokens().into();
+                }
             }
         }
+        self.num_generated = generated.len();
+        forced.into()
     }
 
-    /// Masks what the constraint forbids; a grammar in error allows only the end of the
-    /// sequence (the text so far stands).
-    fn constrain(&mut self, logits: &mut [f32], eos: Option<TokenId>) {
+    /// Follows forced tokens that join the sequence's tokens now and are delivered before its
+    /// next drawn token.
+    fn deliver_later(&mut self, tokens: Vec<TokenId>) {
+        if let Some(grammar) = &mut self.grammar {
+            for &token in &tokens {
+                let _ = grammar.accept(token);
+            }
+        }
+        self.undelivered = tokens;
+    }
+
+    /// Follows the run's drawn token (its last) in the format, and appends the tokens the
+    /// format forces after it (with `fast_forward`; not for a prefill-only sequence, which
+    /// ends with its drawn token). A token that completes the format (or breaks it) ends the
+    /// sequence.
+    fn follow_format(&mut self, run: &mut Run, fast_forward: bool) {
+        run.forced_from = run.tokens.len();
         let Some(grammar) = &mut self.grammar else {
             return;
         };
-        if let Err(e) = grammar.mask(logits) {
+        let drawn = run.tokens.last_mut().expect("a drawn token");
+        if grammar.accept(drawn.token()).is_err() || grammar.is_finished() {
+            drawn.format_end = true;
+            return;
+        }
+        if !fast_forward || self.prefill_only {
+            return;
+        }
+        for token in grammar.forced_tokens() {
+            let format_end = grammar.accept(token).is_err() || grammar.is_finished();
+            run.tokens.push(NewToken {
+                output: forced_output(run.seq_id, token, &self.params),
+                format_end,
+            });
+            if format_end {
+                break;
+            }
+        }
+    }
+}
+
+/// One sequence's new tokens of one step, in order: forced tokens a migration cut off, the
+/// drawn token, then the tokens its format forces after it.
+struct Run {
+    seq_id: SeqId,
+    tokens: Vec<NewToken>,
+    /// Where the forced tokens after the drawn one start: the scheduler appends them.
+    forced_from: usize,
+}
+
+impl Run {
+    fn new(seq_id: SeqId) -> Self {
+        Run {
+            seq_id,
+            tokens: Vec::new(),
+            forced_from: 0,
+        }
+    }
+
+    fn forced(&self) -> Vec<TokenId> {
+        self.tokens[self.forced_from..]
+            .iter()
+            .map(NewToken::token)
+            .collect()
+    }
+}
+
+struct NewToken {
+    output: SeqOutput,
+    /// The format is complete with this token (or broken): the sequence ends here.
+    format_end: bool,
+}
+
+impl NewToken {
+    fn token(&self) -> TokenId {
+        self.output.sampled.as_ref().expect("a token").token
+    }
+}
+
+/// The output of a token the format forced: probability 1 under the constraint.
+fn forced_output(seq_id: SeqId, token: TokenId, params: &SamplingParams) -> SeqOutput {
+    let top_logprobs = match params.logprobs {
+        Some(n) if n > 0 => vec![(token, 0.0)],
+        _ => Vec::new(),
+    };
+    SeqOutput {
+        seq_id,
+        sampled: Some(Sampled {
+            token,
+            logprob: 0.0,
+            top_logprobs,
+        }),
+        top_logits: Vec::new(),
+        text: String::new(),
+        finish: None,
+        cached_tokens: None,
+    }
+}
+
+/// What each constrained sequence that draws this step may draw, or why its grammar failed.
+type Masks = Vec<(SeqId, Result<AllowedTokens, GrammarError>)>;
+
+/// Computes the masks of `ids`' grammars, in parallel (each has its own parser; a mask costs
+/// tens of microseconds).
+fn compute_masks(seqs: &mut HashMap<SeqId, SeqState>, ids: &[SeqId]) -> Masks {
+    use rayon::prelude::*;
+    let mut grammars: Vec<(SeqId, &mut ConstrainedSequence)> = seqs
+        .iter_mut()
+        .filter(|(id, _)| ids.contains(id))
+        .filter_map(|(&id, s)| Some((id, s.grammar.as_mut()?)))
+        .collect();
+    let compute =
+        |(id, grammar): &mut (SeqId, &mut ConstrainedSequence)| (*id, grammar.allowed_tokens());
+    if grammars.len() > 1 {
+        grammars.par_iter_mut().map(compute).collect()
+    } else {
+        grammars.iter_mut().map(compute).collect()
+    }
+}
+
+/// Masks what each constrained sequence's format forbids; a grammar in error allows only the
+/// end of the sequence (the text so far stands).
+fn apply_masks(logits: &mut [(SeqId, Vec<f32>)], masks: Masks, eos: Option<TokenId>) {
+    use rayon::prelude::*;
+    if masks.is_empty() {
+        return;
+    }
+    let masks: HashMap<SeqId, Result<AllowedTokens, GrammarError>> = masks.into_iter().collect();
+    let apply = |(id, logits): &mut (SeqId, Vec<f32>)| match masks.get(id) {
+        None => {}
+        Some(Ok(allowed)) => allowed.apply(logits),
+        Some(Err(e)) => {
             tracing::warn!("structured output: {e}; ending the sequence");
-            for (id, l) in logits.iter_mut().enumerate() {
-                if Some(id as TokenId) != eos {
+            for (t, l) in logits.iter_mut().enumerate() {
+                if Some(t as TokenId) != eos {
                     *l = f32::NEG_INFINITY;
                 }
             }
         }
+    };
+    if masks.len() > 1 {
+        logits.par_iter_mut().for_each(apply);
+    } else {
+        logits.iter_mut().for_each(apply);
     }
 }
 
@@ -145,6 +307,10 @@ pub struct LlmEngine<R: ModelRunner> {
     tiers: TierStore,
     /// Constraint compiler over the tokenizer's vocabulary, built on first use.
     grammars: Option<Arc<Grammars>>,
+    /// Forced tokens follow the drawn one without a draw each.
+    fast_forward: bool,
+    /// Masks are computed while the model runs, not after it.
+    mask_overlap: bool,
 }
 
 impl<R: ModelRunner> LlmEngine<R> {
@@ -159,7 +325,24 @@ impl<R: ModelRunner> LlmEngine<R> {
             last_step_tokens: 0,
             tiers: TierStore::default(),
             grammars: None,
+            fast_forward: true,
+            mask_overlap: true,
         }
+    }
+
+    /// Whether the tokens a structured output's format forces follow the drawn token in the
+    /// same step, without a draw each (on by default). Off, every token takes a step and a
+    /// draw from the masked logits; the text is in the format either way, but the tokens (the
+    /// model may spell a forced text differently) and a seeded run's later draws differ. A
+    /// migrated request must resume on an engine with the same setting to continue exactly.
+    pub fn set_fast_forward(&mut self, on: bool) {
+        self.fast_forward = on;
+    }
+
+    /// Whether the masks of a step's constrained sequences are computed while the model
+    /// computes their logits (on by default) or after it. The tokens are the same either way.
+    pub fn set_mask_overlap(&mut self, on: bool) {
+        self.mask_overlap = on;
     }
 
     /// Keeps the disk tier (`SchedulerConfig::disk_tier_blocks`) in `dir`, taking over the
@@ -270,8 +453,26 @@ impl<R: ModelRunner> LlmEngine<R> {
             reported_cached: false,
             prefill_only: matches!(mode, Mode::PrefillOnly),
             grammar,
+            num_generated: 0,
+            undelivered: Vec::new(),
         };
-        state.replay(&self.tokenizer, vocab, &prompt, &generated);
+        let mut cut_off = state.replay(
+            &self.tokenizer,
+            vocab,
+            &prompt,
+            &generated,
+            self.fast_forward,
+        );
+        // The forced tokens a migration cut off are computed with the delivered ones; room is
+        // left for a drawn token after them.
+        let config = self.scheduler.config();
+        let max_len = config
+            .max_model_len
+            .min(config.num_blocks * config.block_size);
+        cut_off.truncate(max_len.saturating_sub(prompt.len() + generated.len() + 1));
+        let mut generated = generated;
+        generated.extend_from_slice(&cut_off);
+        state.deliver_later(cut_off);
         match mode {
             Mode::Local if !generated.is_empty() => self
                 .scheduler
@@ -413,7 +614,8 @@ impl<R: ModelRunner> LlmEngine<R> {
     }
 
     /// Ends a remote prefill whose KV arrived intact: appends `first`, the token the prefill
-    /// worker sampled, and returns its output (text, finish) as `step` would have.
+    /// worker sampled, and returns its output (text, finish) as `step` would have, followed
+    /// by those of the tokens its format forces after it.
     /// `remote_cached_tokens` is how much of the prompt the prefill worker served from its
     /// own cache; usage reports the larger of that and the local hits.
     pub fn complete_remote_prefill(
@@ -421,7 +623,7 @@ impl<R: ModelRunner> LlmEngine<R> {
         seq_id: SeqId,
         first: Sampled,
         remote_cached_tokens: usize,
-    ) -> Result<SeqOutput, EngineError> {
+    ) -> Result<Vec<SeqOutput>, EngineError> {
         let vocab = self.runner.vocab_size();
         if first.token as usize >= vocab {
             return Err(RunnerError::TokenOutOfRange {
@@ -449,19 +651,24 @@ impl<R: ModelRunner> LlmEngine<R> {
         }
         let cached = state.cached_tokens.unwrap_or(0).max(remote_cached_tokens);
         state.cached_tokens = Some(cached);
-        let outcome = self
-            .scheduler
-            .complete_remote_prefill(seq_id, first.token)?;
-        let mut outputs = vec![SeqOutput {
-            seq_id,
-            sampled: Some(first),
-            top_logits: Vec::new(),
-            text: String::new(),
-            finish: None,
-            cached_tokens: None,
-        }];
-        self.finish_outputs(&mut outputs, &outcome.context_full);
-        Ok(outputs.pop().expect("one output"))
+        let mut run = Run::new(seq_id);
+        run.tokens.push(NewToken {
+            output: SeqOutput {
+                seq_id,
+                sampled: Some(first),
+                top_logits: Vec::new(),
+                text: String::new(),
+                finish: None,
+                cached_tokens: None,
+            },
+            format_end: false,
+        });
+        state.follow_format(&mut run, self.fast_forward);
+        let first = run.tokens[0].token();
+        let outcome = self.scheduler.complete_remote_prefill(seq_id, first)?;
+        let mut runs = vec![run];
+        let context_full = self.append_forced(&mut runs, outcome.context_full);
+        Ok(self.finish_outputs(runs, &context_full))
     }
 
     /// Gives up on a remote prefill (transfer failed, corrupt or the prefill worker is gone):
@@ -522,9 +729,36 @@ impl<R: ModelRunner> LlmEngine<R> {
             return Ok(Vec::new());
         }
         let step = &plan.step;
-        let result = self
-            .runner
-            .execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv));
+        // The constrained sequences that draw this step: their grammar state is final, so what
+        // they may draw is computed while the model runs.
+        let drawing: Vec<SeqId> = step
+            .chunks
+            .iter()
+            .filter(|c| c.want_logits)
+            .filter(|c| {
+                self.seqs
+                    .get(&c.seq_id)
+                    .is_some_and(|s| s.grammar.is_some())
+            })
+            .map(|c| c.seq_id)
+            .collect();
+        let mut masks = Masks::new();
+        let result = if self.mask_overlap && !drawing.is_empty() {
+            let (runner, seqs) = (&mut self.runner, &mut self.seqs);
+            // The model on this thread, the masks on the rayon pool.
+            rayon::in_place_scope(|scope| {
+                scope.spawn(|_| masks = compute_masks(seqs, &drawing));
+                runner.execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv))
+            })
+        } else {
+            let result = self
+                .runner
+                .execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv));
+            if result.is_ok() {
+                masks = compute_masks(&mut self.seqs, &drawing);
+            }
+            result
+        };
         let result = match result {
             Ok(r) => r,
             Err(e) => {
@@ -533,10 +767,10 @@ impl<R: ModelRunner> LlmEngine<R> {
             }
         };
 
-        let mut sampled = Vec::with_capacity(result.logits.len());
-        let mut outputs = Vec::with_capacity(result.logits.len());
         let mut logits_by_seq = result.logits;
-        self.constrain_all(&mut logits_by_seq);
+        apply_masks(&mut logits_by_seq, masks, self.tokenizer.eos_token_id());
+        let mut sampled = Vec::with_capacity(logits_by_seq.len());
+        let mut runs = Vec::with_capacity(logits_by_seq.len());
         for (seq_id, mut logits) in logits_by_seq {
             let (Some(state), Some(tokens)) = (
                 self.seqs.get_mut(&seq_id),
@@ -550,89 +784,115 @@ impl<R: ModelRunner> LlmEngine<R> {
                 .sampler
                 .sample(&state.params, &mut logits, tokens.prompt, tokens.output);
             sampled.push((seq_id, s.token));
-            outputs.push(SeqOutput {
-                seq_id,
-                sampled: Some(s),
-                top_logits,
-                text: String::new(),
-                finish: None,
-                cached_tokens: None,
+            let mut run = Run::new(seq_id);
+            let undelivered = std::mem::take(&mut state.undelivered);
+            let last = undelivered.len().checked_sub(1);
+            for (i, token) in undelivered.into_iter().enumerate() {
+                // Replayed already: the format may be complete with the last of them.
+                let format_end =
+                    Some(i) == last && state.grammar.as_ref().is_some_and(|g| g.is_finished());
+                run.tokens.push(NewToken {
+                    output: forced_output(seq_id, token, &state.params),
+                    format_end,
+                });
+            }
+            run.tokens.push(NewToken {
+                output: SeqOutput {
+                    seq_id,
+                    sampled: Some(s),
+                    top_logits,
+                    text: String::new(),
+                    finish: None,
+                    cached_tokens: None,
+                },
+                format_end: false,
             });
+            state.follow_format(&mut run, self.fast_forward);
+            runs.push(run);
         }
         let outcome = self.scheduler.update_from_output(plan, &sampled)?;
-        self.finish_outputs(&mut outputs, &outcome.context_full);
-        Ok(outputs)
+        let context_full = self.append_forced(&mut runs, outcome.context_full);
+        Ok(self.finish_outputs(runs, &context_full))
     }
 
-    /// Masks what each constrained sequence's format forbids, the sequences in parallel
-    /// (each has its own parser; a mask costs tens of microseconds).
-    fn constrain_all(&mut self, logits: &mut [(SeqId, Vec<f32>)]) {
-        use rayon::prelude::*;
-        let eos = self.tokenizer.eos_token_id();
-        let mut constrained: HashMap<SeqId, &mut SeqState> = self
-            .seqs
-            .iter_mut()
-            .filter(|(_, s)| s.grammar.is_some())
-            .map(|(id, s)| (*id, s))
-            .collect();
-        if constrained.is_empty() {
-            return;
-        }
-        let mut jobs: Vec<(&mut Vec<f32>, &mut SeqState)> = logits
-            .iter_mut()
-            .filter_map(|(id, l)| Some((l, constrained.remove(id)?)))
-            .collect();
-        jobs.par_iter_mut()
-            .for_each(|(l, state)| state.constrain(l, eos));
-    }
-
-    /// Stop checks, detokenization and cleanup of sequences that just got a token.
-    fn finish_outputs(&mut self, outputs: &mut [SeqOutput], context_full: &[SeqId]) {
-        let mut matched_stop_string = Vec::new();
-        for out in outputs.iter_mut() {
-            let state = self.seqs.get_mut(&out.seq_id).expect("sampled above");
-            let token = out.sampled.as_ref().expect("sampled above").token;
-            let generated = self
-                .scheduler
-                .sequence_tokens(out.seq_id)
-                .map_or(0, |t| t.output.len());
-            out.finish = state.stop.check_token(token, generated);
-            if out.finish != Some(FinishReason::Stop) {
-                let piece = state.detokenizer.push(&self.tokenizer, token);
-                let (text, hit) = state.stop.push_text(&piece);
-                out.text = text;
-                if hit {
-                    out.finish = Some(FinishReason::Stop);
-                    matched_stop_string.push(out.seq_id);
-                }
+    /// Appends each run's forced tokens to its sequence, up to the one that fills the
+    /// context (none when the drawn token filled it). Returns the sequences whose context is
+    /// full: each run ends with the token that filled it.
+    fn append_forced(&mut self, runs: &mut [Run], mut context_full: Vec<SeqId>) -> Vec<SeqId> {
+        for run in runs.iter_mut() {
+            if context_full.contains(&run.seq_id) {
+                run.tokens.truncate(run.forced_from);
+                continue;
             }
-            if let Some(grammar) = &mut state.grammar {
-                // The constraint's language ends here: nothing more may follow.
-                if grammar.accept(token).is_err() || grammar.is_finished() {
+            let forced = run.forced();
+            if forced.is_empty() {
+                continue;
+            }
+            let appended = self.scheduler.append_tokens(run.seq_id, &forced);
+            run.tokens.truncate(run.forced_from + appended.count);
+            if appended.context_full {
+                context_full.push(run.seq_id);
+            }
+        }
+        context_full
+    }
+
+    /// Stop checks, detokenization and cleanup, token by token, of the sequences that just
+    /// got tokens: a sequence's run ends at its first token that finishes it.
+    fn finish_outputs(&mut self, runs: Vec<Run>, context_full: &[SeqId]) -> Vec<SeqOutput> {
+        let mut outputs = Vec::with_capacity(runs.iter().map(|r| r.tokens.len()).sum());
+        for run in runs {
+            let seq_id = run.seq_id;
+            let Some(state) = self.seqs.get_mut(&seq_id) else {
+                continue;
+            };
+            let n = run.tokens.len();
+            let mut matched_stop_string = false;
+            let mut finished = false;
+            for (i, new) in run.tokens.into_iter().enumerate() {
+                let token = new.token();
+                let mut out = new.output;
+                state.num_generated += 1;
+                out.finish = state.stop.check_token(token, state.num_generated);
+                if out.finish != Some(FinishReason::Stop) {
+                    let piece = state.detokenizer.push(&self.tokenizer, token);
+                    let (text, hit) = state.stop.push_text(&piece);
+                    out.text = text;
+                    if hit {
+                        out.finish = Some(FinishReason::Stop);
+                        matched_stop_string = true;
+                    }
+                }
+                if new.format_end {
+                    // The constraint's language ends here: nothing more may follow.
                     out.finish.get_or_insert(FinishReason::Stop);
                 }
+                if i + 1 == n && (context_full.contains(&seq_id) || state.prefill_only) {
+                    out.finish.get_or_insert(FinishReason::Length);
+                }
+                if !state.reported_cached {
+                    state.reported_cached = true;
+                    out.cached_tokens = state.cached_tokens;
+                }
+                finished = out.finish.is_some();
+                outputs.push(out);
+                if finished {
+                    break;
+                }
             }
-            if context_full.contains(&out.seq_id) || state.prefill_only {
-                out.finish.get_or_insert(FinishReason::Length);
-            }
-        }
-        for out in outputs.iter_mut() {
-            let state = self.seqs.get_mut(&out.seq_id).expect("sampled above");
-            if !state.reported_cached {
-                state.reported_cached = true;
-                out.cached_tokens = state.cached_tokens;
-            }
-            if out.finish.is_some() {
-                let mut state = self.seqs.remove(&out.seq_id).expect("sampled above");
+            if finished {
+                let mut state = self.seqs.remove(&seq_id).expect("looked up above");
                 // Flush held-back text unless a stop string cut it off.
-                if !matched_stop_string.contains(&out.seq_id) {
+                if !matched_stop_string {
+                    let out = outputs.last_mut().expect("pushed above");
                     let tail = state.detokenizer.finish();
                     out.text.push_str(&state.stop.push_text(&tail).0);
                     out.text.push_str(&state.stop.flush());
                 }
-                self.scheduler.finish(out.seq_id);
+                self.scheduler.finish(seq_id);
             }
         }
+        outputs
     }
 }
 

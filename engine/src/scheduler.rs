@@ -194,6 +194,16 @@ pub struct StepOutcome {
     pub context_full: Vec<SeqId>,
 }
 
+/// What `append_tokens` did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub struct Appended {
+    /// Tokens appended, from the first on.
+    pub count: usize,
+    /// The last appended token filled the context: the sequence is finished and freed.
+    pub context_full: bool,
+}
+
 /// A sequence's tokens, split as the sampler's penalties need them.
 #[derive(Clone, Copy, Debug)]
 pub struct SequenceTokens<'a> {
@@ -487,6 +497,38 @@ impl Scheduler {
             outcome.context_full.push(seq_id);
         }
         Ok(outcome)
+    }
+
+    /// Appends `tokens` after the token just sampled for the running sequence `seq_id`:
+    /// tokens that need no draw of their own (a structured output's forced tokens). Its next
+    /// chunk computes them together, and that chunk's last position gives the next logits.
+    /// Stops at the token that fills the context; the sequence is then finished and freed,
+    /// as by `update_from_output`. Call between steps.
+    pub fn append_tokens(&mut self, seq_id: SeqId, tokens: &[TokenId]) -> Appended {
+        debug_assert!(self.in_flight.is_none(), "append_tokens during a step");
+        let max_len = self.max_seq_len();
+        let mut appended = Appended::default();
+        let Some(seq) = self.seqs.get_mut(&seq_id) else {
+            return appended;
+        };
+        for &token in tokens {
+            if seq.len() >= max_len {
+                break;
+            }
+            seq.output.push(token);
+            appended.count += 1;
+            if seq.len() >= max_len {
+                appended.context_full = true;
+                break;
+            }
+        }
+        if self.config.enable_prefix_caching {
+            seq.extend_hashes(&self.config.hasher);
+        }
+        if appended.context_full {
+            self.finish(seq_id);
+        }
+        appended
     }
 
     /// Gives up on the remote prefill of `seq_id`: releases the blocks reserved for the

@@ -1,6 +1,7 @@
 //! Structured outputs: a [`Constraint`] compiled (with llguidance) over one tokenizer's
 //! vocabulary into a per-sequence [`ConstrainedSequence`] that masks the tokens breaking it
-//! before each draw and follows the tokens drawn.
+//! before each draw ([`AllowedTokens`], computable while the model runs), follows the tokens
+//! drawn, and names the tokens it forces (appended without a draw).
 //!
 //! The router compiles a request's constraint once to refuse a bad one with a clear message
 //! (400) before any work; each engine compiles it again for the sequence it runs (a JSON
@@ -9,7 +10,7 @@
 use crate::tokenizer::Tokenizer;
 use kvmesh_common::{Constraint, TokenId};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::toktrie::{SimpleVob, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use std::sync::Arc;
 
@@ -136,19 +137,20 @@ impl std::fmt::Debug for ConstrainedSequence {
 }
 
 impl ConstrainedSequence {
+    /// The tokens that keep the text in the grammar at the next position (the end-of-sequence
+    /// token once the text is complete). Reads the state only: compute it while the model
+    /// computes the logits, then [`AllowedTokens::apply`] it.
+    pub fn allowed_tokens(&mut self) -> Result<AllowedTokens, GrammarError> {
+        self.matcher
+            .compute_mask_or_eos()
+            .map(AllowedTokens)
+            .map_err(|e| GrammarError(e.to_string()))
+    }
+
     /// Sets every token that would break the grammar to -inf in `logits` (the end-of-sequence
     /// token is allowed once the text is complete).
     pub fn mask(&mut self, logits: &mut [f32]) -> Result<(), GrammarError> {
-        let allowed = self
-            .matcher
-            .compute_mask_or_eos()
-            .map_err(|e| GrammarError(e.to_string()))?;
-        // Logits past the tokenizer's vocabulary (padding rows of the output layer) never fit.
-        for (id, logit) in logits.iter_mut().enumerate() {
-            if id >= allowed.len() || !allowed.is_allowed(id as TokenId) {
-                *logit = f32::NEG_INFINITY;
-            }
-        }
+        self.allowed_tokens()?.apply(logits);
         Ok(())
     }
 
@@ -162,8 +164,69 @@ impl ConstrainedSequence {
             .map_err(|e| GrammarError(e.to_string()))
     }
 
+    /// The tokens the grammar forces next (the fixed keys and punctuation of a JSON schema):
+    /// a sequence may append them without a draw each, [`accept`](Self::accept)ing each.
+    /// Empty when the next token is a choice, the text is complete or the grammar is in
+    /// error. They are the canonical tokenization of the forced text, so the model reads them
+    /// as it would read them in a prompt; forced bytes that a longer token could still cover
+    /// are left to the next draw.
+    pub fn forced_tokens(&mut self) -> Vec<TokenId> {
+        if self.matcher.is_stopped() {
+            return Vec::new();
+        }
+        self.matcher.compute_ff_tokens()
+    }
+
     /// Whether the text is complete and nothing more may follow.
     pub fn is_finished(&self) -> bool {
         self.matcher.is_stopped()
+    }
+}
+
+/// The tokens a grammar allows at one position: a bit per vocabulary entry.
+#[derive(Clone)]
+pub struct AllowedTokens(SimpleVob);
+
+impl std::fmt::Debug for AllowedTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AllowedTokens({} of {})", self.0.num_set(), self.0.len())
+    }
+}
+
+impl AllowedTokens {
+    /// Sets the logit of every token not allowed to -inf; logits past the tokenizer's
+    /// vocabulary (padding rows of the output layer) never fit. A word of the bitset at a
+    /// time: most words of a mask are all zeros or all ones.
+    pub fn apply(&self, logits: &mut [f32]) {
+        let len = self.0.len();
+        let words = self.0.as_slice();
+        for (i, chunk) in logits.chunks_mut(32).enumerate() {
+            let mut word = words.get(i).copied().unwrap_or(0);
+            let start = i * 32;
+            if start + 32 > len {
+                // The last word's bits past the vocabulary.
+                word &= (1u64 << len.saturating_sub(start).min(32)).wrapping_sub(1) as u32;
+            }
+            match word {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                _ => {
+                    for (bit, logit) in chunk.iter_mut().enumerate() {
+                        if word & (1 << bit) == 0 {
+                            *logit = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn is_allowed(&self, token: TokenId) -> bool {
+        (token as usize) < self.0.len() && self.0.is_allowed(token)
+    }
+
+    /// How many tokens are allowed.
+    pub fn count(&self) -> usize {
+        self.0.num_set()
     }
 }

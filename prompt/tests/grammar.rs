@@ -1,6 +1,7 @@
 //! Structured-output constraints on the real SmolLM2 vocabulary: masks admit exactly the
-//! tokens that keep the text in the language, driving a sequence by the mask alone ends in
-//! a complete sentence of it, and bad constraints are refused with a reason.
+//! tokens that keep the text in the language, driving a sequence by the mask alone (with or
+//! without the tokens the grammar forces) ends in a complete sentence of it, forced tokens
+//! are tokens the mask allows, and bad constraints are refused with a reason.
 
 use kvmesh_common::{Constraint, TokenId};
 use kvmesh_prompt::gguf::GgufFile;
@@ -26,8 +27,9 @@ fn grammars() -> &'static Grammars {
 
 /// Generates under `constraint` by always taking the allowed token that `prefer(token, step)`
 /// ranks first (a stand-in for a model's logits), until EOS or the grammar's end (or 400
-/// tokens): the text.
-fn drive(constraint: &Constraint, prefer: impl Fn(TokenId, u32) -> f32) -> String {
+/// tokens): the text. With `forced`, the tokens the grammar forces follow each drawn one
+/// (each checked against the mask at its position).
+fn drive(constraint: &Constraint, forced: bool, prefer: impl Fn(TokenId, u32) -> f32) -> String {
     let tok = tokenizer();
     let eos = tok.eos_token_id().unwrap();
     let mut seq = grammars().start(constraint).expect("compiles");
@@ -49,6 +51,18 @@ fn drive(constraint: &Constraint, prefer: impl Fn(TokenId, u32) -> f32) -> Strin
             break;
         }
         out.push(token);
+        if forced {
+            for token in seq.forced_tokens() {
+                let mut logits = vec![0.0; tok.vocab_size()];
+                seq.mask(&mut logits).unwrap();
+                assert!(
+                    logits[token as usize].is_finite(),
+                    "forced {token} is masked"
+                );
+                seq.accept(token).unwrap();
+                out.push(token);
+            }
+        }
         if seq.is_finished() {
             break;
         }
@@ -67,7 +81,7 @@ fn a_json_schema_admits_only_valid_json() {
     let constraint = Constraint::JsonSchema { schema };
     // Prefer long tokens with letters: the grammar must still close the object.
     let tok = tokenizer();
-    let text = drive(&constraint, |t, _| {
+    let text = drive(&constraint, false, |t, _| {
         tok.token_bytes(t).map_or(0.0, |b| b.len() as f32 * 0.01) + (t % 97) as f32 * 0.001
     });
     let v: serde_json::Value =
@@ -98,12 +112,66 @@ fn the_first_mask_of_a_json_object_allows_a_brace_and_no_words() {
 }
 
 #[test]
+fn a_schema_forces_its_keys_and_punctuation() {
+    let tok = tokenizer();
+    let schema = json!({
+        "type": "object",
+        "properties": {"customer_full_legal_name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["customer_full_legal_name", "age"],
+        "additionalProperties": false
+    });
+    let mut seq = grammars()
+        .start(&Constraint::JsonSchema { schema })
+        .unwrap();
+    seq.accept(tok.token_id("{").unwrap()).unwrap();
+    let forced = seq.forced_tokens();
+    let text = tok.decode(&forced, false);
+    // The key and its separator; the string's opening quote may be left to a longer token.
+    assert!(
+        text.starts_with("\"customer_full_legal_name\":"),
+        "{text:?}"
+    );
+    assert!(forced.len() >= 4, "{forced:?}");
+    // Peeking does not follow them: they are still what comes next.
+    assert_eq!(seq.forced_tokens(), forced);
+    for &t in &forced {
+        seq.accept(t).unwrap();
+    }
+    // Inside the string value: the model chooses.
+    for t in tok.encode(" \"Ann", false).unwrap() {
+        seq.accept(t).unwrap();
+    }
+    assert_eq!(seq.forced_tokens(), Vec::<TokenId>::new());
+}
+
+#[test]
+fn the_mask_word_by_word_matches_the_allowed_set() {
+    let tok = tokenizer();
+    let mut seq = grammars()
+        .start(&Constraint::Regex {
+            pattern: "[a-f0-9]{4}".into(),
+        })
+        .unwrap();
+    let allowed = seq.allowed_tokens().unwrap();
+    // Padding rows past the vocabulary, as a model's output layer may have.
+    let mut logits = vec![1.0; tok.vocab_size() + 45];
+    allowed.apply(&mut logits);
+    let finite = logits.iter().filter(|l| l.is_finite()).count();
+    assert_eq!(finite, allowed.count());
+    assert!(finite > 10 && finite < 2000, "{finite}");
+    for (t, l) in logits.iter().enumerate() {
+        assert_eq!(l.is_finite(), allowed.is_allowed(t as TokenId), "token {t}");
+    }
+}
+
+#[test]
 fn choices_regexes_and_grammars_constrain_the_text() {
     let options = vec!["red".to_string(), "green".into(), "blue".into()];
     let text = drive(
         &Constraint::Choice {
             options: options.clone(),
         },
+        false,
         |t, _| -(t as f32),
     );
     assert!(options.contains(&text), "{text:?}");
@@ -111,11 +179,12 @@ fn choices_regexes_and_grammars_constrain_the_text() {
         &Constraint::Regex {
             pattern: "[0-9]{3}-[a-z]{2}".into(),
         },
+        false,
         |t, _| (t % 13) as f32,
     );
     assert!(regex_like(&text), "{text:?}");
     let lark = r#"start: "yes" | "no""#.to_string();
-    let text = drive(&Constraint::Grammar { lark }, |t, _| t as f32);
+    let text = drive(&Constraint::Grammar { lark }, false, |t, _| t as f32);
     assert!(text == "yes" || text == "no", "{text:?}");
 }
 
@@ -270,14 +339,19 @@ proptest::proptest! {
     #![proptest_config(proptest::prelude::ProptestConfig { cases: 50, ..Default::default() })]
 
     /// Whatever the token preferences (random, so every branch of the schema gets taken),
-    /// the mask leads to text that parses and validates against the schema.
+    /// the mask leads to text that parses and validates against the schema, with or without
+    /// the forced tokens.
     #[test]
-    fn fifty_random_schemas_give_valid_json(schema in schema_strategy(), salt in 0u32..1_000_000) {
+    fn fifty_random_schemas_give_valid_json(
+        schema in schema_strategy(),
+        salt in 0u32..1_000_000,
+        forced in proptest::bool::ANY,
+    ) {
         let tok = tokenizer();
         let constraint = Constraint::JsonSchema { schema: schema.clone() };
         // A hash of (token, salt, step): a different arbitrary "model" per case and step.
         // Short tokens are favoured so that strings and numbers end and brackets close.
-        let text = drive(&constraint, |t, step| {
+        let text = drive(&constraint, forced, |t, step| {
             let h = (t ^ salt ^ step.wrapping_mul(40_503)).wrapping_mul(2_654_435_761) >> 8;
             (h % 1000) as f32 / 1000.0 - tok.token_bytes(t).map_or(0.0, |b| b.len() as f32 * 0.3)
         });

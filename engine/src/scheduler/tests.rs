@@ -379,3 +379,70 @@ fn a_first_token_that_fills_the_context_finishes_the_sequence() {
     assert_eq!(outcome.context_full, vec![1]);
     assert_eq!(s.pool().num_used(), 0);
 }
+
+#[test]
+fn appended_tokens_are_computed_in_the_next_chunk() {
+    let mut s = Scheduler::new(config(16, 64));
+    s.add_sequence(1, prompt(5)).unwrap();
+    let out = s.schedule();
+    let _ = s.update_from_output(out, &[(1, 7)]).unwrap();
+    let appended = s.append_tokens(1, &[8, 9, 10]);
+    assert_eq!(
+        appended,
+        Appended {
+            count: 3,
+            context_full: false
+        }
+    );
+    let out = s.schedule();
+    let chunk = &out.step.chunks[0];
+    assert_eq!(
+        (chunk.start_pos, &chunk.tokens[..]),
+        (5, &[7, 8, 9, 10][..])
+    );
+    assert!(chunk.want_logits);
+    let _ = s.update_from_output(out, &[(1, 11)]).unwrap();
+    assert_eq!(s.sequence_tokens(1).unwrap().output, [7, 8, 9, 10, 11]);
+}
+
+#[test]
+fn appended_tokens_beyond_the_budget_take_a_chunk_without_logits_first() {
+    let mut s = Scheduler::new(config(16, 2));
+    s.add_sequence(1, prompt(2)).unwrap();
+    let out = s.schedule();
+    let _ = s.update_from_output(out, &[(1, 7)]).unwrap();
+    let _ = s.append_tokens(1, &[8, 9, 10]);
+    let out = s.schedule();
+    assert!(!out.step.chunks[0].want_logits);
+    assert_eq!(
+        s.update_from_output(out, &[(1, 1)]),
+        Err(SchedulerError::UnexpectedToken(1))
+    );
+    let out = s.schedule();
+    let _ = s.update_from_output(out, &[]).unwrap();
+    let out = s.schedule();
+    assert_eq!(out.step.chunks[0].tokens, [9, 10]);
+    assert!(out.step.chunks[0].want_logits);
+    let _ = s.update_from_output(out, &[(1, 11)]).unwrap();
+}
+
+#[test]
+fn appending_stops_at_the_token_that_fills_the_context() {
+    let mut c = config(16, 64);
+    c.max_model_len = 8;
+    let mut s = Scheduler::new(c);
+    s.add_sequence(1, prompt(5)).unwrap();
+    let out = s.schedule();
+    let _ = s.update_from_output(out, &[(1, 6)]).unwrap();
+    let appended = s.append_tokens(1, &[7, 8, 9]);
+    assert_eq!(
+        appended,
+        Appended {
+            count: 2,
+            context_full: true
+        }
+    );
+    assert!(!s.has_work());
+    assert_eq!(s.pool().num_used(), 0);
+    assert_eq!(s.append_tokens(1, &[1]), Appended::default());
+}
