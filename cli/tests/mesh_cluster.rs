@@ -278,6 +278,11 @@ fn structured_output_crosses_the_mesh(router: SocketAddr, serve: SocketAddr) {
         output_text(path, &reference),
         "the mesh and `kvmesh serve` disagree"
     );
+    // The tokens the schema forced count as generated, on both.
+    assert_eq!(
+        v["usage"]["completion_tokens"], reference["usage"]["completion_tokens"],
+        "{v}\n{reference}"
+    );
 }
 
 fn metric_value(metrics: &str, name: &str) -> f64 {
