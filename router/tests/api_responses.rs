@@ -668,3 +668,396 @@ async fn the_route_is_counted_and_documented() {
     let schema = doc.pointer(schema.strip_prefix('#').unwrap()).unwrap();
     assert!(schema["properties"]["input"].is_object(), "{schema}");
 }
+
+// ---- function tools ------------------------------------------------------------------
+
+const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": [1, 2]}}\n</tool_call>";
+const ARGS: &str = "{\"city\": \"Paris\", \"days\": [1, 2]}";
+const TIME_CALL: &str = "<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>";
+
+/// Room for the tools' system text (this test tokenizer has a token per byte).
+fn tools_app(backend: &std::sync::Arc<ScriptedBackend>) -> axum::Router {
+    let config = RouterConfig {
+        max_context: 8192,
+        ..config()
+    };
+    router_with(backend, config).app()
+}
+
+fn weather_tool() -> Value {
+    json!({
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "array", "items": {"type": "integer"}}},
+            "required": ["city"]
+        },
+        "strict": true
+    })
+}
+
+fn tools_body(extra: Value) -> Value {
+    let mut b = with(json!({
+        "input": "Weather in Paris?",
+        "tools": [weather_tool(), {"type": "function", "name": "time"}],
+    }));
+    for (k, v) in extra.as_object().unwrap() {
+        b[k] = v.clone();
+    }
+    b
+}
+
+fn leak(text: String) -> &'static str {
+    Box::leak(text.into_boxed_str())
+}
+
+/// A response's output items without their ids (which differ per request).
+fn without_ids(output: &Value) -> Value {
+    let mut output = output.clone();
+    for item in output.as_array_mut().unwrap() {
+        let item = item.as_object_mut().unwrap();
+        item.remove("id");
+        item.remove("call_id");
+    }
+    output
+}
+
+#[tokio::test]
+async fn calls_are_function_call_items_after_the_message() {
+    let text = leak(format!("Checking.\n{CALL}\n{TIME_CALL}"));
+    let backend = ScriptedBackend::replying(text, FinishReason::Stop);
+    let app = tools_app(&backend);
+    let reply = post(&app, PATH, tools_body(json!({}))).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    let v = reply.json();
+    assert_eq!(v["status"], "completed");
+    let output = v["output"].as_array().unwrap();
+    assert_eq!(output.len(), 3, "{v}");
+    assert_eq!(output[0]["type"], "message");
+    // The whitespace that lays out the calls is not the message's.
+    assert_eq!(output_text(&v), "Checking.");
+    let ids: Vec<&str> = output.iter().map(|i| i["id"].as_str().unwrap()).collect();
+    assert!(
+        ids[1].starts_with("fc_") && ids[2].starts_with("fc_"),
+        "{ids:?}"
+    );
+    assert_eq!(
+        without_ids(&json!(output[1..])),
+        json!([
+            {"type": "function_call", "name": "get_weather", "arguments": ARGS, "status": "completed"},
+            {"type": "function_call", "name": "time", "arguments": "{}", "status": "completed"},
+        ])
+    );
+    let call_ids: Vec<&str> = output[1..]
+        .iter()
+        .map(|i| i["call_id"].as_str().unwrap())
+        .collect();
+    assert!(call_ids.iter().all(|c| c.starts_with("call_")));
+    assert_ne!(call_ids[0], call_ids[1]);
+    assert_ne!(ids[0], ids[1]);
+    // Echoed as sent; the model saw the tools first in its system turn; `auto` constrains
+    // nothing.
+    assert_eq!(
+        v["tools"],
+        json!([weather_tool(), {"type": "function", "name": "time"}])
+    );
+    assert_eq!(v["tool_choice"], "auto");
+    let prompt = prompt_text(&backend);
+    assert!(
+        prompt.starts_with("<|im_start|>system\n# Tools"),
+        "{prompt}"
+    );
+    assert!(
+        prompt.contains("\"name\":\"get_weather\",\"description\":\"Current weather in a city\"")
+    );
+    assert!(prompt.ends_with(&format!("{}{ASSISTANT}", turn("user", "Weather in Paris?"))));
+    assert_eq!(backend.requests()[0].params.constraint, None);
+
+    // Streamed: the same items, each call's arguments piece by piece.
+    let events = events(&post(&app, PATH, tools_body(json!({"stream": true}))).await);
+    for (i, (_, e)) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], i as u64, "{e}");
+    }
+    let kinds: Vec<&str> = types(&events)
+        .into_iter()
+        .filter(|t| !t.ends_with(".delta"))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    let completed = &events.last().unwrap().1["response"];
+    assert_eq!(without_ids(&completed["output"]), without_ids(&v["output"]));
+    for (index, item) in completed["output"].as_array().unwrap().iter().enumerate() {
+        let of_item = |kind: &str| -> Vec<&Value> {
+            events
+                .iter()
+                .filter(|(n, e)| n == kind && e["output_index"] == index)
+                .map(|(_, e)| e)
+                .collect()
+        };
+        let added = of_item("response.output_item.added");
+        let done = of_item("response.output_item.done");
+        assert_eq!((added.len(), done.len()), (1, 1), "item {index}");
+        assert_eq!(done[0]["item"], *item);
+        assert_eq!(added[0]["item"]["id"], item["id"]);
+        assert_eq!(added[0]["item"]["status"], "in_progress");
+        if item["type"] != "function_call" {
+            continue;
+        }
+        assert_eq!(added[0]["item"]["call_id"], item["call_id"]);
+        assert_eq!(added[0]["item"]["name"], item["name"]);
+        assert_eq!(added[0]["item"]["arguments"], "");
+        let deltas = of_item("response.function_call_arguments.delta");
+        assert!(deltas.iter().all(|d| d["item_id"] == item["id"]));
+        let joined: String = deltas
+            .iter()
+            .map(|d| d["delta"].as_str().unwrap())
+            .collect();
+        assert_eq!(joined, item["arguments"].as_str().unwrap());
+        let args_done = of_item("response.function_call_arguments.done");
+        assert_eq!(args_done[0]["arguments"], item["arguments"]);
+        assert_eq!(args_done[0]["item_id"], item["id"]);
+    }
+    // Arguments come as they are generated (a token per byte here), not at the end.
+    let first_call_deltas = events
+        .iter()
+        .filter(|(n, e)| n == "response.function_call_arguments.delta" && e["output_index"] == 1)
+        .count();
+    assert!(first_call_deltas > 10, "{first_call_deltas}");
+}
+
+#[tokio::test]
+async fn with_tools_text_stays_text_and_a_lone_call_has_no_message() {
+    // No call: the text exactly as written, whitespace included.
+    let backend = ScriptedBackend::replying("It is <b>sunny</b>. \n", FinishReason::Stop);
+    let app = tools_app(&backend);
+    let v = post(&app, PATH, tools_body(json!({}))).await.json();
+    assert_eq!(v["output"].as_array().unwrap().len(), 1);
+    assert_eq!(output_text(&v), "It is <b>sunny</b>. \n");
+    let streamed = events(&post(&app, PATH, tools_body(json!({"stream": true}))).await);
+    let deltas: String = streamed
+        .iter()
+        .filter(|(n, _)| n == "response.output_text.delta")
+        .map(|(_, e)| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, "It is <b>sunny</b>. \n");
+
+    // Only a call: no message. Text after a call is a message of its own.
+    for (text, types) in [
+        (CALL.to_string(), vec!["function_call"]),
+        (format!("{CALL}\n\nDone."), vec!["function_call", "message"]),
+    ] {
+        let backend = ScriptedBackend::replying(leak(text.clone()), FinishReason::Stop);
+        let app = tools_app(&backend);
+        for stream in [false, true] {
+            let reply = post(&app, PATH, tools_body(json!({"stream": stream}))).await;
+            let v = if stream {
+                events(&reply).last().unwrap().1["response"].clone()
+            } else {
+                reply.json()
+            };
+            let got: Vec<&str> = v["output"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["type"].as_str().unwrap())
+                .collect();
+            assert_eq!(got, types, "{text:?} stream={stream}");
+            assert_eq!(v["output"][0]["arguments"], ARGS);
+            let expected = if types.len() == 2 { "Done." } else { "" };
+            assert_eq!(output_text(&v), expected);
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_call_cut_by_max_output_tokens_is_incomplete() {
+    let backend = ScriptedBackend::replying(&CALL[..40], FinishReason::Length);
+    let v = post(&tools_app(&backend), PATH, tools_body(json!({})))
+        .await
+        .json();
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(v["output"][0]["type"], "function_call");
+    assert_eq!(v["output"][0]["status"], "incomplete");
+    assert_eq!(v["output"][0]["name"], "get_weather");
+}
+
+#[tokio::test]
+async fn required_and_named_calls_are_constrained() {
+    let backend = ScriptedBackend::replying(CALL, FinishReason::Stop);
+    let app = tools_app(&backend);
+    let grammar = |i: usize| match &backend.requests()[i].params.constraint {
+        Some(Constraint::Grammar { lark }) => lark.clone(),
+        other => panic!("expected a grammar, got {other:?}"),
+    };
+    let reply = post(&app, PATH, tools_body(json!({"tool_choice": "required"}))).await;
+    assert_eq!(reply.status, 200);
+    let lark = grammar(0);
+    assert!(
+        lark.contains("get_weather") && lark.contains("\"time\""),
+        "{lark}"
+    );
+    assert_eq!(reply.json()["tool_choice"], "required");
+
+    let named =
+        json!({"tool_choice": {"type": "function", "name": "time"}, "parallel_tool_calls": false});
+    let reply = post(&app, PATH, tools_body(named)).await;
+    assert_eq!(reply.status, 200);
+    let lark = grammar(1);
+    assert!(lark.starts_with("start: call\n"), "{lark}");
+    assert!(
+        lark.contains("\"time\"") && !lark.contains("get_weather"),
+        "{lark}"
+    );
+    let v = reply.json();
+    assert_eq!(
+        v["tool_choice"],
+        json!({"type": "function", "name": "time"})
+    );
+    assert_eq!(v["parallel_tool_calls"], false);
+
+    // `none`: the tools are not shown, nothing is constrained, and the text stays text.
+    let reply = post(&app, PATH, tools_body(json!({"tool_choice": "none"}))).await;
+    assert_eq!(reply.status, 200);
+    assert!(!prompt_of(&backend, 2).contains("# Tools"));
+    assert_eq!(backend.requests()[2].params.constraint, None);
+    assert_eq!(output_text(&reply.json()), CALL);
+}
+
+fn prompt_of(backend: &ScriptedBackend, i: usize) -> String {
+    tokenizer().decode(&backend.requests()[i].prompt, false)
+}
+
+#[tokio::test]
+async fn calls_and_outputs_go_back_into_the_conversation() {
+    let backend = ScriptedBackend::replying("12 C in Paris.", FinishReason::Stop);
+    let app = tools_app(&backend);
+    // As the SDK sends an earlier answer back: its output items, then the results.
+    let input = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}", "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12 C"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "noon"}]},
+        // A call with no message before it makes its own assistant turn.
+        {"type": "function_call", "call_id": "call_3", "name": "time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_3", "output": "one"},
+    ]);
+    let reply = post(&app, PATH, tools_body(json!({"input": input}))).await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{}",
+        String::from_utf8_lossy(&reply.body)
+    );
+    assert_eq!(output_text(&reply.json()), "12 C in Paris.");
+    let expected = [
+        turn("user", "Weather in Paris?"),
+        turn(
+            "assistant",
+            "Checking.\n<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\":\"time\",\"arguments\":{}}\n</tool_call>",
+        ),
+        turn(
+            "user",
+            "<tool_response>\n12 C\n</tool_response>\n<tool_response>\nnoon\n</tool_response>",
+        ),
+        turn(
+            "assistant",
+            "<tool_call>\n{\"name\":\"time\",\"arguments\":{}}\n</tool_call>",
+        ),
+        turn("user", "<tool_response>\none\n</tool_response>"),
+        ASSISTANT.to_string(),
+    ]
+    .concat();
+    let prompt = prompt_text(&backend);
+    assert!(prompt.ends_with(&expected), "{prompt}");
+}
+
+#[tokio::test]
+async fn bad_tool_requests_name_the_field() {
+    let backend = ScriptedBackend::replying("x", FinishReason::Stop);
+    let app = tools_app(&backend);
+    let cases = [
+        (
+            tools_body(json!({"tools": [{"type": "web_search"}]})),
+            "tools[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            tools_body(json!({"tools": [{"type": "function", "name": "has space"}]})),
+            "tools[0].name",
+            "invalid_value",
+        ),
+        (
+            tools_body(json!({"tool_choice": {"type": "function", "name": "nope"}})),
+            "tool_choice",
+            "invalid_value",
+        ),
+        (
+            tools_body(
+                json!({"tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
+            ),
+            "text.format",
+            "invalid_value",
+        ),
+        (
+            tools_body(json!({"max_tool_calls": 2})),
+            "max_tool_calls",
+            "unsupported_parameter",
+        ),
+        (
+            body(
+                json!([{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c", "name": "f"}]),
+            ),
+            "input[1].arguments",
+            "invalid_value",
+        ),
+        (
+            body(json!([{"type": "function_call_output", "call_id": "c",
+                         "output": [{"type": "input_image", "image_url": "x"}]}])),
+            "input[0].output[0].type",
+            "unsupported_parameter",
+        ),
+        (
+            body(
+                json!([{"type": "function_call_output", "call_id": "c", "output": "x", "extra": 1}]),
+            ),
+            "input[0].extra",
+            "unknown_parameter",
+        ),
+    ];
+    for (request, param, code) in cases {
+        let reply = post(&app, PATH, request.clone()).await;
+        let error = assert_error(&reply, 400);
+        assert_eq!(error["param"], param, "{request}: {error}");
+        assert_eq!(error["code"], code, "{request}: {error}");
+    }
+    assert!(backend.requests().is_empty());
+}

@@ -5,11 +5,15 @@ greedy text of the non-streaming call, with OpenAI's event order and numbering; 
 is `incomplete`; `instructions` and a conversation of input items give exactly what the same
 messages give through chat completions (text and prompt tokens); `client.responses.parse`
 with a Pydantic model gives a parsed object, streamed too; stored-state fields are refused and
-the fields that do not apply are named back.
+the fields that do not apply are named back. Function tools: a required call parses into the
+function's Pydantic model; a named call streamed (raw events, the stream helper) is the
+whole call; a round trip sends the answer's output items and the call's output back, giving
+the prompt chat completions give for the same conversation, streamed and not alike.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, List, Literal
 
 import openai
@@ -179,3 +183,143 @@ def test_stored_state_is_refused_and_what_does_not_apply_is_named(client, model_
     named = raw.headers["x-kvmesh-ignored-params"].split(", ")
     assert {"store", "metadata", "reasoning"} <= set(named), named
     assert raw.parse().status == "completed"
+
+
+class GetWeather(pydantic.BaseModel):
+    """The current weather in a city."""
+
+    city: str = pydantic.Field(max_length=32)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 32},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+
+TIME_TOOL = {
+    "type": "function",
+    "name": "get_time",
+    "description": "The local time in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 32}},
+        "required": ["city"],
+    },
+}
+
+
+@pytest.mark.parametrize("city", ["Paris", "Tokyo", "Lima"])
+def test_a_required_call_parses_into_the_functions_model(client, model_name, city):
+    response = client.responses.parse(
+        model=model_name,
+        input=f"What is the weather in {city} right now?",
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        max_output_tokens=120,
+        temperature=0,
+    )
+    assert response.status == "completed", response.output
+    assert [item.type for item in response.output] == ["function_call"] * len(response.output)
+    assert response.output and response.output_text == ""
+    for call in response.output:
+        assert call.name == "GetWeather"
+        assert call.id.startswith("fc_") and call.call_id.startswith("call_")
+        assert isinstance(call.parsed_arguments, GetWeather), call.arguments
+    assert len({call.call_id for call in response.output}) == len(response.output)
+
+
+def test_a_named_call_streamed_is_the_whole_call(client, model_name):
+    kw = dict(
+        model=model_name,
+        input="What time is it in Oslo?",
+        tools=[WEATHER_TOOL, TIME_TOOL],
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
+    whole = client.responses.create(**kw)
+    [call] = whole.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_time", "completed")
+    assert isinstance(json.loads(call.arguments)["city"], str)
+    assert whole.tool_choice.name == "get_time" and whole.parallel_tool_calls is False
+
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1
+    assert "".join(e.delta for e in deltas) == call.arguments
+    [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done.arguments == call.arguments
+    [added] = [e for e in events if e.type == "response.output_item.added"]
+    assert added.item.name == "get_time" and added.item.arguments == ""
+    assert all(e.item_id == added.item.id for e in deltas)
+    final = events[-1].response
+    assert [(o.name, o.arguments) for o in final.output] == [("get_time", call.arguments)]
+
+    with client.responses.stream(**kw) as stream:
+        helped = stream.get_final_response()
+    assert [(o.name, o.arguments) for o in helped.output] == [("get_time", call.arguments)]
+
+
+def test_a_round_trip_sends_the_call_and_its_output_back(client, model_name):
+    question = "What is the weather in Paris right now?"
+    first = client.responses.create(
+        model=model_name,
+        input=question,
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=120,
+        temperature=0,
+    )
+    [call] = first.output
+    result = json.dumps({"temperature": 12, "unit": "celsius"})
+    # The SDK's idiom: the answer's output objects go back as they are.
+    items = [{"role": "user", "content": question}, *first.output]
+    items.append({"type": "function_call_output", "call_id": call.call_id, "output": result})
+    kw = dict(model=model_name, input=items, tools=[WEATHER_TOOL], max_output_tokens=60, temperature=0)
+    final = client.responses.create(**kw)
+    assert final.status in ("completed", "incomplete")
+    assert final.output
+
+    streamed = list(client.responses.create(stream=True, **kw))[-1].response
+    strip = lambda r: [o.model_dump(exclude={"id", "call_id"}) for o in r.output]  # noqa: E731
+    assert strip(streamed) == strip(final)
+
+    # Chat completions with the same conversation see the same prompt.
+    chat_tool = {"type": "function", "function": {k: v for k, v in WEATHER_TOOL.items() if k != "type"}}
+    chat = client.chat.completions.create(
+        model=model_name,
+        messages=[
+            {"role": "user", "content": question},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": result},
+        ],
+        tools=[chat_tool],
+        max_tokens=60,
+        temperature=0,
+    )
+    assert final.usage.input_tokens == chat.usage.prompt_tokens

@@ -245,16 +245,7 @@ pub(crate) async fn handle(
         req.parallel_tool_calls,
         &state.prompts,
     )?;
-    let constraint = match (constraint, tools.as_ref().and_then(Tools::constraint)) {
-        (Some(_), Some(_)) => {
-            return Err(ApiError::invalid(
-                "response_format",
-                "`response_format` cannot be combined with a `tool_choice` that requires a \
-                 call: the answer is the call",
-            ))
-        }
-        (format, calls) => format.or(calls),
-    };
+    let constraint = tools::constraint(constraint, tools.as_ref(), "response_format")?;
     let mut messages = messages(req.messages)?;
     if let Some(tools) = &tools {
         messages = tools.show(messages);

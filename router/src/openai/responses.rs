@@ -1,17 +1,21 @@
 //! `POST /v1/responses`: OpenAI's Responses API, stateless.
 //!
-//! `input` (a string, or message items) and `instructions` become a chat prompt; the answer
-//! is a response object whose `output` holds one assistant message. Nothing is stored, so
-//! the fields that refer to stored state (`previous_response_id`, `conversation`,
-//! `background`, stored prompts) are refused; `store` and the other fields that do not apply
-//! are ignored and named in the `x-kvmesh-ignored-params` header, as for chat.
+//! `input` (a string, or items: messages, function calls and their outputs) and
+//! `instructions` become a chat prompt; the answer is a response object whose `output` holds
+//! an assistant message and, with function `tools`, the calls the model made ([`tools`] shows
+//! the tools to the model and parses its calls, as for chat). Nothing is stored, so the
+//! fields that refer to stored state (`previous_response_id`, `conversation`, `background`,
+//! stored prompts) are refused; `store` and the other fields that do not apply are ignored
+//! and named in the `x-kvmesh-ignored-params` header, as for chat.
 //!
 //! Streaming sends OpenAI's named, numbered events: `response.created`,
-//! `response.in_progress`, then per output item `response.output_item.added`,
-//! `response.content_part.added`, `response.output_text.delta`..., `response.output_text.done`,
-//! `response.content_part.done`, `response.output_item.done`, and last `response.completed`
-//! (`response.incomplete` when `max_output_tokens` cut the answer). The non-streaming body is
-//! the object `response.completed` carries.
+//! `response.in_progress`, then per output item `response.output_item.added`, its content
+//! (a message: `response.content_part.added`, `response.output_text.delta`...,
+//! `response.output_text.done`, `response.content_part.done`; a call:
+//! `response.function_call_arguments.delta`..., `response.function_call_arguments.done`) and
+//! `response.output_item.done`, and last `response.completed` (`response.incomplete` when
+//! `max_output_tokens` cut the answer). The non-streaming body is the object
+//! `response.completed` carries.
 
 use std::sync::Arc;
 
@@ -26,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::params::{self, PromptInfo, SamplingFields};
+use super::tools::{self, CallParser, Found, PastCall, Tools};
 use super::types::{to_json, ChoiceOutput, StopParam};
 use super::{check_model, content, name_ignored, respond, structured, unix_now, Format, Prepared};
 use crate::error::ApiError;
@@ -48,7 +53,6 @@ const POLICY: FieldPolicy = FieldPolicy {
         ("prompt_cache_key", "prefix caching is automatic"),
         ("prompt_cache_retention", "prefix caching is automatic"),
         ("stream_options", "stream events are not obfuscated"),
-        ("parallel_tool_calls", "there are no tool calls"),
     ],
     unsupported: &[
         (
@@ -64,9 +68,10 @@ const POLICY: FieldPolicy = FieldPolicy {
             "top_logprobs",
             "this endpoint returns no logprobs (chat completions do)",
         ),
-        ("tools", "this server has no tool calling yet"),
-        ("tool_choice", "this server has no tool calling yet"),
-        ("max_tool_calls", "this server has no tool calling yet"),
+        (
+            "max_tool_calls",
+            "calls are not counted across a response (`parallel_tool_calls: false` allows one)",
+        ),
         (
             "context_management",
             "context compaction is not supported: send the conversation as it should be read",
@@ -98,6 +103,10 @@ struct ResponsesRequest {
     background: Option<bool>,
     /// Only empty: every includable is something this server does not produce.
     include: Option<Vec<String>>,
+    /// Function tools (`{"type": "function", "name", "description", "parameters"}`).
+    tools: Option<Value>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
 }
 
 /// `text`.
@@ -127,23 +136,62 @@ struct MessageItem {
     phase: Option<String>,
 }
 
-/// The part types whose `text` a message's content contributes.
+/// A `function_call` input item: a call an earlier answer made.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FunctionCallItem {
+    #[allow(dead_code)]
+    r#type: String,
+    name: String,
+    arguments: String,
+    /// Results are given back in the order of the calls; ids are not read.
+    #[allow(dead_code)]
+    call_id: String,
+    #[allow(dead_code)]
+    id: Option<String>,
+    #[allow(dead_code)]
+    status: Option<String>,
+    /// What the SDK's `responses.parse` adds to the calls it returns, sent back with them.
+    #[allow(dead_code)]
+    parsed_arguments: Option<Value>,
+}
+
+/// A `function_call_output` input item: a call's result.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FunctionCallOutputItem {
+    #[allow(dead_code)]
+    r#type: String,
+    #[allow(dead_code)]
+    call_id: String,
+    /// A string, or text parts.
+    output: Value,
+    #[allow(dead_code)]
+    id: Option<String>,
+    #[allow(dead_code)]
+    status: Option<String>,
+}
+
+/// The part types whose `text` a message's content (or a call's output) contributes.
 const TEXT_PARTS: &[&str] = &["input_text", "output_text"];
 
-/// `instructions` and `input` as the chat template takes them.
+/// `instructions` and `input` as the chat template takes them. Calls join the assistant
+/// turn they follow (an answer's message and calls come back as a message item and call
+/// items) and results go into user turns, in the format the model calls tools in
+/// ([`tools`]).
 fn conversation(instructions: Option<String>, input: Value) -> Result<Vec<ChatMessage>, ApiError> {
-    let mut messages = Vec::new();
+    let mut conversation = Conversation::default();
     if let Some(text) = instructions {
-        messages.push(ChatMessage::new("system", text));
+        conversation.push(ChatMessage::new("system", text));
     }
     match input {
-        Value::String(text) => messages.push(ChatMessage::new("user", text)),
+        Value::String(text) => conversation.push(ChatMessage::new("user", text)),
         Value::Array(items) if items.is_empty() => {
             return Err(ApiError::invalid("input", "`input` must not be empty"))
         }
         Value::Array(items) => {
             for (i, item) in items.into_iter().enumerate() {
-                messages.push(message(i, item)?);
+                conversation.item(i, item)?;
             }
         }
         _ => {
@@ -153,22 +201,72 @@ fn conversation(instructions: Option<String>, input: Value) -> Result<Vec<ChatMe
             ))
         }
     }
-    Ok(messages)
+    Ok(conversation.messages)
 }
 
-/// Input item `i`.
-fn message(i: usize, item: Value) -> Result<ChatMessage, ApiError> {
-    let at = format!("input[{i}]");
-    match item.get("type").and_then(Value::as_str) {
-        None | Some("message") => {}
-        Some(other) => {
-            return Err(ApiError::unsupported(
-                format!("{at}.type"),
-                format!("input items of type {other:?} are not supported (only messages)"),
-            ))
-        }
+/// The messages so far, and what the last item was.
+#[derive(Default)]
+struct Conversation {
+    messages: Vec<ChatMessage>,
+    /// The last item was an assistant message or a call: a call joins that turn.
+    after_assistant: bool,
+    /// The last item was a result: a result joins that turn.
+    after_result: bool,
+}
+
+impl Conversation {
+    fn push(&mut self, message: ChatMessage) {
+        self.after_assistant = message.role == "assistant";
+        self.after_result = false;
+        self.messages.push(message);
     }
-    let m: MessageItem = parse_value(item, &at)?;
+
+    /// Input item `i`.
+    fn item(&mut self, i: usize, item: Value) -> Result<(), ApiError> {
+        let at = format!("input[{i}]");
+        match item.get("type").and_then(Value::as_str) {
+            None | Some("message") => self.push(message(&at, parse_value(item, &at)?)?),
+            Some("function_call") => {
+                let call: FunctionCallItem = parse_value(item, &at)?;
+                let call = PastCall {
+                    name: call.name,
+                    arguments: call.arguments,
+                };
+                match self.messages.last_mut() {
+                    Some(turn) if self.after_assistant => {
+                        turn.content = tools::assistant_text(&turn.content, &[call]);
+                    }
+                    _ => self.push(ChatMessage::new(
+                        "assistant",
+                        tools::assistant_text("", &[call]),
+                    )),
+                }
+            }
+            Some("function_call_output") => {
+                let result: FunctionCallOutputItem = parse_value(item, &at)?;
+                let param = format!("{at}.output");
+                let output = content::text(&param, Some(result.output), TEXT_PARTS)?
+                    .ok_or_else(|| ApiError::invalid(param, "`output` is required"))?;
+                tools::push_result(&mut self.messages, &output, self.after_result);
+                self.after_assistant = false;
+                self.after_result = true;
+            }
+            Some(other) => {
+                return Err(ApiError::unsupported(
+                    format!("{at}.type"),
+                    format!(
+                        "input items of type {other:?} are not supported (only messages, \
+                         function calls and function call outputs)"
+                    ),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A message item at `at`.
+fn message(at: &str, m: MessageItem) -> Result<ChatMessage, ApiError> {
     let role = match m.role.as_str() {
         "system" | "user" | "assistant" => m.role,
         // OpenAI's newer name for system instructions.
@@ -238,7 +336,21 @@ pub(crate) async fn handle(
     }
     let text_format = text.format.unwrap_or_else(|| json!({"type": "text"}));
     let constraint = structured::text_format_constraint(Some(text_format.clone()), &state.prompts)?;
-    let messages = conversation(req.instructions.clone(), req.input)?;
+    // Echoed as sent, as OpenAI does.
+    let tools_sent = req.tools.clone().unwrap_or_else(|| json!([]));
+    let tool_choice_sent = req.tool_choice.clone().unwrap_or_else(|| json!("auto"));
+    let tools = Tools::parse(
+        tools::Api::Responses,
+        req.tools,
+        req.tool_choice,
+        req.parallel_tool_calls,
+        &state.prompts,
+    )?;
+    let constraint = tools::constraint(constraint, tools.as_ref(), "text.format")?;
+    let mut messages = conversation(req.instructions.clone(), req.input)?;
+    if let Some(tools) = &tools {
+        messages = tools.show(messages);
+    }
     let prompt = state.prompts.chat(&messages).map_err(|e| match e {
         // The prompt is `input` here.
         ApiError::InvalidParameter { param, message } if param.as_deref() == Some("messages") => {
@@ -276,6 +388,9 @@ pub(crate) async fn handle(
         temperature: params.temperature,
         top_p: params.top_p,
         text: json!({ "format": text_format }),
+        tools: tools_sent,
+        tool_choice: tool_choice_sent,
+        parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
     };
     let job = Job {
         id: ctx.id,
@@ -285,7 +400,7 @@ pub(crate) async fn handle(
     };
     let prepared = Prepared {
         job,
-        format: ResponsesFormat::new(head),
+        format: ResponsesFormat::new(head, tools.is_some()),
         stream: req.stream.unwrap_or(false),
     };
     let response = respond(&state, &ctx, outcome, prepared).await?;
@@ -309,12 +424,24 @@ struct Head {
     top_p: f32,
     /// `{"format": ...}`.
     text: Value,
+    tools: Value,
+    tool_choice: Value,
+    parallel_tool_calls: bool,
 }
 
 /// One item of a response's `output`.
 #[derive(Debug)]
 enum Item {
-    Message { id: String, text: String },
+    Message {
+        id: String,
+        text: String,
+    },
+    Call {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
 }
 
 /// The response object, in every event that carries it and as the non-streaming body.
@@ -337,8 +464,8 @@ struct ResponseObject<'a> {
     store: bool,
     temperature: f32,
     text: &'a Value,
-    tool_choice: &'static str,
-    tools: [Value; 0],
+    tool_choice: &'a Value,
+    tools: &'a Value,
     top_p: f32,
     truncation: &'static str,
     usage: Option<UsageOut>,
@@ -359,6 +486,13 @@ enum ItemOut<'a> {
         status: &'static str,
         role: &'static str,
         content: Vec<TextPart<'a>>,
+    },
+    FunctionCall {
+        id: &'a str,
+        call_id: &'a str,
+        name: &'a str,
+        arguments: &'a str,
+        status: &'static str,
     },
 }
 
@@ -439,11 +573,24 @@ struct TextDelta<'a> {
     logprobs: [Value; 0],
 }
 
+/// `response.function_call_arguments.delta`'s fields.
+#[derive(Serialize)]
+struct ArgumentsDelta<'a> {
+    item_id: &'a str,
+    output_index: usize,
+    delta: &'a str,
+}
+
 /// Builds the response's output items from the model's text, as events while streaming.
 /// The non-streaming body goes through the same steps (its events are dropped), so both
 /// give the same output.
 pub(crate) struct ResponsesFormat {
     head: Head,
+    /// With tools: splits the text into the message and calls.
+    calls: Option<CallParser>,
+    /// With tools: trailing whitespace of the text so far, given to the message only if text
+    /// follows (whitespace around calls lays them out).
+    held: String,
     output: Vec<Item>,
     /// Whether the last item of `output` is still being written.
     open: bool,
@@ -453,9 +600,11 @@ pub(crate) struct ResponsesFormat {
 }
 
 impl ResponsesFormat {
-    fn new(head: Head) -> Self {
+    fn new(head: Head, tools: bool) -> Self {
         ResponsesFormat {
             head,
+            calls: tools.then(CallParser::default),
+            held: String::new(),
             output: Vec::new(),
             open: false,
             sequence: 0,
@@ -504,10 +653,106 @@ impl ResponsesFormat {
                     vec![TextPart::new(text)]
                 },
             },
+            Item::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => ItemOut::FunctionCall {
+                id,
+                call_id,
+                name,
+                arguments,
+                status,
+            },
         }
     }
 
-    /// `text` for the answer's message (opened first if the last item is not it).
+    fn has_calls(&self) -> bool {
+        self.output.iter().any(|i| matches!(i, Item::Call { .. }))
+    }
+
+    /// The model's next `text` (`end`: its last), into the message, or with tools through
+    /// the call parser.
+    fn take(&mut self, text: &str, end: bool, out: &mut Vec<Chunk>) {
+        let Some(parser) = &mut self.calls else {
+            if !text.is_empty() {
+                self.text(text, out);
+            }
+            return;
+        };
+        let mut found = parser.push(text);
+        if end {
+            found.extend(parser.finish());
+        }
+        for piece in found {
+            match piece {
+                Found::Text(text) => self.text_around_calls(&text, out),
+                Found::CallStart { name, .. } => self.start_call(name, out),
+                Found::Arguments { piece, .. } => self.arguments(&piece, out),
+            }
+        }
+        if end {
+            // Whitespace after the last call lays it out; an answer without calls keeps it.
+            let held = std::mem::take(&mut self.held);
+            if !held.is_empty() && !self.has_calls() {
+                self.text(&held, out);
+            }
+        }
+    }
+
+    /// With tools: `text` for the message, less the whitespace that only lays out calls
+    /// (before a call, after one).
+    fn text_around_calls(&mut self, text: &str, out: &mut Vec<Chunk>) {
+        self.held.push_str(text);
+        let body = self.held.trim_end().len();
+        if body == 0 {
+            return;
+        }
+        let piece: String = self.held.drain(..body).collect();
+        let message_open = self.open && matches!(self.output.last(), Some(Item::Message { .. }));
+        let piece = if !message_open && self.has_calls() {
+            piece.trim_start()
+        } else {
+            &piece
+        };
+        self.text(piece, out);
+    }
+
+    /// A call begins: its item, with no arguments yet.
+    fn start_call(&mut self, name: String, out: &mut Vec<Chunk>) {
+        self.held.clear();
+        self.close(out);
+        let index = self.output.len();
+        self.output.push(Item::Call {
+            id: self.item_id("fc", index),
+            call_id: self.item_id("call", index),
+            name,
+            arguments: String::new(),
+        });
+        self.open = true;
+        let item = json!({"output_index": index, "item": self.item_out(index)});
+        self.event(out, "response.output_item.added", item);
+    }
+
+    /// The next piece of the open call's arguments.
+    fn arguments(&mut self, piece: &str, out: &mut Vec<Chunk>) {
+        let index = self.output.len() - 1;
+        let Some(Item::Call { id, arguments, .. }) = self.output.last_mut() else {
+            return;
+        };
+        arguments.push_str(piece);
+        let id = id.clone();
+        let delta = ArgumentsDelta {
+            item_id: &id,
+            output_index: index,
+            delta: piece,
+        };
+        self.event(out, "response.function_call_arguments.delta", delta);
+    }
+
+    /// `text` for the answer's message (opened first if the last item is not it; `""` only
+    /// opens it).
     fn text(&mut self, text: &str, out: &mut Vec<Chunk>) {
         if !matches!(self.output.last(), Some(Item::Message { .. }) if self.open) {
             self.close(out);
@@ -552,18 +797,25 @@ impl ResponsesFormat {
         }
         self.open = false;
         let index = self.output.len() - 1;
-        let Item::Message { id, text } = &self.output[index];
-        let (id, text) = (id.clone(), text.clone());
-        let done = json!({
-            "item_id": id, "output_index": index, "content_index": 0,
-            "text": text, "logprobs": [],
-        });
-        self.event(out, "response.output_text.done", done);
-        let part = json!({
-            "item_id": id, "output_index": index, "content_index": 0,
-            "part": TextPart::new(&text),
-        });
-        self.event(out, "response.content_part.done", part);
+        match &self.output[index] {
+            Item::Message { id, text } => {
+                let (id, text) = (id.clone(), text.clone());
+                let done = json!({
+                    "item_id": id, "output_index": index, "content_index": 0,
+                    "text": text, "logprobs": [],
+                });
+                self.event(out, "response.output_text.done", done);
+                let part = json!({
+                    "item_id": id, "output_index": index, "content_index": 0,
+                    "part": TextPart::new(&text),
+                });
+                self.event(out, "response.content_part.done", part);
+            }
+            Item::Call { id, arguments, .. } => {
+                let done = json!({"item_id": id, "output_index": index, "arguments": arguments});
+                self.event(out, "response.function_call_arguments.done", done);
+            }
+        }
         let item = json!({"output_index": index, "item": self.item_out(index)});
         self.event(out, "response.output_item.done", item);
     }
@@ -601,14 +853,14 @@ impl ResponsesFormat {
             max_output_tokens: self.head.max_output_tokens,
             model: &self.head.model,
             output: (0..self.output.len()).map(|i| self.item_out(i)).collect(),
-            parallel_tool_calls: true,
+            parallel_tool_calls: self.head.parallel_tool_calls,
             previous_response_id: None,
             reasoning: json!({"effort": null, "summary": null}),
             store: false,
             temperature: self.head.temperature,
             text: &self.head.text,
-            tool_choice: "auto",
-            tools: [],
+            tool_choice: &self.head.tool_choice,
+            tools: &self.head.tools,
             top_p: self.head.top_p,
             truncation: "disabled",
             usage: usage.map(UsageOut::from),
@@ -637,9 +889,7 @@ impl Format for ResponsesFormat {
         finish: Option<FinishReason>,
     ) -> Vec<Chunk> {
         let mut out = Vec::new();
-        if !text.is_empty() {
-            self.text(text, &mut out);
-        }
+        self.take(text, finish.is_some(), &mut out);
         if let Some(reason) = finish {
             self.end(reason, &mut out);
         }
@@ -660,7 +910,7 @@ impl Format for ResponsesFormat {
     fn complete(&mut self, choices: Vec<ChoiceOutput>, usage: &Usage) -> String {
         let mut events = Vec::new();
         if let Some(choice) = choices.into_iter().next() {
-            self.text(&choice.text, &mut events);
+            self.take(&choice.text, true, &mut events);
             self.end(choice.finish.unwrap_or(FinishReason::Stop), &mut events);
         }
         to_json(&self.response(Some(usage)))

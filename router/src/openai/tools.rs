@@ -329,6 +329,25 @@ fn tool_choice(api: Api, value: Value) -> Result<ToolChoice, ApiError> {
     }
 }
 
+/// A request's constraint: its format's (`response_format`, `text.format`: `format_param`)
+/// or an enforced call's grammar, not both (a 400: the answer is the call).
+pub(crate) fn constraint(
+    format: Option<Constraint>,
+    tools: Option<&Tools>,
+    format_param: &str,
+) -> Result<Option<Constraint>, ApiError> {
+    match (format, tools.and_then(Tools::constraint)) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            format_param,
+            format!(
+                "`{format_param}` cannot be combined with a `tool_choice` that requires a call: \
+                 the answer is the call"
+            ),
+        )),
+        (format, calls) => Ok(format.or(calls)),
+    }
+}
+
 /// `s` as a Lark string literal.
 fn lark_literal(s: &str) -> String {
     serde_json::to_string(s).expect("a string serializes")
