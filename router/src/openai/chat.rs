@@ -147,12 +147,14 @@ pub(crate) fn messages(messages: Vec<MessageIn>) -> Result<Vec<ChatMessage>, Api
                     "the deprecated `function` messages are not supported: use `tool`",
                 ))
             }
-            other => return Err(ApiError::invalid(
-                format!("messages[{i}].role"),
-                format!(
+            other => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].role"),
+                    format!(
                     "unknown role {other:?}: expected system, developer, user, assistant or tool"
                 ),
-            )),
+                ))
+            }
         };
         if m.tool_calls.is_some() && role != "assistant" {
             return Err(ApiError::invalid(
