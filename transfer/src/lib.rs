@@ -39,6 +39,6 @@ pub use network::{NetworkTransport, RdmaPeering};
 pub use quic::{QuicConfig, QuicError, QuicTransport, TlsConfig};
 pub use rdma::{
     LoopbackFabric, LoopbackRdma, RdmaConfig, RdmaEndpoint, RdmaError, RdmaPeerInfo, RdmaRegion,
-    RdmaTransport,
+    RdmaSendError, RdmaTransport, Undelivered,
 };
 pub use transport::{KvReceiver, Transport, TransportError};

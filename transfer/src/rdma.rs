@@ -15,6 +15,12 @@
 //! says so and the node uses QUIC (see [`NetworkTransport`](crate::NetworkTransport)).
 
 mod loopback;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+mod peer_table;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+mod ring;
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+mod send_queue;
 #[cfg(feature = "rdma")]
 mod verbs;
 #[cfg(feature = "rdma")]
@@ -27,9 +33,12 @@ pub use stub::RdmaTransport;
 
 pub use loopback::{LoopbackFabric, LoopbackRdma};
 
+use crate::chunk::KvChunk;
 use crate::codec::CodecLimits;
+use crate::transport::TransportError;
 use kvmesh_common::NodeId;
 use serde::{Deserialize, Serialize};
+use std::time::Instant;
 
 /// A registered memory region a peer may write into.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -69,6 +78,10 @@ pub struct RdmaConfig {
     pub ring_bytes: usize,
     /// Chunks held per bound node before the completion poller waits (backpressure).
     pub queue_chunks: usize,
+    /// Peers with RDMA links at once; more use QUIC. Each pins two rings of `ring_bytes`
+    /// (the receive ring and the staging buffer), and up to twice that while it exchanges
+    /// again.
+    pub max_peers: usize,
     pub limits: CodecLimits,
 }
 
@@ -80,6 +93,7 @@ impl Default for RdmaConfig {
             gid_index: None,
             ring_bytes: 128 << 20,
             queue_chunks: 256,
+            max_peers: 16,
             limits: CodecLimits::default(),
         }
     }
@@ -98,6 +112,37 @@ pub enum RdmaError {
     },
     #[error("no queue pair prepared for node {0}: call prepare_peer first")]
     NotPrepared(NodeId),
+    /// Another exchange with the node is under way (until it completes or its lease ends).
+    #[error("an RDMA exchange with node {0} is already under way")]
+    ExchangeInProgress(NodeId),
+    #[error("RDMA links to {max} peers already (max_peers); this one uses QUIC")]
+    TooManyPeers { max: usize },
     #[error("invalid setting: {0}")]
     Config(String),
+}
+
+/// A chunk RDMA did not deliver (its link failed, or it could not take it), to send another
+/// way before its deadline. The receiver may have it already (a write can land and still
+/// fail), which is harmless: a receiver records which layers of which blocks arrived.
+#[derive(Debug)]
+pub struct Undelivered<C = KvChunk> {
+    pub chunk: C,
+    pub deadline: Instant,
+}
+
+/// Why a chunk did not go over RDMA.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum RdmaSendError {
+    /// No usable link to the node (none exchanged, or it failed); the chunk waits with the
+    /// node's undelivered ones.
+    #[error("{0}")]
+    Unusable(String),
+    /// The message is larger than the node's ring; the chunk waits with the node's
+    /// undelivered ones.
+    #[error("a {len}-byte message does not fit the {max}-byte RDMA ring")]
+    TooLarge { len: u64, max: u64 },
+    /// Dropped, as by any transport: the node's ring stayed full until the deadline
+    /// (`Timeout`), the chunk cannot be encoded (`Invalid`), nobody receives for the node.
+    #[error(transparent)]
+    Dropped(TransportError),
 }

@@ -154,3 +154,122 @@ fn peer_info_travels_as_json() {
     let json = serde_json::to_string(&info).unwrap();
     assert_eq!(serde_json::from_str::<RdmaPeerInfo>(&json).unwrap(), info);
 }
+
+/// A decode node and a prefill node on one loopback fabric, RDMA exchanged the way the
+/// control plane does it (decode prepares, prefill prepares and connects, decode connects).
+struct Pair {
+    fabric: LoopbackFabric,
+    decode: NodeId,
+    prefill: NodeId,
+    receiver: NetworkTransport,
+    sender: NetworkTransport,
+    prefill_rdma: Arc<LoopbackRdma>,
+    rx: kvmesh_transfer::KvReceiver,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let (decode, prefill) = (NodeId(1), NodeId(2));
+        let fabric = LoopbackFabric::default();
+        let prefill_rdma = Arc::new(fabric.device(prefill));
+        let receiver = NetworkTransport::with_rdma(quic(), Some(Arc::new(fabric.device(decode))));
+        let sender = NetworkTransport::with_rdma(quic(), Some(prefill_rdma.clone()));
+        let rx = receiver.bind(decode).unwrap();
+        sender.add_peer(decode, receiver.quic().local_addr());
+        let pair = Pair {
+            fabric,
+            decode,
+            prefill,
+            receiver,
+            sender,
+            prefill_rdma,
+            rx,
+        };
+        pair.exchange();
+        pair
+    }
+
+    fn exchange(&self) {
+        assert!(
+            self.receiver.rdma_exchange_due(self.prefill) || self.receiver.uses_rdma(self.prefill)
+        );
+        let mine = self.receiver.rdma_prepare(self.prefill).unwrap();
+        let theirs = self.sender.rdma_prepare(self.decode).unwrap();
+        self.sender.rdma_connect(self.decode, mine).unwrap();
+        self.receiver.rdma_connect(self.prefill, theirs).unwrap();
+        assert!(self.sender.uses_rdma(self.decode));
+    }
+
+    fn next(&self) -> RequestId {
+        let got = self.rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        got.verify().unwrap();
+        got.header.request_id
+    }
+}
+
+#[test]
+fn a_chunk_in_flight_on_a_failed_link_is_sent_again_over_quic_at_the_end_of_its_transfer() {
+    let p = Pair::new();
+    for r in 1..4 {
+        p.sender.send(p.decode, chunk(r), soon()).unwrap();
+    }
+    assert_eq!(
+        (1..4).map(|_| p.next().0).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    assert_eq!(p.prefill_rdma.chunks_sent(), 3);
+
+    // The link fails under the request's last chunk: the write is taken, then fails.
+    p.fabric.fail_link(p.prefill, p.decode);
+    p.sender.send(p.decode, chunk(4), soon()).unwrap();
+    assert!(!p.sender.uses_rdma(p.decode), "a failed link is not used");
+    assert!(
+        p.rx.try_recv().is_err(),
+        "the failed write delivered nothing"
+    );
+    // Ending the transfer settles it: the chunk goes again, over QUIC.
+    p.sender.end_transfer(p.decode, RequestId(4));
+    assert_eq!(p.next(), RequestId(4));
+
+    // From now on QUIC, until the nodes exchange again (not at once: it backs off).
+    p.sender.send(p.decode, chunk(5), soon()).unwrap();
+    assert_eq!(p.next(), RequestId(5));
+    assert_eq!(p.prefill_rdma.chunks_sent(), 3);
+    assert!(!p.sender.rdma_exchange_due(p.decode));
+
+    // The exchange the decode node starts puts the link back; chunks go over RDMA again.
+    p.exchange();
+    p.sender.send(p.decode, chunk(6), soon()).unwrap();
+    assert_eq!(p.next(), RequestId(6));
+    assert_eq!(p.prefill_rdma.chunks_sent(), 4);
+}
+
+#[test]
+fn chunks_after_a_failure_go_over_quic_behind_the_one_the_link_lost() {
+    let p = Pair::new();
+    p.fabric.fail_link(p.prefill, p.decode);
+    p.sender.send(p.decode, chunk(1), soon()).unwrap();
+    // The next send first sends the undelivered chunk, then its own, both over QUIC.
+    p.sender.send(p.decode, chunk(2), soon()).unwrap();
+    p.sender.send(p.decode, chunk(3), soon()).unwrap();
+    assert_eq!(
+        (0..3).map(|_| p.next().0).collect::<Vec<_>>(),
+        vec![1, 2, 3]
+    );
+    assert_eq!(p.prefill_rdma.chunks_sent(), 0);
+}
+
+#[test]
+fn a_receiver_whose_link_failed_is_due_to_exchange_again() {
+    let p = Pair::new();
+    assert!(
+        !p.receiver.rdma_exchange_due(p.prefill),
+        "not while the link is up"
+    );
+    // The decode side's own link fails (its keepalive or a credit found the peer gone).
+    p.fabric.fail_link(p.decode, p.prefill);
+    let _ = p.receiver.send(p.prefill, chunk(9), soon());
+    assert!(!p.receiver.uses_rdma(p.prefill));
+    // Backing off: not due at once.
+    assert!(!p.receiver.rdma_exchange_due(p.prefill));
+}

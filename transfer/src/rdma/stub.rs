@@ -1,7 +1,7 @@
 //! Stands in for the RDMA transport when the `rdma` feature is off, so call sites carry no
 //! `#[cfg]`: it cannot be opened, hence none of its methods can ever run.
 
-use super::{RdmaConfig, RdmaError, RdmaPeerInfo};
+use super::{RdmaConfig, RdmaError, RdmaPeerInfo, RdmaSendError, Undelivered};
 use crate::chunk::KvChunk;
 use crate::transport::{KvReceiver, Transport, TransportError};
 use kvmesh_common::{NodeId, RequestId};
@@ -27,6 +27,27 @@ impl RdmaTransport {
     }
 
     pub fn connect_peer(&self, _peer: NodeId, _remote: RdmaPeerInfo) -> Result<(), RdmaError> {
+        match self.never {}
+    }
+
+    pub fn link_up(&self, _peer: NodeId) -> bool {
+        match self.never {}
+    }
+
+    pub fn try_send(
+        &self,
+        _dest: NodeId,
+        _chunk: KvChunk,
+        _deadline: Instant,
+    ) -> Result<(), RdmaSendError> {
+        match self.never {}
+    }
+
+    pub fn settle(&self, _dest: NodeId) {
+        match self.never {}
+    }
+
+    pub fn take_undelivered(&self, _dest: NodeId) -> Vec<Undelivered> {
         match self.never {}
     }
 }
