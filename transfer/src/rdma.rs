@@ -7,9 +7,20 @@
 //! the receiver's ring with RDMA WRITE_WITH_IMM (the immediate carries its length), and the
 //! receiver, woken by that completion, decodes and verifies it exactly as the QUIC transport
 //! does, queues the chunk, and hands the ring space back with a zero-length SEND_WITH_IMM
-//! (the immediate carries the bytes freed). Both sides place messages by the same rule, so
-//! offsets never travel: a message goes at the ring's head, or at its start when it would
-//! run past the end.
+//! (the immediate carries the bytes freed; what is owed while the send queue is full goes
+//! with the next one, so a queue pair never has more sends posted than its depth). Both
+//! sides place messages by the same rule, so offsets never travel: a message goes at the
+//! ring's head, or at its start when it would run past the end.
+//!
+//! Every decision lives in a core without verbs, tested without a device: `ring` (placement
+//! and each side's accounting), `send_queue` (the write and the credits within the queue's
+//! depth) and `peer_table` (which link serves which peer, generation-tagged so that no two
+//! links share a work request id; replacing and freeing links; what happens to the KV of a
+//! failed one). The verbs driver only carries out what the table says. A link that fails
+//! (an error completion, a protocol violation, a write stuck past its deadline, an idle
+//! link's keepalive finding the peer gone) is drained and freed, and the chunk its write
+//! carried comes back undelivered, for the network transport to send over QUIC; the peer
+//! has no link until it exchanges again.
 //!
 //! Without the feature, or on a machine without an RDMA device, [`RdmaTransport::open`]
 //! says so and the node uses QUIC (see [`NetworkTransport`](crate::NetworkTransport)).

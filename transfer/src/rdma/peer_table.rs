@@ -192,13 +192,14 @@ struct Io<C> {
     last_post: Instant,
 }
 
+/// A link's life: `Reserved`, `Prepared` and `Connecting` make up an exchange (held for the
+/// link's lease), then `Connected`, then `Draining` once it failed or was replaced.
 enum State<R, C> {
     /// Its resources are being allocated.
     Reserved,
-    /// Allocated; its peer's details are due by `lease_until`.
+    /// Allocated; waiting for its peer's details.
     Prepared {
         resources: R,
-        lease_until: Instant,
     },
     /// Its queue pair is being moved to ready-to-send.
     Connecting {
@@ -219,6 +220,9 @@ enum State<R, C> {
 struct Link<R, C> {
     node: NodeId,
     state: State<R, C>,
+    /// An exchange not connected by then is abandoned (its RPC or its driver call was
+    /// lost), so that it cannot hold the peer's exchange or its memory for good.
+    lease_until: Instant,
 }
 
 struct Slot<R, C> {
@@ -278,7 +282,8 @@ impl<R: Clone, C> PeerTable<R, C> {
     }
 
     /// Step 1 of preparing a link to `node`: a slot for it. Refused while another
-    /// exchange with `node` is under way, and when `max_peers` other peers have links.
+    /// exchange with `node` is under way (until its lease ends), and when `max_peers`
+    /// other peers have links.
     pub fn begin_prepare(&mut self, node: NodeId, now: Instant) -> Result<LinkKey, RdmaError> {
         self.expire_leases(now);
         let has_links = match self.peers.get(&node) {
@@ -306,6 +311,7 @@ impl<R: Clone, C> PeerTable<R, C> {
         s.link = Some(Link {
             node,
             state: State::Reserved,
+            lease_until: now + self.config.exchange_lease,
         });
         let key = LinkKey {
             slot,
@@ -320,10 +326,8 @@ impl<R: Clone, C> PeerTable<R, C> {
         let lease_until = now + self.config.exchange_lease;
         match self.link_mut(key) {
             Some(link) if matches!(link.state, State::Reserved) => {
-                link.state = State::Prepared {
-                    resources,
-                    lease_until,
-                };
+                link.state = State::Prepared { resources };
+                link.lease_until = lease_until;
                 Ok(())
             }
             _ => Err(resources),
@@ -707,7 +711,8 @@ impl<R: Clone, C> PeerTable<R, C> {
             .enumerate()
             .filter_map(|(slot, s)| match &s.link {
                 Some(Link {
-                    state: State::Prepared { lease_until, .. },
+                    state: State::Reserved | State::Prepared { .. } | State::Connecting { .. },
+                    lease_until,
                     ..
                 }) if *lease_until <= now => Some(LinkKey {
                     slot: slot as u32,

@@ -108,7 +108,18 @@ fn an_unfinished_exchange_is_freed_when_its_lease_ends() {
     ));
     assert_eq!(t.live_links(), 0);
     // And the peer can be prepared again.
-    t.begin_prepare(B, now + Duration::from_secs(10)).unwrap();
+    let later = now + Duration::from_secs(10);
+    let key = t.begin_prepare(B, later).unwrap();
+    // Its allocation never reports back: the lease ends that too, and resources that come
+    // after it are handed straight back to be freed.
+    let much_later = later + Duration::from_secs(10);
+    assert!(matches!(
+        t.begin_prepare(B, much_later - Duration::from_millis(1)),
+        Err(RdmaError::ExchangeInProgress(_))
+    ));
+    t.begin_prepare(B, much_later).unwrap();
+    assert_eq!(t.finish_prepare(key, 8, much_later), Err(8));
+    t.check_invariants().unwrap();
 }
 
 #[test]
@@ -666,9 +677,18 @@ impl Fabric {
         self.check()
     }
 
-    fn check(&self) -> Result<(), TestCaseError> {
+    fn check(&mut self) -> Result<(), TestCaseError> {
         for t in &self.tables {
             t.check_invariants().map_err(TestCaseError::fail)?;
+        }
+        // Never stuck on a failed link: without one, a send is told so at once (and goes
+        // another way) rather than waiting for space that will never come.
+        if !self.tables[0].link_up(B) {
+            let refusal = self.tables[0].begin_write(B, 1).err();
+            prop_assert!(
+                matches!(refusal, Some(WriteRefusal::NoLink(_))),
+                "{refusal:?}"
+            );
         }
         // No leak: every queue pair installed is in a table or was freed, never both.
         let mut held: Vec<Res> = self.tables.iter().flat_map(|t| t.resources()).collect();
@@ -745,5 +765,113 @@ proptest! {
         f.check()?;
         prop_assert!(f.tables[0].link_up(B) && f.tables[1].link_up(A));
         prop_assert!(f.tables[0].begin_write(B, RING).is_ok());
+    }
+}
+
+#[derive(Clone, Debug)]
+enum PrepOp {
+    /// A caller starts preparing a link to peer `n`.
+    Begin(u64),
+    /// The `i`th caller under way takes its next step (allocated, connecting, connected).
+    Step(usize),
+    /// The `i`th caller's allocation fails.
+    Fail(usize),
+    Tick(u64),
+}
+
+proptest! {
+    /// Callers preparing links to three peers, their steps interleaved at random (as
+    /// concurrent `prepare_peer` / `connect_peer` calls take the table's lock in turn): no
+    /// two links ever share a key, each peer has at most one exchange under way and one link
+    /// in use, every step a caller takes lands on its own link, and every queue pair comes
+    /// back exactly once when its link goes.
+    #[test]
+    fn interleaved_preparations_never_collide(ops in proptest::collection::vec(prop_oneof![
+        (0u64..3).prop_map(PrepOp::Begin),
+        any::<usize>().prop_map(PrepOp::Step),
+        any::<usize>().prop_map(PrepOp::Fail),
+        (0u64..15_000).prop_map(PrepOp::Tick),
+    ], 1..120)) {
+        let mut cfg = config();
+        cfg.max_peers = 3;
+        let mut t = Table::new(cfg);
+        let mut now = Instant::now();
+        // Callers under way: (peer, key, step reached: 0 reserved, 1 prepared, 2 connecting).
+        let mut callers: Vec<(NodeId, LinkKey, u8)> = Vec::new();
+        let (mut next_res, mut installed, mut freed) = (0u32, BTreeSet::new(), BTreeSet::new());
+        let mut seen_keys = BTreeSet::new();
+        for op in ops {
+            match op {
+                PrepOp::Begin(n) => match t.begin_prepare(NodeId(n), now) {
+                    Ok(key) => {
+                        prop_assert!(seen_keys.insert((key.slot, key.generation)), "{key:?} handed out twice");
+                        callers.push((NodeId(n), key, 0));
+                    }
+                    Err(RdmaError::ExchangeInProgress(p)) => {
+                        prop_assert_eq!(p, NodeId(n));
+                        let under_way = callers.iter().any(|c| c.0 == p && t.link(c.1).is_some());
+                        prop_assert!(under_way, "refused with no exchange under way");
+                    }
+                    Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                },
+                PrepOp::Step(i) if !callers.is_empty() => {
+                    let i = i % callers.len();
+                    let (peer, key, step) = callers[i];
+                    match step {
+                        0 => {
+                            next_res += 1;
+                            installed.insert(next_res);
+                            match t.finish_prepare(key, next_res, now) {
+                                Ok(()) => callers[i].2 = 1,
+                                Err(r) => {
+                                    prop_assert!(freed.insert(r));
+                                    callers.remove(i);
+                                }
+                            }
+                        }
+                        1 => match t.begin_connect(peer, now) {
+                            Ok((k, _)) => {
+                                prop_assert_eq!(k, key, "connecting someone else's link");
+                                callers[i].2 = 2;
+                            }
+                            Err(_) => {
+                                callers.remove(i);
+                            }
+                        },
+                        _ => {
+                            let done = t.finish_connect(peer, key, region(1), now);
+                            prop_assert!(done.is_ok() || t.link(key).is_none());
+                            callers.remove(i);
+                        }
+                    }
+                }
+                PrepOp::Fail(i) if !callers.is_empty() => {
+                    let (_, key, _) = callers.remove(i % callers.len());
+                    t.abandon(key, "no memory", now);
+                }
+                PrepOp::Tick(ms) => {
+                    now += Duration::from_millis(ms);
+                    t.on_timer(now);
+                }
+                _ => {}
+            }
+            // A caller whose lease ran out has lost its link; it finds out at its next step.
+            callers.retain(|c| t.link(c.1).is_some() || c.2 == 0);
+            for r in run(&mut t, now) {
+                prop_assert!(freed.insert(r), "queue pair {r} freed twice");
+            }
+            t.check_invariants().map_err(TestCaseError::fail)?;
+            let mut held = t.resources();
+            held.sort_unstable();
+            let live: Vec<u32> = installed.difference(&freed).copied().collect();
+            prop_assert_eq!(held, live);
+            // Among callers whose link is still there, no two share a link or a peer.
+            let alive: Vec<_> = callers.iter().filter(|c| t.link(c.1).is_some()).collect();
+            for (i, a) in alive.iter().enumerate() {
+                for b in &alive[i + 1..] {
+                    prop_assert!(a.1 != b.1 && a.0 != b.0, "two callers share a link or a peer");
+                }
+            }
+        }
     }
 }
