@@ -19,9 +19,7 @@
 mod cluster;
 
 use cluster::*;
-use kvmesh_common::grpc::{self, pb, Placement};
-use kvmesh_common::tls::grpc_endpoint;
-use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
+use kvmesh_common::NodeRole;
 use kvmesh_kvstore::EtcdServer;
 use serde_json::{json, Value};
 use std::io::Write;
@@ -153,7 +151,7 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let (outcome, refusal) = std::thread::scope(|s| {
         let client = s.spawn(|| stream_completion(router_addr, &body(true)));
         let victim = await_running(&rt, &decode_addrs);
-        let refusal = rt.block_on(poison(decode_addrs[victim]));
+        let refusal = rt.block_on(poison(decode_addrs[victim], None));
         (client.join().unwrap(), refusal)
     });
     println!("silent faults: poison request answered {refusal:?}");
@@ -266,43 +264,5 @@ fn await_prefill_holds_kv(rt: &tokio::runtime::Runtime, addr: SocketAddr) {
             "the prefill node never took the prompt"
         );
         std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
-/// Sends a `Generate` with a token id past any vocabulary straight to the decode node at
-/// `addr`; returns how the call (or its stream) failed.
-async fn poison(addr: SocketAddr) -> tonic::Status {
-    let channel = grpc_endpoint(&addr.to_string(), None)
-        .unwrap()
-        .connect()
-        .await
-        .expect("the decode node answers");
-    let request = GenerateRequest {
-        request_id: RequestId(0xbad),
-        prompt: vec![1, 2, u32::MAX - 1, 3],
-        params: SamplingParams::greedy(8),
-        resume: Vec::new(),
-    };
-    let call = pb::decode_client::DecodeClient::new(channel)
-        .generate(grpc::generate_request_to_pb(
-            &request,
-            &Placement::default(),
-        ))
-        .await;
-    let mut stream = match call {
-        Err(status) => return status,
-        Ok(stream) => stream.into_inner(),
-    };
-    // Accepted: what the stream then says.
-    loop {
-        match stream.message().await {
-            Err(status) => return status,
-            Ok(None) => return tonic::Status::ok("the stream ended"),
-            Ok(Some(event)) => {
-                if let Some(pb::generate_event::Event::Error(e)) = event.event {
-                    return tonic::Status::internal(format!("accepted, then failed: {e:?}"));
-                }
-            }
-        }
     }
 }

@@ -1,7 +1,8 @@
 //! A throwaway local etcd for tests and local clusters.
 //!
 //! [`EtcdServer::start`] runs the `etcd` binary (Debian's `etcd-server`, 3.4) as a
-//! single-member cluster on 127.0.0.1, on free ports, with its data in a temporary directory
+//! single-member cluster on 127.0.0.1 ([`EtcdServer::start_on`]: another local address), on
+//! free ports, with its data in a temporary directory
 //! that is deleted on drop. Any number can run side by side (parallel tests). It can be
 //! stopped and restarted on the same port and data, to test "etcd goes away and comes back".
 
@@ -40,6 +41,7 @@ pub enum EtcdServerError {
 pub struct EtcdServer {
     bin: PathBuf,
     dir: TempDir,
+    ip: Ipv4Addr,
     client_port: u16,
     peer_port: u16,
     child: Option<Child>,
@@ -48,13 +50,20 @@ pub struct EtcdServer {
 impl EtcdServer {
     /// Starts etcd on free ports and returns once it answers as healthy (it has a leader).
     pub fn start() -> Result<Self, EtcdServerError> {
+        Self::start_on(Ipv4Addr::LOCALHOST)
+    }
+
+    /// [`EtcdServer::start`] on local address `ip` (e.g. one that processes in another
+    /// network namespace can reach).
+    pub fn start_on(ip: Ipv4Addr) -> Result<Self, EtcdServerError> {
         let bin = find_binary()?;
         let mut last = None;
         for _ in 0..START_ATTEMPTS {
-            let [client_port, peer_port] = free_ports()?;
+            let [client_port, peer_port] = free_ports(ip)?;
             let mut server = EtcdServer {
                 bin: bin.clone(),
                 dir: tempfile::Builder::new().prefix("kvmesh-etcd-").tempdir()?,
+                ip,
                 client_port,
                 peer_port,
                 child: None,
@@ -71,7 +80,7 @@ impl EtcdServer {
 
     /// The client URL, e.g. `http://127.0.0.1:40123`.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        format!("http://{}:{}", self.ip, self.client_port)
     }
 
     pub fn is_running(&mut self) -> bool {
@@ -112,8 +121,8 @@ impl EtcdServer {
             .create(true)
             .append(true)
             .open(self.log_path())?;
-        let client = format!("http://127.0.0.1:{}", self.client_port);
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let client = format!("http://{}:{}", self.ip, self.client_port);
+        let peer = format!("http://{}:{}", self.ip, self.peer_port);
         let child = Command::new(&self.bin)
             .arg("--name=kvmesh")
             .arg(format!(
@@ -148,7 +157,7 @@ impl EtcdServer {
 
     fn wait_healthy(&mut self) -> Result<(), EtcdServerError> {
         let started = Instant::now();
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.client_port));
+        let addr = SocketAddr::from((self.ip, self.client_port));
         loop {
             if let Some(status) = self
                 .child
@@ -194,10 +203,10 @@ fn find_on(path: &std::ffi::OsStr) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Two distinct free ports (both held until both are chosen).
-fn free_ports() -> io::Result<[u16; 2]> {
-    let a = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    let b = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
+/// Two distinct free ports on `ip` (both held until both are chosen).
+fn free_ports(ip: Ipv4Addr) -> io::Result<[u16; 2]> {
+    let a = TcpListener::bind((ip, 0))?;
+    let b = TcpListener::bind((ip, 0))?;
     Ok([a.local_addr()?.port(), b.local_addr()?.port()])
 }
 

@@ -3,9 +3,9 @@
 
 #![allow(dead_code)]
 
-use kvmesh_common::grpc::pb;
+use kvmesh_common::grpc::{self, pb, Placement};
 use kvmesh_common::tls::{grpc_endpoint, ClusterTls};
-use kvmesh_common::NodeRole;
+use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
 use kvmesh_kvstore::{Discovery, EtcdDiscovery};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -28,12 +28,29 @@ pub struct Node {
     pub child: Child,
     pub args: Vec<String>,
     pub log: std::path::PathBuf,
+    /// The network namespace it runs in (`None`: the test's own).
+    pub netns: Option<String>,
 }
 
 impl Node {
     pub fn spawn(args: Vec<String>, log: std::path::PathBuf) -> Node {
+        Self::spawn_in(None, args, log)
+    }
+
+    /// Spawns the node in network namespace `netns` (`ip netns exec`, which execs it: the
+    /// child is the node itself), or in this one.
+    pub fn spawn_in(netns: Option<&str>, args: Vec<String>, log: std::path::PathBuf) -> Node {
         let out = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
+        let bin = env!("CARGO_BIN_EXE_kvmesh");
+        let mut command = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let child = command
             .args(&args)
             .env("KVMESH_LOG", "info")
             .env_remove("KVMESH_DECODE_WORKERS")
@@ -42,11 +59,18 @@ impl Node {
             .stderr(out)
             .spawn()
             .expect("kvmesh starts");
-        Node { child, args, log }
+        Node {
+            child,
+            args,
+            log,
+            netns: netns.map(String::from),
+        }
     }
 
     pub fn restart(&mut self) {
-        *self = Node::spawn(self.args.clone(), self.log.clone());
+        // Reopening the log truncates it: keep what the first run wrote.
+        let _ = std::fs::copy(&self.log, self.log.with_extension("log.1"));
+        *self = Node::spawn_in(self.netns.as_deref(), self.args.clone(), self.log.clone());
     }
 
     pub fn log_tail(&self) -> String {
@@ -242,9 +266,25 @@ pub struct Outcome {
 }
 
 /// POSTs a streaming completion and reads its SSE events (HTTP/1.1, chunked) as they come.
+/// A router that cannot be reached or whose connection breaks gives an outcome with the
+/// error (status 0 when no status line came).
 pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
+    let mut out = Outcome {
+        status: 0,
+        text: String::new(),
+        finish: None,
+        error: None,
+        events: Vec::new(),
+    };
+    if let Err(e) = read_stream(addr, body, &mut out) {
+        out.error.get_or_insert(e);
+    }
+    out
+}
+
+fn read_stream(addr: SocketAddr, body: &Value, out: &mut Outcome) -> Result<(), String> {
     let body = body.to_string();
-    let mut conn = TcpStream::connect(addr).expect("connect to the router");
+    let mut conn = TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
     conn.set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
     write!(
@@ -253,15 +293,22 @@ pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
-    .unwrap();
+    .map_err(|e| format!("send: {e}"))?;
+    let broken = |e: std::io::Error| format!("the connection broke: {e}");
     let mut r = BufReader::new(conn);
     let mut line = String::new();
-    r.read_line(&mut line).expect("a status line");
-    let status: u16 = line.split(' ').nth(1).unwrap().parse().unwrap();
+    r.read_line(&mut line).map_err(broken)?;
+    out.status = line
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("no status line: {line:?}"))?;
     let mut chunked = false;
     loop {
         line.clear();
-        r.read_line(&mut line).expect("a header line");
+        if r.read_line(&mut line).map_err(broken)? == 0 {
+            return Err("the connection closed in the headers".into());
+        }
         if line == "\r\n" {
             break;
         }
@@ -269,17 +316,10 @@ pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
             .to_ascii_lowercase()
             .starts_with("transfer-encoding: chunked");
     }
-    let mut out = Outcome {
-        status,
-        text: String::new(),
-        finish: None,
-        error: None,
-        events: Vec::new(),
-    };
-    if status != 200 || !chunked {
-        r.read_to_string(&mut out.text).unwrap_or_default();
-        out.error = Some(std::mem::take(&mut out.text));
-        return out;
+    if out.status != 200 || !chunked {
+        let mut text = String::new();
+        r.read_to_string(&mut text).unwrap_or_default();
+        return Err(text);
     }
     let (mut pending, mut done) = (String::new(), false);
     loop {
@@ -287,12 +327,13 @@ pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
         if r.read_line(&mut line).unwrap_or(0) == 0 {
             break;
         }
-        let size = usize::from_str_radix(line.trim(), 16).expect("a chunk size");
+        let size = usize::from_str_radix(line.trim(), 16)
+            .map_err(|_| format!("not a chunk size: {line:?}"))?;
         if size == 0 {
             break;
         }
         let mut chunk = vec![0; size + 2];
-        r.read_exact(&mut chunk).expect("a whole chunk");
+        r.read_exact(&mut chunk).map_err(broken)?;
         pending.push_str(std::str::from_utf8(&chunk[..size]).expect("UTF-8 SSE"));
         while let Some(end) = pending.find("\n\n") {
             let event: String = pending.drain(..end + 2).collect();
@@ -317,9 +358,18 @@ pub fn stream_completion(addr: SocketAddr, body: &Value) -> Outcome {
         }
     }
     if !done && out.error.is_none() {
-        out.error = Some("the stream ended without [DONE]".into());
+        return Err("the stream ended without [DONE]".into());
     }
-    out
+    Ok(())
+}
+
+/// Sets its flag when dropped: a test's clients stop when its driver returns or fails.
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// How many requests have completed; a test's driver waits on it.
@@ -393,4 +443,42 @@ pub fn discovery(rt: &tokio::runtime::Runtime, endpoint: &str, cluster: &str) ->
         ..Default::default()
     }))
     .expect("the test's own etcd client")
+}
+
+/// Sends a `Generate` with a token id past any vocabulary straight to the decode node at
+/// `addr`; returns how the call (or its stream) failed.
+pub async fn poison(addr: SocketAddr, tls: Option<&ClusterTls>) -> tonic::Status {
+    let channel = grpc_endpoint(&addr.to_string(), tls)
+        .unwrap()
+        .connect()
+        .await
+        .expect("the decode node answers");
+    let request = GenerateRequest {
+        request_id: RequestId(0xbad),
+        prompt: vec![1, 2, u32::MAX - 1, 3],
+        params: SamplingParams::greedy(8),
+        resume: Vec::new(),
+    };
+    let call = pb::decode_client::DecodeClient::new(channel)
+        .generate(grpc::generate_request_to_pb(
+            &request,
+            &Placement::default(),
+        ))
+        .await;
+    let mut stream = match call {
+        Err(status) => return status,
+        Ok(stream) => stream.into_inner(),
+    };
+    // Accepted: what the stream then says.
+    loop {
+        match stream.message().await {
+            Err(status) => return status,
+            Ok(None) => return tonic::Status::ok("the stream ended"),
+            Ok(Some(event)) => {
+                if let Some(pb::generate_event::Event::Error(e)) = event.event {
+                    return tonic::Status::internal(format!("accepted, then failed: {e:?}"));
+                }
+            }
+        }
+    }
 }
