@@ -57,13 +57,15 @@ impl PrefillDirectory {
         self
     }
 
-    /// Connects RDMA with `client`'s node unless done already or either side lacks it.
+    /// Connects RDMA with `client`'s node when an exchange is due: never tried, or the last
+    /// exchange or link failed and its backoff has passed (the transport keeps that record);
+    /// not when either side lacks RDMA or KV already comes over it.
     async fn rdma_exchange(&self, client: &RemotePrefill) -> Result<(), String> {
         let Some((me, transport)) = self.rdma.clone() else {
             return Ok(());
         };
         let peer = client.node_id();
-        if !client.offers_rdma() || transport.uses_rdma(peer) {
+        if !client.offers_rdma() || !transport.rdma_exchange_due(peer) {
             return Ok(());
         }
         // Verbs calls block in the device driver.
@@ -84,12 +86,23 @@ impl PrefillDirectory {
         Ok(())
     }
 
+    /// The RDMA exchange with `client`'s node if one is due. A failed one costs nothing but
+    /// the speed: KV comes over QUIC (a prefill node whose RDMA writes fail resends them over
+    /// QUIC), and the transport schedules the next try.
+    async fn try_rdma(&self, client: &RemotePrefill) {
+        if let Err(e) = self.rdma_exchange(client).await {
+            tracing::warn!(node = %client.node_id(), "RDMA exchange failed: {e}; KV comes over QUIC");
+        }
+    }
+
     /// The prefill node `target` names, or `None` (prefill locally) when it cannot be
     /// reached.
     pub async fn get(&self, target: &grpc::PrefillNode) -> Option<PrefillTarget> {
         let known = self.lock().get(&target.node_id).cloned();
         if let Some((address, client)) = known {
             if address == target.address {
+                // A link that failed earlier is tried again once its backoff has passed.
+                self.try_rdma(&client).await;
                 return Some(std::sync::Arc::new(client));
             }
         }
@@ -102,12 +115,7 @@ impl PrefillDirectory {
         .await;
         match connected {
             Ok(client) if client.node_id_matches(target.node_id) => {
-                // The prefill node may already push over RDMA: a failed exchange must not
-                // leave it sending where this node does not listen.
-                if let Err(e) = self.rdma_exchange(&client).await {
-                    tracing::warn!(node = %target.node_id, "RDMA exchange failed: {e}; prefilling locally");
-                    return None;
-                }
+                self.try_rdma(&client).await;
                 self.lock()
                     .insert(target.node_id, (target.address.clone(), client.clone()));
                 Some(std::sync::Arc::new(client))
