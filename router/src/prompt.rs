@@ -47,6 +47,8 @@ pub(crate) struct Prompts {
     /// What `encode` adds before / after any text (BOS/EOS per the model's metadata).
     prefix: Vec<TokenId>,
     suffix: Vec<TokenId>,
+    /// The fill-in-the-middle tokens (prefix, suffix, middle), if the model has them.
+    fim: Option<[TokenId; 3]>,
 }
 
 impl Prompts {
@@ -67,7 +69,9 @@ impl Prompts {
             .collect();
         specials.sort();
         let (prefix, suffix) = affixes(&tokenizer);
+        let fim = fim_tokens(&tokenizer);
         Prompts {
+            fim,
             tokenizer,
             grammars: OnceLock::new(),
             template,
@@ -145,6 +149,33 @@ impl Prompts {
         self.encode(prompt, true)
     }
 
+    /// A fill-in-the-middle prompt (completions' `suffix`), prefix-suffix-middle as code
+    /// models are trained on: `<fim_prefix>` prefix `<fim_suffix>` suffix `<fim_middle>`,
+    /// the answer being the middle. `prefix` is the prompt's ids (with whatever BOS the model
+    /// adds); the suffix is text. Refused for a model without such tokens.
+    pub(crate) fn fill_in_middle(
+        &self,
+        mut prefix: Vec<TokenId>,
+        suffix: &str,
+    ) -> Result<Vec<TokenId>, ApiError> {
+        let [pre, suf, mid] = self.fim.ok_or_else(|| {
+            ApiError::unsupported(
+                "suffix",
+                "`suffix` needs a model with fill-in-the-middle tokens (<fim_prefix>, \
+                 <fim_suffix>, <fim_middle>); this one has none",
+            )
+        })?;
+        if !self.suffix.is_empty() && prefix.ends_with(&self.suffix) {
+            prefix.truncate(prefix.len() - self.suffix.len());
+        }
+        let lead = self.prefix.len() * usize::from(prefix.starts_with(&self.prefix));
+        prefix.insert(lead, pre);
+        prefix.push(suf);
+        prefix.extend(self.strip_affixes(self.encode(suffix, false)?));
+        prefix.push(mid);
+        Ok(prefix)
+    }
+
     fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<TokenId>, ApiError> {
         self.tokenizer
             .encode(text, parse_special)
@@ -164,6 +195,17 @@ impl Prompts {
         }
         ids
     }
+}
+
+/// The fill-in-the-middle tokens under the names code models use (StarCoder's
+/// `<fim_prefix>`, Qwen-Coder's and CodeGemma's `<|fim_prefix|>`).
+fn fim_tokens(tokenizer: &Tokenizer) -> Option<[TokenId; 3]> {
+    [("<fim_", ">"), ("<|fim_", "|>")]
+        .into_iter()
+        .find_map(|(open, close)| {
+            let id = |part: &str| tokenizer.token_id(&format!("{open}{part}{close}"));
+            Some([id("prefix")?, id("suffix")?, id("middle")?])
+        })
 }
 
 /// The ids `encode` puts around every text: a leading run of BOS, then the rest (EOS).

@@ -514,3 +514,40 @@ async fn tokenize_gives_the_prompt_a_request_would_send_and_detokenize_inverts_i
     .await;
     assert_eq!(r.status, 400);
 }
+
+#[tokio::test]
+async fn suffix_makes_a_fill_in_the_middle_prompt_where_the_model_has_one() {
+    let backend = ScriptedBackend::replying("x + y", FinishReason::Stop);
+    let fim = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"];
+    let app = kvmesh_router::Router::new(config(), backend.clone(), tokenizer_with(&fim))
+        .expect("valid config")
+        .app();
+    let body = json!({"prompt": "def add(x, y):\n    return ", "suffix": "\n\nprint(add(1, 2))",
+                      "echo": true, "max_tokens": 8});
+    let reply = post(&app, "/v1/completions", body.clone()).await;
+    assert_eq!(reply.status, 200, "{}", reply.json());
+    // Prefix, suffix, middle: the answer is what goes between.
+    let mut expected = vec![259];
+    expected.extend(ids("def add(x, y):\n    return "));
+    expected.push(260);
+    expected.extend(ids("\n\nprint(add(1, 2))"));
+    expected.push(261);
+    assert_eq!(backend.requests()[0].prompt, expected);
+    // Echo shows the prompt as sent, without the markup.
+    assert_eq!(
+        reply.json()["choices"][0]["text"],
+        "def add(x, y):\n    return x + y"
+    );
+
+    // A model without such tokens refuses it, saying why.
+    let plain = router(&backend).app();
+    let reply = post(&plain, "/v1/completions", body).await;
+    let err = assert_error(&reply, 400);
+    assert_eq!(err["code"], "unsupported_parameter");
+    assert_eq!(err["param"], "suffix");
+    assert!(err["message"]
+        .as_str()
+        .unwrap()
+        .contains("fill-in-the-middle"));
+    assert_eq!(backend.requests().len(), 1);
+}

@@ -28,10 +28,7 @@ use crate::sse::Chunk;
 /// What happens to the OpenAI fields `CompletionRequest` does not read (docs/api.md).
 const POLICY: FieldPolicy = FieldPolicy {
     ignored: &[("user", "end users are not tracked")],
-    unsupported: &[(
-        "suffix",
-        "insertion (fill-in-the-middle) is not implemented",
-    )],
+    unsupported: &[],
 };
 
 /// The request body (fields it does not read: [`POLICY`]).
@@ -64,6 +61,8 @@ struct CompletionRequest {
     logprobs: Option<i64>,
     /// Prepend the prompt text to the completion.
     echo: Option<bool>,
+    /// Text after the completion: a fill-in-the-middle prompt, for models that have one.
+    suffix: Option<String>,
     response_format: Option<Value>,
 }
 
@@ -163,6 +162,12 @@ pub(crate) async fn handle(
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "`prompt` must not be empty"));
     }
+    // Echo shows the prompt as given, without the fill-in-the-middle markup.
+    let echoed = echo.then(|| tokenizer.decode(&prompt, false));
+    let prompt = match req.suffix {
+        Some(suffix) => state.prompts.fill_in_middle(prompt, &suffix)?,
+        None => prompt,
+    };
     let fields = SamplingFields {
         n: req.n,
         max_tokens: req.max_tokens.map(|m| (m, "max_tokens")),
@@ -202,7 +207,7 @@ pub(crate) async fn handle(
             include_usage,
         },
         logprobs: logprobs.is_some(),
-        echo: echo.then(|| tokenizer.decode(&prompt, false)),
+        echo: echoed,
         offsets: vec![0; n],
     };
     let job = Job {

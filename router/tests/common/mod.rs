@@ -40,29 +40,30 @@ fn byte_char(b: u8) -> char {
 /// token per character), plus `<|endoftext|>` (256), `<|im_start|>` (257), `<|im_end|>`
 /// (258, EOS), and a ChatML template.
 pub fn tokenizer() -> Arc<Tokenizer> {
-    let vocab: serde_json::Map<String, Value> = (0..=255u8)
-        .map(|b| (byte_char(b).to_string(), json!(b)))
-        .chain(
-            [
-                ("<|endoftext|>", 256),
-                ("<|im_start|>", 257),
-                ("<|im_end|>", 258),
-            ]
-            .into_iter()
-            .map(|(t, id)| (t.to_string(), json!(id))),
-        )
-        .collect();
-    let added: Vec<Value> = [
+    tokenizer_with(&[])
+}
+
+/// [`tokenizer`] with more special tokens, numbered from 259 (e.g. fill-in-the-middle ones).
+pub fn tokenizer_with(extra: &[&str]) -> Arc<Tokenizer> {
+    let specials: Vec<(&str, u32)> = [
         ("<|endoftext|>", 256),
         ("<|im_start|>", 257),
         ("<|im_end|>", 258),
     ]
     .into_iter()
-    .map(|(t, id)| {
-        json!({"id": id, "content": t, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-    })
+    .chain(extra.iter().zip(259..).map(|(t, id)| (*t, id)))
     .collect();
+    let vocab: serde_json::Map<String, Value> = (0..=255u8)
+        .map(|b| (byte_char(b).to_string(), json!(b)))
+        .chain(specials.iter().map(|&(t, id)| (t.to_string(), json!(id))))
+        .collect();
+    let added: Vec<Value> = specials
+        .into_iter()
+        .map(|(t, id)| {
+            json!({"id": id, "content": t, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
     let json = json!({
         "version": "1.0",
         "truncation": null,
