@@ -65,12 +65,7 @@ fn ignored(reply: &Reply) -> Vec<String> {
 #[tokio::test]
 async fn every_documented_field_sent_alone_has_its_documented_outcome() {
     let backend = ScriptedBackend::replying("ok", FinishReason::Stop);
-    // Room for the tools' system text (this test tokenizer has a token per byte).
-    let config = kvmesh_router::RouterConfig {
-        max_context: 4096,
-        ..config()
-    };
-    let app = router_with(&backend, config).app();
+    let app = roomy_router(&backend).app();
     let rows = rows();
     assert!(
         rows.len() > 50,

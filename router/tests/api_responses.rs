@@ -675,13 +675,8 @@ const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"c
 const ARGS: &str = "{\"city\": \"Paris\", \"days\": [1, 2]}";
 const TIME_CALL: &str = "<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n</tool_call>";
 
-/// Room for the tools' system text (this test tokenizer has a token per byte).
 fn tools_app(backend: &std::sync::Arc<ScriptedBackend>) -> axum::Router {
-    let config = RouterConfig {
-        max_context: 8192,
-        ..config()
-    };
-    router_with(backend, config).app()
+    roomy_router(backend).app()
 }
 
 fn weather_tool() -> Value {

@@ -14,12 +14,7 @@ const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"c
 const ARGS: &str = "{\"city\": \"Paris\", \"days\": [1, 2]}";
 
 fn app(backend: &Arc<ScriptedBackend>) -> axum::Router {
-    // The tools' system text is long and this test tokenizer has a token per byte.
-    let config = kvmesh_router::RouterConfig {
-        max_context: 8192,
-        ..config()
-    };
-    router_with(backend, config).app()
+    roomy_router(backend).app()
 }
 
 fn weather_tool() -> Value {

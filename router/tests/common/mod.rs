@@ -290,6 +290,16 @@ pub fn router(backend: &Arc<ScriptedBackend>) -> Router {
     router_with(backend, config())
 }
 
+/// A router with room for long system text (tools' descriptions): this test tokenizer
+/// has a token per byte.
+pub fn roomy_router(backend: &Arc<ScriptedBackend>) -> Router {
+    let config = RouterConfig {
+        max_context: 8192,
+        ..config()
+    };
+    router_with(backend, config)
+}
+
 /// A response, read whole.
 pub struct Reply {
     pub status: StatusCode,
