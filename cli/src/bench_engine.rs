@@ -5,7 +5,10 @@
 //! (aggregate tokens/s), the same shape as llama.cpp's `llama-batched-bench`. Step budget:
 //! through the engine's scheduler, a long prompt arrives while `--interference-decodes`
 //! sequences decode; per step budget, the decodes' longest gap between tokens and the long
-//! prompt's TTFT, against the first budget given (measured in the same run).
+//! prompt's TTFT, against the first budget given (measured in the same run). Structured
+//! outputs (`--structured`, instead of the others): see `structured`.
+
+mod structured;
 
 use crate::model_args::ModelArgs;
 use anyhow::Result;
@@ -54,6 +57,12 @@ pub struct BenchEngineArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Measure structured outputs instead, at each batch size: the decode step with a JSON
+    /// schema against free text (masks computed during and after the forward pass), and the
+    /// steps and time of answers under a schema with long fixed keys with fast-forward on and
+    /// off. The variants take one step each in turn.
+    #[arg(long)]
+    pub structured: bool,
 }
 
 pub fn run(args: &BenchEngineArgs) -> Result<()> {
@@ -62,6 +71,9 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
     let threads = model_args.threads.unwrap_or(2);
     let path = model_args.prepare()?;
     let loaded = crate::model_args::load(&path)?;
+    if args.structured {
+        return run_structured(&loaded, threads, args);
+    }
     let model = loaded.model.clone();
 
     let prefill = median_time(args.repeats, || time_prefill(&model, args.prefill_tokens))?;
@@ -132,6 +144,78 @@ pub fn run(args: &BenchEngineArgs) -> Result<()> {
                 );
             }
         }
+    }
+    Ok(())
+}
+
+fn run_structured(
+    loaded: &kvmesh_engine::Loaded,
+    threads: usize,
+    args: &BenchEngineArgs,
+) -> Result<()> {
+    let mut rows = Vec::new();
+    for &batch in &args.batches {
+        let cost = structured::mask_cost(
+            loaded,
+            batch,
+            args.decode_prompt,
+            args.decode_tokens,
+            args.repeats,
+        )?;
+        let ff = structured::fast_forward(loaded, batch, args.decode_prompt, args.repeats)?;
+        rows.push((cost, ff));
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    if args.json {
+        let rows: Vec<_> = rows
+            .iter()
+            .map(|(c, f)| {
+                serde_json::json!({
+                    "batch": c.batch,
+                    "step_free_s": c.free.as_secs_f64(),
+                    "step_json_s": c.during.as_secs_f64(),
+                    "step_json_masks_after_s": c.after.as_secs_f64(),
+                    "fast_forward": {
+                        "tokens": [f.tokens.0, f.tokens.1],
+                        "steps": [f.steps.0, f.steps.1],
+                        "time_s": [f.time.0.as_secs_f64(), f.time.1.as_secs_f64()],
+                    },
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({
+                "threads": threads,
+                "decode_prompt": args.decode_prompt,
+                "decode_tokens": args.decode_tokens,
+                "structured": rows,
+            })
+        );
+        return Ok(());
+    }
+    println!("threads {threads}");
+    for (c, f) in &rows {
+        println!(
+            "batch {:>3}: decode step {:.2} ms free, {:.2} ms with a JSON schema ({:.3}x; masks after the forward: {:.2} ms, {:.3}x)",
+            c.batch,
+            ms(c.free),
+            ms(c.during),
+            c.during.as_secs_f64() / c.free.as_secs_f64(),
+            ms(c.after),
+            c.after.as_secs_f64() / c.free.as_secs_f64(),
+        );
+        println!(
+            "batch {:>3}: a schema with long fixed keys: {} tokens in {} steps, {:.0} ms with fast-forward; {} tokens in {} steps, {:.0} ms without ({:.2}x the time)",
+            f.batch,
+            f.tokens.0,
+            f.steps.0,
+            ms(f.time.0),
+            f.tokens.1,
+            f.steps.1,
+            ms(f.time.1),
+            f.time.0.as_secs_f64() / f.time.1.as_secs_f64(),
+        );
     }
     Ok(())
 }
