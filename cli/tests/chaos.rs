@@ -15,7 +15,6 @@ mod cluster;
 use cluster::*;
 use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeRole;
-use kvmesh_kvstore::EtcdServer;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -82,51 +81,18 @@ fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole,
 
 #[test]
 fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
-    let mut etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
-    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos");
-    std::fs::create_dir_all(&logs).unwrap();
-    let log = |name: &str| logs.join(format!("{name}.log"));
-    let certs = logs.join("certs");
-    let _ = std::fs::remove_dir_all(&certs);
-    let (tls, tls_flags) = cluster_certs(&certs);
-    let endpoint = etcd.endpoint();
-    let args = |role: &str, addr| {
-        let mut a = mesh_args(role, addr, &endpoint, "chaos");
-        a.extend(tls_flags.iter().cloned());
-        // Prompts of 32 tokens or more go to a prefill node; round robin spreads repeats
-        // of a prompt over the decode nodes, so prefill nodes stay busy all run long.
-        if role != "prefill" {
-            a.extend(["--local-prefill-max-tokens".into(), "32".into()]);
-        }
-        a
-    };
-    let router_addr = free_addr("127.0.0.2");
-    let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
-    let decode_addrs = [
-        free_addr("127.0.0.5"),
-        free_addr("127.0.0.6"),
-        free_addr("127.0.0.8"),
-    ];
-    let mut prefill: Vec<Node> = (0..2)
-        .map(|i| {
-            Node::spawn(
-                args("prefill", prefill_addrs[i]),
-                log(&format!("prefill{i}")),
-            )
-        })
-        .collect();
-    let mut decode: Vec<Node> = (0..3)
-        .map(|i| Node::spawn(args("decode", decode_addrs[i]), log(&format!("decode{i}"))))
-        .collect();
-    let mut router_args = args("router", router_addr);
-    router_args.extend(["--routing-policy".into(), "round_robin".into()]);
-    let router = Node::spawn(router_args, log("router"));
-
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = discovery(&rt, &etcd.endpoint(), "chaos");
-    rt.block_on(await_membership(&discovery, 2, 3, START_TIMEOUT));
-    let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
-    await_health(router_addr, &all);
+    let ChaosMesh {
+        mut etcd,
+        tls,
+        router_addr,
+        prefill_addrs,
+        decode_addrs,
+        mut prefill,
+        mut decode,
+        router: _router,
+        rt,
+        discovery,
+    } = ChaosMesh::start("chaos");
 
     // The reference: each prompt's greedy text from the mesh before any fault.
     let reference: Vec<String> = (0..PROMPTS)

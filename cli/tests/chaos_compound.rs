@@ -23,7 +23,7 @@ mod cluster;
 use cluster::*;
 use kvmesh_common::tls::{ClusterTls, CLUSTER_SERVER_NAME};
 use kvmesh_common::{BlockId, NodeId, NodeRole, RequestId};
-use kvmesh_kvstore::{Discovery, EtcdServer};
+use kvmesh_kvstore::Discovery;
 use kvmesh_transfer::quic::error_code::MALFORMED;
 use kvmesh_transfer::{BlockShape, KvChunk, KvDtype};
 use serde_json::{json, Value};
@@ -202,50 +202,18 @@ async fn poison_kv(to: SocketAddr, dest: NodeId, tls: &ClusterTls) -> Vec<Option
 
 #[test]
 fn compound_and_hostile_faults_cost_only_what_they_must() {
-    let mut etcd = EtcdServer::start().expect("etcd starts (scripts/setup.sh installs it)");
-    let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("chaos_compound");
-    std::fs::create_dir_all(&logs).unwrap();
-    let log = |name: &str| logs.join(format!("{name}.log"));
-    let certs = logs.join("certs");
-    let _ = std::fs::remove_dir_all(&certs);
-    let (tls, tls_flags) = cluster_certs(&certs);
-    let endpoint = etcd.endpoint();
-    let args = |role: &str, addr| {
-        let mut a = mesh_args(role, addr, &endpoint, "compound");
-        a.extend(tls_flags.iter().cloned());
-        if role != "prefill" {
-            // Every prompt here goes to a prefill node.
-            a.extend(["--local-prefill-max-tokens".into(), "32".into()]);
-        }
-        a
-    };
-    let router_addr = free_addr("127.0.0.2");
-    let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
-    let decode_addrs = [
-        free_addr("127.0.0.5"),
-        free_addr("127.0.0.6"),
-        free_addr("127.0.0.8"),
-    ];
-    let prefill: Vec<Node> = (0..2)
-        .map(|i| {
-            Node::spawn(
-                args("prefill", prefill_addrs[i]),
-                log(&format!("prefill{i}")),
-            )
-        })
-        .collect();
-    let mut decode: Vec<Node> = (0..3)
-        .map(|i| Node::spawn(args("decode", decode_addrs[i]), log(&format!("decode{i}"))))
-        .collect();
-    let mut router_args = args("router", router_addr);
-    router_args.extend(["--routing-policy".into(), "round_robin".into()]);
-    let mut router = Node::spawn(router_args, log("router"));
-
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let discovery = discovery(&rt, &etcd.endpoint(), "compound");
-    rt.block_on(await_membership(&discovery, 2, 3, START_TIMEOUT));
-    let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
-    await_health(router_addr, &all);
+    let ChaosMesh {
+        mut etcd,
+        tls,
+        router_addr,
+        prefill_addrs,
+        decode_addrs,
+        prefill,
+        mut decode,
+        mut router,
+        rt,
+        discovery,
+    } = ChaosMesh::start("compound");
     let victim_kv = discovery
         .nodes(NodeRole::Decode)
         .into_iter()

@@ -482,3 +482,81 @@ pub async fn poison(addr: SocketAddr, tls: Option<&ClusterTls>) -> tonic::Status
         }
     }
 }
+
+/// The chaos tests' mesh: etcd, a router (round robin), two prefill and three decode
+/// processes under mutual TLS, prompts of 32 tokens or more prefilled on prefill nodes;
+/// started, registered and healthy. Logs under the test target's `name/`.
+pub struct ChaosMesh {
+    pub etcd: kvmesh_kvstore::EtcdServer,
+    pub tls: ClusterTls,
+    pub router_addr: SocketAddr,
+    pub prefill_addrs: [SocketAddr; 2],
+    pub decode_addrs: [SocketAddr; 3],
+    pub prefill: Vec<Node>,
+    pub decode: Vec<Node>,
+    pub router: Node,
+    pub rt: tokio::runtime::Runtime,
+    pub discovery: EtcdDiscovery,
+}
+
+impl ChaosMesh {
+    pub fn start(name: &str) -> ChaosMesh {
+        let etcd = kvmesh_kvstore::EtcdServer::start()
+            .expect("etcd starts (scripts/setup.sh installs it)");
+        let logs = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
+        std::fs::create_dir_all(&logs).unwrap();
+        let log = |node: &str| logs.join(format!("{node}.log"));
+        let certs = logs.join("certs");
+        let _ = std::fs::remove_dir_all(&certs);
+        let (tls, tls_flags) = cluster_certs(&certs);
+        let endpoint = etcd.endpoint();
+        let args = |role: &str, addr| {
+            let mut a = mesh_args(role, addr, &endpoint, name);
+            a.extend(tls_flags.iter().cloned());
+            if role != "prefill" {
+                a.extend(["--local-prefill-max-tokens".into(), "32".into()]);
+            }
+            a
+        };
+        let router_addr = free_addr("127.0.0.2");
+        let prefill_addrs = [free_addr("127.0.0.3"), free_addr("127.0.0.4")];
+        let decode_addrs = [
+            free_addr("127.0.0.5"),
+            free_addr("127.0.0.6"),
+            free_addr("127.0.0.8"),
+        ];
+        let prefill: Vec<Node> = (0..2)
+            .map(|i| {
+                Node::spawn(
+                    args("prefill", prefill_addrs[i]),
+                    log(&format!("prefill{i}")),
+                )
+            })
+            .collect();
+        let decode: Vec<Node> = (0..3)
+            .map(|i| Node::spawn(args("decode", decode_addrs[i]), log(&format!("decode{i}"))))
+            .collect();
+        let mut router_args = args("router", router_addr);
+        // Round robin spreads repeats of a prompt over the decode nodes.
+        router_args.extend(["--routing-policy".into(), "round_robin".into()]);
+        let router = Node::spawn(router_args, log("router"));
+
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let discovery = discovery(&rt, &etcd.endpoint(), name);
+        rt.block_on(await_membership(&discovery, 2, 3, START_TIMEOUT));
+        let all: Vec<&Node> = prefill.iter().chain(&decode).chain([&router]).collect();
+        await_health(router_addr, &all);
+        ChaosMesh {
+            etcd,
+            tls,
+            router_addr,
+            prefill_addrs,
+            decode_addrs,
+            prefill,
+            decode,
+            router,
+            rt,
+            discovery,
+        }
+    }
+}
