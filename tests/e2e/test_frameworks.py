@@ -87,6 +87,6 @@ def test_litellm_structured_output(base_url, model_name):
     reply = litellm.completion(
         model=f"openai/{model_name}", api_base=base_url + "/v1", api_key="e2e",
         messages=[{"role": "user", "content": "Invent a pet. Answer in JSON."}],
-        response_format=Pet, max_tokens=80,
+        response_format=Pet, max_tokens=80, temperature=0,
     )
     Pet.model_validate_json(reply.choices[0].message.content)

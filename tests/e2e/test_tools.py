@@ -70,6 +70,9 @@ def test_a_required_call_parses_into_the_functions_model(client, model_name, cit
         messages=[{"role": "user", "content": f"What is the weather in {city} right now?"}],
         tools=[openai.pydantic_function_tool(GetWeather)],
         tool_choice="required",
+        # Greedy: the same calls every run (sampled, a small model may call again and again
+        # until max_tokens cuts the last call).
+        temperature=0,
         max_tokens=120,
     )
     choice = completion.choices[0]
