@@ -73,7 +73,6 @@ pub(crate) enum Api {
     /// `tools[i].function.name`, `tool_choice.function.name`.
     Chat,
     /// `tools[i].name`, `tool_choice.name`.
-    #[allow(dead_code)] // until /v1/responses takes tools
     Responses,
 }
 
