@@ -47,6 +47,10 @@ pub const WORKER_KV_PULL_FAILURES_TOTAL: &str = "kvmesh_worker_kv_pull_failures_
 /// Cached blocks this node sent to pullers.
 pub const WORKER_KV_EXPORTED_BLOCKS_TOTAL: &str = "kvmesh_worker_kv_exported_blocks_total";
 pub const WORKER_PREEMPTIONS_TOTAL: &str = "kvmesh_worker_preemptions_total";
+/// Engine steps that ran the model (one forward pass over the batch each).
+pub const WORKER_ENGINE_STEPS_TOTAL: &str = "kvmesh_worker_engine_steps_total";
+/// Tokens the steps generated: drawn, and forced by a structured-output format.
+pub const WORKER_GENERATED_TOKENS_TOTAL: &str = "kvmesh_worker_generated_tokens_total";
 
 // Node processes (labels: node; `to` on switches, `role` on the role gauge).
 /// Role switches done in place (label `to`: the role switched to).

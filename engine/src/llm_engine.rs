@@ -304,6 +304,9 @@ pub struct LlmEngine<R: ModelRunner> {
     admitted: Vec<Admission>,
     remote_admitted: Vec<RemoteAdmission>,
     last_step_tokens: usize,
+    /// Running totals: steps that ran the model, and tokens they delivered (drawn or forced).
+    steps_run: u64,
+    tokens_generated: u64,
     tiers: TierStore,
     /// Constraint compiler over the tokenizer's vocabulary, built on first use.
     grammars: Option<Arc<Grammars>>,
@@ -323,6 +326,8 @@ impl<R: ModelRunner> LlmEngine<R> {
             admitted: Vec::new(),
             remote_admitted: Vec::new(),
             last_step_tokens: 0,
+            steps_run: 0,
+            tokens_generated: 0,
             tiers: TierStore::default(),
             grammars: None,
             fast_forward: true,
@@ -530,6 +535,16 @@ impl<R: ModelRunner> LlmEngine<R> {
     /// request arrives, a transfer ends or a timeout passes).
     pub fn last_step_tokens(&self) -> usize {
         self.last_step_tokens
+    }
+
+    /// Steps that ran the model since the engine was made.
+    pub fn steps_run(&self) -> u64 {
+        self.steps_run
+    }
+
+    /// Tokens the steps delivered since the engine was made: drawn, and forced by a format.
+    pub fn tokens_generated(&self) -> u64 {
+        self.tokens_generated
     }
 
     /// Writes KV received for a remote prefill or a pull into `blocks` (transfer layout; see
@@ -812,7 +827,10 @@ impl<R: ModelRunner> LlmEngine<R> {
         }
         let outcome = self.scheduler.update_from_output(plan, &sampled)?;
         let context_full = self.append_forced(&mut runs, outcome.context_full);
-        Ok(self.finish_outputs(runs, &context_full))
+        let outputs = self.finish_outputs(runs, &context_full);
+        self.steps_run += 1;
+        self.tokens_generated += outputs.len() as u64;
+        Ok(outputs)
     }
 
     /// Appends each run's forced tokens to its sequence, up to the one that fills the

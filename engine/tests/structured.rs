@@ -202,6 +202,9 @@ fn generate(
             outcome.outputs.push((outcome.steps, out));
             if done {
                 assert!(!e.has_work());
+                // The engine's own totals (exported as metrics) say the same.
+                assert_eq!(e.steps_run(), outcome.steps as u64);
+                assert_eq!(e.tokens_generated(), outcome.outputs.len() as u64);
                 return outcome;
             }
         }

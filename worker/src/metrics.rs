@@ -45,6 +45,14 @@ pub fn describe() {
         "Sequences preempted (KV freed, to be recomputed)."
     );
     describe_counter!(
+        names::WORKER_ENGINE_STEPS_TOTAL,
+        "Engine steps that ran the model (one forward pass over the batch each)."
+    );
+    describe_counter!(
+        names::WORKER_GENERATED_TOKENS_TOTAL,
+        "Tokens generated: drawn, and forced by a structured-output format."
+    );
+    describe_counter!(
         names::TRANSFER_BYTES_TOTAL,
         "KV bytes sent (prefill) or received intact (decode)."
     );
@@ -123,6 +131,8 @@ pub struct WorkerMetrics {
     pub prefix_queried_tokens: Counter,
     pub prefix_hit_tokens: Counter,
     pub preemptions: Counter,
+    pub engine_steps: Counter,
+    pub generated_tokens: Counter,
     pub transfer_bytes: Counter,
     pub transfer_seconds: Histogram,
     pub kv_pulled_blocks: Counter,
@@ -148,6 +158,8 @@ impl WorkerMetrics {
             prefix_queried_tokens: counter!(names::WORKER_PREFIX_QUERIED_TOKENS_TOTAL, &labels),
             prefix_hit_tokens: counter!(names::WORKER_PREFIX_HIT_TOKENS_TOTAL, &labels),
             preemptions: counter!(names::WORKER_PREEMPTIONS_TOTAL, &labels),
+            engine_steps: counter!(names::WORKER_ENGINE_STEPS_TOTAL, &labels),
+            generated_tokens: counter!(names::WORKER_GENERATED_TOKENS_TOTAL, &labels),
             transfer_bytes: counter!(names::TRANSFER_BYTES_TOTAL, &labels),
             transfer_seconds: histogram!(names::TRANSFER_SECONDS, &labels),
             kv_pulled_blocks: counter!(names::WORKER_KV_PULLED_BLOCKS_TOTAL, &labels),

@@ -15,8 +15,11 @@ pub struct LoadPublisher {
     node_id: NodeId,
     kv_events: Option<Arc<dyn KvEventSink>>,
     metrics: WorkerMetrics,
-    /// The engine's preemption count at the last publication (the metric counts the rest).
+    /// The engine's preemption, step and token counts at the last publication (the metrics
+    /// count the rest).
     last_preemptions: u64,
+    last_steps: u64,
+    last_tokens: u64,
 }
 
 impl LoadPublisher {
@@ -31,6 +34,8 @@ impl LoadPublisher {
             kv_events,
             metrics,
             last_preemptions: 0,
+            last_steps: 0,
+            last_tokens: 0,
         }
     }
 
@@ -40,6 +45,8 @@ impl LoadPublisher {
     pub fn start<R: ModelRunner>(&mut self, engine: &mut LlmEngine<R>) {
         let pool = engine.scheduler().pool();
         self.last_preemptions = engine.scheduler().num_preemptions();
+        self.last_steps = engine.steps_run();
+        self.last_tokens = engine.tokens_generated();
         self.metrics.count_tiers_from(pool);
         let Some(sink) = &self.kv_events else {
             return;
@@ -91,5 +98,11 @@ impl LoadPublisher {
             .preemptions
             .increment(preemptions - self.last_preemptions);
         self.last_preemptions = preemptions;
+        let (steps, tokens) = (engine.steps_run(), engine.tokens_generated());
+        self.metrics.engine_steps.increment(steps - self.last_steps);
+        self.metrics
+            .generated_tokens
+            .increment(tokens - self.last_tokens);
+        (self.last_steps, self.last_tokens) = (steps, tokens);
     }
 }
