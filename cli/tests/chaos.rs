@@ -13,10 +13,8 @@
 mod cluster;
 
 use cluster::*;
-use kvmesh_common::tls::ClusterTls;
 use kvmesh_common::NodeRole;
 use serde_json::{json, Value};
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -66,19 +64,6 @@ fn counter(metrics: &str, name: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
-/// Waits (polling its gRPC health; nodes push nothing) until `node` runs a request.
-fn await_running(rt: &tokio::runtime::Runtime, addr: SocketAddr, role: NodeRole, tls: &ClusterTls) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let h = rt.block_on(node_health(&addr.to_string(), role, Some(tls)));
-        if h.load.is_some_and(|l| l.running > 0) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{addr} never ran a request");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
     let ChaosMesh {
@@ -123,7 +108,13 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         }
         // The faults, each once the stream has moved on from the last one.
         progress.wait_for(5, Duration::from_secs(300));
-        await_running(&rt, decode_addrs[0], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[0..=0],
+            NodeRole::Decode,
+            Some(&tls),
+            |l| l.running > 0,
+        );
         decode[0].child.kill().unwrap();
         faults.push(("kill -9 decode node", Instant::now()));
         decode[0].child.wait().unwrap();
@@ -143,7 +134,13 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
         progress.wait_for(34, Duration::from_secs(300));
-        await_running(&rt, decode_addrs[1], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[1..=1],
+            NodeRole::Decode,
+            Some(&tls),
+            |l| l.running > 0,
+        );
         signal(&decode[1], "-STOP");
         faults.push(("SIGSTOP decode node", Instant::now()));
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
@@ -153,7 +150,13 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
-        await_running(&rt, decode_addrs[1], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[1..=1],
+            NodeRole::Decode,
+            Some(&tls),
+            |l| l.running > 0,
+        );
         signal(&decode[1], "-TERM");
         let drained = Instant::now();
         faults.push(("SIGTERM (drain) decode node", drained));

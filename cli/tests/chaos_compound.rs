@@ -104,33 +104,9 @@ fn figures(name: &'static str, at: Instant, sent: &[Sent], lost: &[usize]) -> Fi
     }
 }
 
-/// Waits (polling health) until one of `addrs` runs a request or holds KV; returns which.
-fn await_busy(
-    rt: &tokio::runtime::Runtime,
-    addrs: &[SocketAddr],
-    role: NodeRole,
-    tls: &ClusterTls,
-) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        for (i, addr) in addrs.iter().enumerate() {
-            let h = rt.block_on(node_health(&addr.to_string(), role, Some(tls)));
-            if h.load
-                .is_some_and(|l| l.running > 0 || l.kv_blocks_used > 0)
-            {
-                return i;
-            }
-        }
-        if Instant::now() > deadline {
-            let seen: Vec<_> = addrs
-                .iter()
-                .map(|a| rt.block_on(node_health(&a.to_string(), role, Some(tls))))
-                .map(|h| (h.requests_total, h.load))
-                .collect();
-            panic!("none of {addrs:?} was seen busy: {seen:?}");
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
+/// A node that runs a request or holds KV (a prefill node's work is brief: its KV shows it).
+fn working(l: &kvmesh_common::grpc::pb::LoadReport) -> bool {
+    l.running > 0 || l.kv_blocks_used > 0
 }
 
 /// A QUIC connection to a node's KV port as a cluster member (the cluster's certificate).
@@ -257,7 +233,7 @@ fn compound_and_hostile_faults_cost_only_what_they_must() {
         progress.wait_for(5, Duration::from_secs(300));
 
         // A prefill node stopped while it computes and sends a prompt's KV.
-        let busy = await_busy(&rt, &prefill_addrs, NodeRole::Prefill, &tls);
+        let busy = await_load(&rt, &prefill_addrs, NodeRole::Prefill, Some(&tls), working);
         signal(&prefill[busy], "-STOP");
         faults.push(("SIGSTOP prefill node mid-transfer", Instant::now()));
         progress.wait_for(progress.count() + 6, Duration::from_secs(300));
@@ -268,7 +244,13 @@ fn compound_and_hostile_faults_cost_only_what_they_must() {
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
         etcd.stop().expect("etcd stops");
         faults.push(("etcd stopped", Instant::now()));
-        await_busy(&rt, &decode_addrs[0..=0], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[0..=0],
+            NodeRole::Decode,
+            Some(&tls),
+            working,
+        );
         decode[0].child.kill().unwrap();
         faults.push(("kill -9 decode node during the etcd outage", Instant::now()));
         decode[0].child.wait().unwrap();
@@ -278,7 +260,13 @@ fn compound_and_hostile_faults_cost_only_what_they_must() {
 
         // Poison from a member, at a decode node that is streaming.
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
-        await_busy(&rt, &decode_addrs[2..=2], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[2..=2],
+            NodeRole::Decode,
+            Some(&tls),
+            working,
+        );
         faults.push(("poison: bad token ids, malformed KV", Instant::now()));
         poison_refusal = Some(rt.block_on(poison(decode_addrs[2], Some(&tls))));
         let kv: SocketAddr = victim_kv.transfer_address.parse().expect("a KV address");
@@ -286,7 +274,13 @@ fn compound_and_hostile_faults_cost_only_what_they_must() {
 
         // The router killed and restarted.
         progress.wait_for(progress.count() + 6, Duration::from_secs(300));
-        await_busy(&rt, &decode_addrs[1..=1], NodeRole::Decode, &tls);
+        await_load(
+            &rt,
+            &decode_addrs[1..=1],
+            NodeRole::Decode,
+            Some(&tls),
+            working,
+        );
         // Taken first: the streams it owned break as soon as it dies.
         let killed = Instant::now();
         router.child.kill().unwrap();

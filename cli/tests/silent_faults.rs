@@ -33,22 +33,6 @@ fn body(stream: bool) -> Value {
            "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream})
 }
 
-/// Waits (polling gRPC health; nodes push nothing) until one of `addrs` runs a request;
-/// returns its index.
-fn await_running(rt: &tokio::runtime::Runtime, addrs: &[SocketAddr]) -> usize {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        for (i, addr) in addrs.iter().enumerate() {
-            let h = rt.block_on(node_health(&addr.to_string(), NodeRole::Decode, None));
-            if h.load.is_some_and(|l| l.running > 0) {
-                return i;
-            }
-        }
-        assert!(Instant::now() < deadline, "no decode node ran the request");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 /// A Prometheus counter's value in `/metrics` text (0 when absent).
 fn counter(router: SocketAddr, name: &str) -> f64 {
     get(router, "/metrics")
@@ -114,7 +98,9 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
     let (outcome, stopped, at) = std::thread::scope(|s| {
         let client = s.spawn(|| stream_completion(router_addr, &body(true)));
-        let stopped = await_running(&rt, &decode_addrs);
+        let stopped = await_load(&rt, &decode_addrs, NodeRole::Decode, None, |l| {
+            l.running > 0
+        });
         signal(&decode[stopped], "-STOP");
         let at = Instant::now();
         (client.join().unwrap(), stopped, at)
@@ -150,7 +136,9 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
     let (outcome, refusal) = std::thread::scope(|s| {
         let client = s.spawn(|| stream_completion(router_addr, &body(true)));
-        let victim = await_running(&rt, &decode_addrs);
+        let victim = await_load(&rt, &decode_addrs, NodeRole::Decode, None, |l| {
+            l.running > 0
+        });
         let refusal = rt.block_on(poison(decode_addrs[victim], None));
         (client.join().unwrap(), refusal)
     });

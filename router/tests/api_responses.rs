@@ -429,12 +429,7 @@ async fn bad_input_names_the_field() {
             "unknown_parameter",
         ),
     ];
-    for (request, param, code) in cases {
-        let reply = post(&app, PATH, request.clone()).await;
-        let error = assert_error(&reply, 400);
-        assert_eq!(error["param"], param, "{request}: {error}");
-        assert_eq!(error["code"], code, "{request}: {error}");
-    }
+    expect_400s(&app, &cases).await;
     assert!(backend.requests().is_empty());
     // A prompt beyond the context names `input`.
     let reply = post(&app, PATH, body(json!("x".repeat(300)))).await;
@@ -1048,11 +1043,16 @@ async fn bad_tool_requests_name_the_field() {
             "unknown_parameter",
         ),
     ];
-    for (request, param, code) in cases {
-        let reply = post(&app, PATH, request.clone()).await;
-        let error = assert_error(&reply, 400);
-        assert_eq!(error["param"], param, "{request}: {error}");
-        assert_eq!(error["code"], code, "{request}: {error}");
-    }
+    expect_400s(&app, &cases).await;
     assert!(backend.requests().is_empty());
+}
+
+/// Sends each request; each gets a 400 naming `param` with `code`.
+async fn expect_400s(app: &axum::Router, cases: &[(Value, &str, &str)]) {
+    for (request, param, code) in cases {
+        let reply = post(app, PATH, request.clone()).await;
+        let error = assert_error(&reply, 400);
+        assert_eq!(error["param"], *param, "{request}: {error}");
+        assert_eq!(error["code"], *code, "{request}: {error}");
+    }
 }

@@ -560,3 +560,32 @@ impl ChaosMesh {
         }
     }
 }
+
+/// Waits (polling gRPC health; nodes push nothing) until the load of one of `addrs` meets
+/// `busy`; returns its index. Fails after 60 s, with what each node reported.
+pub fn await_load(
+    rt: &tokio::runtime::Runtime,
+    addrs: &[SocketAddr],
+    role: NodeRole,
+    tls: Option<&ClusterTls>,
+    busy: impl Fn(&pb::LoadReport) -> bool,
+) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        for (i, addr) in addrs.iter().enumerate() {
+            let h = rt.block_on(node_health(&addr.to_string(), role, tls));
+            if h.load.as_ref().is_some_and(&busy) {
+                return i;
+            }
+        }
+        if Instant::now() > deadline {
+            let seen: Vec<_> = addrs
+                .iter()
+                .map(|a| rt.block_on(node_health(&a.to_string(), role, tls)))
+                .map(|h| (h.requests_total, h.load))
+                .collect();
+            panic!("none of {addrs:?} ({role:?}) was seen busy: {seen:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}

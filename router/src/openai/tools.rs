@@ -494,14 +494,14 @@ impl CallParser {
     /// Gives the call's start and arguments as far as they are certain.
     fn stream_call(&mut self, out: &mut Vec<Found>) {
         // What may be the start of `</tool_call>` waits.
-        let body = &self.pending[..self.pending.len() - partial_suffix(&self.pending, CLOSE)];
+        let visible = self.pending.len() - partial_suffix(&self.pending, CLOSE);
         if !self.started {
-            let Some(name) = call_name(body) else {
+            let Some(name) = call_name(&self.pending[..visible]) else {
                 return;
             };
             self.start_call(name, out);
         }
-        let body = &self.pending[..self.pending.len() - partial_suffix(&self.pending, CLOSE)];
+        let body = &self.pending[..visible];
         let Some(args) = arguments_text(body) else {
             return;
         };
