@@ -3,14 +3,19 @@
 //!
 //! Every node certificate names `kvmesh.cluster` (what peers check, see
 //! `kvmesh_common::tls`), the node's own name, its roles (`--roles`: what it may call, see
-//! `kvmesh_common::tls::CallerRole`) and any `--san`, and is good as TLS server and
-//! client. An existing CA in the directory is reused, so nodes can be added later; its key
+//! `kvmesh_common::tls::CallerRole`), its node id (unless `--shared`: the node takes its id
+//! from the certificate, and peers let it name only that id as where KV goes) and any
+//! `--san`, and is good as TLS server and client. An existing CA in the directory is reused, so nodes can be added later; its key
 //! never leaves the directory, which should stay on the operator's machine or secret store.
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use humantime_serde::re::humantime;
-use kvmesh_common::tls::{CallerRole, ClusterTls, CLUSTER_SERVER_NAME, ROLE_DOMAIN};
+use kvmesh_common::tls::{
+    node_dns_name, pem_node_ids, CallerRole, ClusterTls, CLUSTER_SERVER_NAME, NODE_DOMAIN,
+    ROLE_DOMAIN,
+};
+use kvmesh_common::NodeId;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose,
@@ -47,6 +52,12 @@ pub struct CertsArgs {
         default_value = "router,prefill,decode,admin"
     )]
     pub roles: Vec<CallerRole>,
+    /// Certificates for several nodes each (replicas mounting one secret): they name no node
+    /// id, so each node picks its own, and a KV destination a shared certificate names is
+    /// bound to it first come, first served. Without this flag every certificate is one
+    /// node's and proves that node's id.
+    #[arg(long)]
+    pub shared: bool,
 }
 
 /// How long a new CA is valid: longer than any certificate it signs.
@@ -62,8 +73,8 @@ pub fn run(args: &CertsArgs) -> Result<()> {
         if san.parse::<std::net::IpAddr>().is_err() && !is_dns_name(san) {
             bail!("invalid subject alternative name {san:?}: give an IP address or a DNS name");
         }
-        if is_role_name(san) {
-            bail!("{san:?} would grant a role: use --roles");
+        if is_reserved_name(san) {
+            bail!("{san:?} would grant a role or a node id: use --roles; node ids are given by kvmesh certs");
         }
     }
     if args.roles.is_empty() {
@@ -83,6 +94,9 @@ pub fn run(args: &CertsArgs) -> Result<()> {
         }
         let mut sans = args.sans.clone();
         sans.extend(args.roles.iter().map(|r| r.dns_name()));
+        let node_id = (!args.shared)
+            .then(|| previous_node_id(&cert).unwrap_or_else(|| NodeId(rand::random())));
+        sans.extend(node_id.map(node_dns_name));
         let (cert_pem, key_pem) = ca.issue(name, &sans, args.valid_for)?;
         // What every peer will check, checked now.
         ClusterTls::from_pem(ca.pem.as_bytes(), cert_pem.as_bytes(), key_pem.as_bytes())
@@ -92,8 +106,9 @@ pub fn run(args: &CertsArgs) -> Result<()> {
         write(&key, &key_pem, 0o600, args.force)?;
         write(&cert, &cert_pem, 0o644, args.force)?;
         let roles: Vec<_> = args.roles.iter().map(|r| r.as_str()).collect();
+        let id = node_id.map_or("none: shared".to_string(), |id| format!("{:016x}", id.0));
         println!(
-            "issued  {} and {} (roles {})",
+            "issued  {} and {} (roles {}; node id {id})",
             cert.display(),
             key.display(),
             roles.join(",")
@@ -104,10 +119,19 @@ pub fn run(args: &CertsArgs) -> Result<()> {
     Ok(())
 }
 
-/// A DNS name under the domain of roles: only `--roles` puts one in a certificate.
-fn is_role_name(name: &str) -> bool {
+/// The node id of the certificate at `path`, if one is there: a re-issued certificate keeps
+/// it, so a node keeps its id across certificate rotation.
+fn previous_node_id(path: &Path) -> Option<NodeId> {
+    pem_node_ids(&std::fs::read(path).ok()?).first().copied()
+}
+
+/// A DNS name under a domain only `kvmesh certs` itself fills: roles (`--roles`) and node
+/// ids.
+fn is_reserved_name(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
-    name == ROLE_DOMAIN || name.ends_with(&format!(".{ROLE_DOMAIN}"))
+    [ROLE_DOMAIN, NODE_DOMAIN]
+        .iter()
+        .any(|domain| name == *domain || name.ends_with(&format!(".{domain}")))
 }
 
 fn node_file(dir: &Path, name: &str, ext: &str) -> PathBuf {
@@ -134,8 +158,8 @@ fn check_node_name(name: &str) -> Result<()> {
     if name == "ca" {
         bail!("\"ca\" names the CA's own files; pick another node name");
     }
-    if is_role_name(name) {
-        bail!("{name:?} would grant a role; pick another node name");
+    if is_reserved_name(name) {
+        bail!("{name:?} would grant a role or a node id; pick another node name");
     }
     Ok(())
 }

@@ -22,7 +22,7 @@ pub mod router;
 pub mod switchboard;
 
 use crate::config::{env_vars, node_id_hex};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use config::MeshNodeConfig;
 use humantime_serde::re::humantime;
@@ -55,7 +55,8 @@ pub struct MeshArgs {
     /// Name of the mesh: the root of its etcd keys, so meshes can share one etcd.
     #[arg(long, env = env_vars::CLUSTER)]
     pub cluster: Option<String>,
-    /// This node's id (hex; default: random). Must be unique in the cluster.
+    /// This node's id (hex; default: the one its --tls-cert names, else random). Must be
+    /// unique in the cluster.
     #[arg(long, env = env_vars::NODE_ID, value_parser = node_id_hex::parse)]
     #[serde(with = "node_id_hex", skip_serializing_if = "Option::is_none")]
     pub node_id: Option<NodeId>,
@@ -149,8 +150,22 @@ impl MeshNodeConfig {
         self.listen.context("mesh.listen (--listen) is not set")
     }
 
-    pub fn node_id(&self) -> NodeId {
-        self.node_id.unwrap_or_else(|| NodeId(rand::random()))
+    /// The id the node's certificate proves (`tls`), else `--node-id`, else a random one. A
+    /// `--node-id` other than the certificate's is an error: peers would refuse the node
+    /// naming its own id.
+    pub fn node_id(&self, tls: Option<&ClusterTls>) -> Result<NodeId> {
+        let proven = match tls {
+            Some(tls) => tls.node_id().context("reading the node id in --tls-cert")?,
+            None => None,
+        };
+        match (proven, self.node_id) {
+            (Some(proven), Some(given)) if proven != given => bail!(
+                "--node-id {given} is not the id {proven} that --tls-cert names; drop --node-id \
+                 (a node takes its id from its certificate)"
+            ),
+            (Some(id), _) | (None, Some(id)) => Ok(id),
+            (None, None) => Ok(NodeId(rand::random())),
+        }
     }
 
     pub fn etcd_config(&self) -> EtcdConfig {

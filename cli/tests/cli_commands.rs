@@ -259,6 +259,14 @@ fn certs_make_a_cluster_ca_and_node_certificates_and_reuse_the_ca() {
     );
     assert_eq!(std::fs::read_to_string(file("decode-1.pem")).unwrap(), pem);
     load("decode-2").unwrap();
+    // Each certificate is one node's and names its id, which a re-issued one keeps.
+    let id = |node: &str| load(node).unwrap().node_id().unwrap();
+    let decode_1 = id("decode-1").expect("a node certificate names its node id");
+    let ids = [decode_1, id("decode-2").unwrap(), id("prefill-1").unwrap()];
+    assert!(
+        ids[0] != ids[1] && ids[1] != ids[2] && ids[0] != ids[2],
+        "{ids:?}"
+    );
     let out = certs(&["--out", out_dir, "--nodes", "decode-1", "--force"]);
     assert!(
         out.status.success(),
@@ -266,7 +274,11 @@ fn certs_make_a_cluster_ca_and_node_certificates_and_reuse_the_ca() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_ne!(std::fs::read_to_string(file("decode-1.pem")).unwrap(), pem);
-    load("decode-1").unwrap();
+    assert_eq!(id("decode-1"), Some(decode_1));
+    // One for replicas names none.
+    let out = certs(&["--out", out_dir, "--nodes", "replica", "--shared"]);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("node id none"));
+    assert_eq!(id("replica"), None);
 
     // A certificate of one CA does not pass under another.
     let other = tmp.path().join("other");
@@ -292,6 +304,13 @@ fn certs_make_a_cluster_ca_and_node_certificates_and_reuse_the_ca() {
         err(&["--out", out_dir, "--nodes", "n", "--san", "bad name!"])
             .contains("subject alternative name")
     );
+    // Only kvmesh certs itself names roles and node ids.
+    for reserved in ["ab.node.kvmesh.cluster", "admin.role.kvmesh.cluster"] {
+        assert!(
+            err(&["--out", out_dir, "--nodes", "n", "--san", reserved]).contains("--roles"),
+            "{reserved}"
+        );
+    }
     let half = tmp.path().join("half");
     std::fs::create_dir(&half).unwrap();
     std::fs::copy(file("ca.pem"), half.join("ca.pem")).unwrap();

@@ -46,6 +46,13 @@ pub enum TlsError {
         ca: PathBuf,
         reason: String,
     },
+    #[error(
+        "the certificate names {} node ids ({}): a node's own certificate names one, a shared \
+         one (`kvmesh certs --shared`) none",
+        .0.len(),
+        .0.iter().map(|id| format!("{id:016x}", id = id.0)).collect::<Vec<_>>().join(", ")
+    )]
+    ManyNodeIds(Vec<crate::NodeId>),
 }
 
 /// A node's cluster identity: the CA it trusts, its certificate chain and key, parsed once.
@@ -195,6 +202,17 @@ impl ClusterTls {
         self.0.chain.clone()
     }
 
+    /// The node id this certificate proves (see [`node_dns_name`]): `None` for a certificate
+    /// shared by several nodes, which names none.
+    pub fn node_id(&self) -> Result<Option<crate::NodeId>, TlsError> {
+        let ids = certificate_node_ids(&self.0.chain[0]);
+        match ids[..] {
+            [] => Ok(None),
+            [id] => Ok(Some(id)),
+            _ => Err(TlsError::ManyNodeIds(ids)),
+        }
+    }
+
     pub fn key(&self) -> PrivateKeyDer<'static> {
         self.0.key.clone_key()
     }
@@ -295,16 +313,122 @@ impl std::str::FromStr for CallerRole {
 /// The domain under which certificates name their roles.
 pub const ROLE_DOMAIN: &str = "role.kvmesh.cluster";
 
-/// Decides, per call, whether the caller's certificate holds a role the call needs. Without
-/// TLS every call passes (the node warns that its cluster is unauthenticated). A certificate
-/// that names no role at all (issued before roles existed) holds every role.
+/// The domain under which a certificate names the node it belongs to.
+pub const NODE_DOMAIN: &str = "node.kvmesh.cluster";
+
+/// The DNS name that makes a certificate node `id`'s own: `HEX.node.kvmesh.cluster`, with the
+/// id in 16 hex digits. The node takes its id from it, and its calls may name that id, and
+/// only that one, as where KV goes (see [`Authorizer::bind_destination`]).
+pub fn node_dns_name(id: crate::NodeId) -> String {
+    format!("{:016x}.{NODE_DOMAIN}", id.0)
+}
+
+/// [`certificate_node_ids`] of the first certificate in `pem` (none without one).
+pub fn pem_node_ids(pem: &[u8]) -> Vec<crate::NodeId> {
+    CertificateDer::from_pem_slice(pem).map_or(Vec::new(), |cert| certificate_node_ids(&cert))
+}
+
+/// The node ids `cert` names (see [`node_dns_name`]), in order, without repeats. Proves
+/// nothing by itself: the CA's signature on the certificate must be checked (a handshake
+/// did, or the caller does).
+pub fn certificate_node_ids(cert: &CertificateDer<'_>) -> Vec<crate::NodeId> {
+    let Ok(cert) = webpki::EndEntityCert::try_from(cert) else {
+        return Vec::new();
+    };
+    let suffix = format!(".{NODE_DOMAIN}");
+    let mut ids = Vec::new();
+    for name in cert.valid_dns_names() {
+        let name = name.to_ascii_lowercase();
+        let Some(hex) = name.strip_suffix(&suffix) else {
+            continue;
+        };
+        // Hex digits only: a wildcard (`*.node...`) names no node.
+        if (1..=16).contains(&hex.len()) && hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+            let id = crate::NodeId(u64::from_str_radix(hex, 16).expect("checked hex"));
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+    }
+    ids
+}
+
+/// What a caller's certificate proves.
+#[derive(Clone, Debug, PartialEq)]
+struct Caller {
+    /// What it may call. A certificate that names no role at all (issued before roles
+    /// existed) holds every role.
+    roles: Vec<CallerRole>,
+    /// The node ids it names: none for a certificate shared by several nodes.
+    nodes: Vec<crate::NodeId>,
+    /// A hash of the leaf certificate.
+    fingerprint: u64,
+}
+
+/// Who may tell where a node id receives KV.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Owner {
+    /// The certificate that names the id: the caller proved it is that node.
+    Proven,
+    /// The first certificate naming no node (one shared by replicas; a hash of its leaf)
+    /// that named the id.
+    FirstCome(u64),
+}
+
+/// Past this many node ids, first-come bindings are forgotten (ids come and go with
+/// leases; a flood of them must not grow the table). Proven ones stay: only the CA makes more.
+const MAX_FIRST_COME: usize = 4096;
+
+/// Whether `caller` may name `node` as where KV goes, given the bindings in `owners`, which
+/// it updates. A certificate naming node ids may name those and no other, and takes them
+/// over from any shared certificate; a shared certificate may name an id no proven node
+/// holds, first come, first served.
+fn bind(
+    owners: &mut std::collections::HashMap<crate::NodeId, Owner>,
+    node: crate::NodeId,
+    caller: &Caller,
+) -> Result<(), String> {
+    if !caller.nodes.is_empty() {
+        if !caller.nodes.contains(&node) {
+            let own: Vec<_> = caller.nodes.iter().map(|id| id.to_string()).collect();
+            return Err(format!(
+                "the caller's certificate is node {}'s: it may name only itself as a KV \
+                 destination, not node {node}",
+                own.join(", ")
+            ));
+        }
+        owners.insert(node, Owner::Proven);
+        return Ok(());
+    }
+    match owners.get(&node) {
+        Some(Owner::Proven) => Err(format!(
+            "node {node} proves its id with its own certificate; a certificate that names no \
+             node cannot name it as a KV destination"
+        )),
+        Some(&Owner::FirstCome(owner)) if owner != caller.fingerprint => Err(format!(
+            "node {node}'s KV address is bound to another certificate: a caller may only name \
+             itself as a KV destination"
+        )),
+        Some(_) => Ok(()),
+        None => {
+            if owners.len() >= MAX_FIRST_COME {
+                owners.retain(|_, owner| *owner == Owner::Proven);
+            }
+            owners.insert(node, Owner::FirstCome(caller.fingerprint));
+            Ok(())
+        }
+    }
+}
+
+/// Decides, per call, whether the caller's certificate holds a role the call needs and
+/// whether it may name a node id as where KV goes. Without TLS every call passes (the node
+/// warns that its cluster is unauthenticated).
 pub struct Authorizer {
     verifier: Option<Arc<rustls::client::WebPkiServerVerifier>>,
-    /// Roles by leaf certificate: a role check verifies a signature, a lookup does not.
-    known: std::sync::Mutex<std::collections::HashMap<Vec<u8>, Vec<CallerRole>>>,
-    /// Which certificate (a hash of its leaf) first named each node id as its KV
-    /// destination: only that one may tell where the node receives KV.
-    owners: std::sync::Mutex<std::collections::HashMap<crate::NodeId, u64>>,
+    /// Callers by leaf certificate: a role check verifies a signature, a lookup does not.
+    known: std::sync::Mutex<std::collections::HashMap<Vec<u8>, Caller>>,
+    /// Who may tell where each node id receives KV.
+    owners: std::sync::Mutex<std::collections::HashMap<crate::NodeId, Owner>>,
 }
 
 impl Authorizer {
@@ -329,34 +453,25 @@ impl Authorizer {
         })
     }
 
-    /// `Ok` when the caller of `request` may say where `node` receives KV (a `Prefill` or
-    /// `Export` names the caller's own destination): the first certificate that names a node
-    /// id owns it, and another certificate naming it is refused with `PERMISSION_DENIED`,
-    /// so no member can redirect another node's KV to itself. Always `Ok` without TLS.
+    /// `Ok` when the caller of `request` may say where `node` receives KV (a `Prefill`,
+    /// `Export` or `RdmaConnect` names the caller's own destination), `PERMISSION_DENIED`
+    /// otherwise, so no member can redirect another node's KV to itself: a node certificate
+    /// (naming its node id) may name only its own id; a certificate shared by replicas
+    /// (naming none) may name an id no node certificate has claimed, and the first such
+    /// certificate to name it keeps it. Always `Ok` without TLS.
     pub fn bind_destination<T>(
         &self,
         request: &tonic::Request<T>,
         node: crate::NodeId,
     ) -> Result<(), tonic::Status> {
-        if self.verifier.is_none() {
+        let Some(verifier) = &self.verifier else {
             return Ok(());
-        }
-        let Some(leaf) = request.peer_certs().and_then(|c| c.first().cloned()) else {
-            return Err(tonic::Status::permission_denied("no client certificate"));
         };
-        let caller = xxhash_rust::xxh3::xxh3_64(leaf.as_ref());
+        let caller = self
+            .caller(verifier, request)
+            .ok_or_else(|| tonic::Status::permission_denied("no client certificate"))?;
         let mut owners = self.owners.lock().unwrap_or_else(|e| e.into_inner());
-        // Bounded: node ids come and go with leases; a flood of them resets the bindings.
-        if owners.len() >= 4096 && !owners.contains_key(&node) {
-            owners.clear();
-        }
-        match *owners.entry(node).or_insert(caller) {
-            owner if owner == caller => Ok(()),
-            _ => Err(tonic::Status::permission_denied(format!(
-                "node {node}'s KV address is bound to another certificate: a caller may only \
-                 name itself as a KV destination"
-            ))),
-        }
+        bind(&mut owners, node, &caller).map_err(tonic::Status::permission_denied)
     }
 
     /// `Ok` when the caller of `request` holds one of `allowed` (always without TLS);
@@ -377,29 +492,36 @@ impl Authorizer {
                 names.join(" or ")
             ))
         };
-        let Some(chain) = request.peer_certs() else {
+        let Some(caller) = self.caller(verifier, request) else {
             return Err(denied("no certificate"));
         };
-        let Some((leaf, intermediates)) = chain.split_first() else {
-            return Err(denied("no certificate"));
-        };
-        let roles = self.roles(verifier, leaf, intermediates);
-        if roles.iter().any(|r| allowed.contains(r)) {
+        if caller.roles.iter().any(|r| allowed.contains(r)) {
             return Ok(());
         }
-        let held: Vec<_> = roles.iter().map(|r| r.as_str()).collect();
+        let held: Vec<_> = caller.roles.iter().map(|r| r.as_str()).collect();
         Err(denied(&format!("[{}]", held.join(", "))))
     }
 
-    fn roles(
+    /// What the certificate the caller of `request` presented proves (`None` without one).
+    fn caller<T>(
+        &self,
+        verifier: &rustls::client::WebPkiServerVerifier,
+        request: &tonic::Request<T>,
+    ) -> Option<Caller> {
+        let chain = request.peer_certs()?;
+        let (leaf, intermediates) = chain.split_first()?;
+        Some(self.identify(verifier, leaf, intermediates))
+    }
+
+    fn identify(
         &self,
         verifier: &rustls::client::WebPkiServerVerifier,
         leaf: &CertificateDer<'static>,
         intermediates: &[CertificateDer<'static>],
-    ) -> Vec<CallerRole> {
+    ) -> Caller {
         let mut known = self.known.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(roles) = known.get(leaf.as_ref()) {
-            return roles.clone();
+        if let Some(caller) = known.get(leaf.as_ref()) {
+            return caller.clone();
         }
         let now = UnixTime::now();
         let holds = |role: CallerRole| {
@@ -413,12 +535,18 @@ impl Authorizer {
         if roles.is_empty() {
             roles = CallerRole::ALL.to_vec();
         }
+        let caller = Caller {
+            roles,
+            // The handshake checked the CA's signature on everything the leaf names.
+            nodes: certificate_node_ids(leaf),
+            fingerprint: xxhash_rust::xxh3::xxh3_64(leaf.as_ref()),
+        };
         // Bounded: the CA issues few certificates; a flood of distinct ones resets it.
         if known.len() >= 1024 {
             known.clear();
         }
-        known.insert(leaf.as_ref().to_vec(), roles.clone());
-        roles
+        known.insert(leaf.as_ref().to_vec(), caller.clone());
+        caller
     }
 }
 
@@ -445,10 +573,12 @@ fn certs(path: &Path, pem: &[u8]) -> Result<Vec<CertificateDer<'static>>, TlsErr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::NodeId;
     use rcgen::{
         BasicConstraints, CertificateParams, CertifiedIssuer, ExtendedKeyUsagePurpose, IsCa,
         KeyPair,
     };
+    use std::collections::HashMap;
 
     struct Ca(CertifiedIssuer<'static, KeyPair>);
 
@@ -538,7 +668,7 @@ mod tests {
         let roles_of = |names: &[&str]| {
             let (pem, _) = ca.issue(names);
             let der = CertificateDer::from_pem_slice(pem.as_bytes()).unwrap();
-            auth.roles(&verifier, &der, &[])
+            auth.identify(&verifier, &der, &[]).roles
         };
         let admin = CallerRole::Admin.dns_name();
         let router = CallerRole::Router.dns_name();
@@ -559,6 +689,86 @@ mod tests {
         );
         assert_eq!("decode".parse(), Ok(CallerRole::Decode));
         assert!("root".parse::<CallerRole>().is_err());
+    }
+
+    #[test]
+    fn a_certificate_names_its_nodes_ids() {
+        let ca = Ca::new();
+        let ids_of = |names: &[&str]| {
+            let (pem, _) = ca.issue(names);
+            certificate_node_ids(&CertificateDer::from_pem_slice(pem.as_bytes()).unwrap())
+        };
+        let own = node_dns_name(NodeId(0xab));
+        assert_eq!(own, "00000000000000ab.node.kvmesh.cluster");
+        assert_eq!(ids_of(&[CLUSTER_SERVER_NAME, &own]), [NodeId(0xab)]);
+        assert_eq!(ids_of(&[CLUSTER_SERVER_NAME, "decode-1"]), []);
+        // Case does not matter; repeats count once; what is not 1-16 hex digits names nothing.
+        let upper = own.to_ascii_uppercase();
+        assert_eq!(ids_of(&[&own, &upper]), [NodeId(0xab)]);
+        for not_an_id in [
+            "*.node.kvmesh.cluster",
+            "decode-1.node.kvmesh.cluster",
+            "10000000000000000.node.kvmesh.cluster",
+            "ab.xnode.kvmesh.cluster",
+        ] {
+            assert_eq!(ids_of(&[CLUSTER_SERVER_NAME, not_an_id]), [], "{not_an_id}");
+        }
+        let two = node_dns_name(NodeId(u64::MAX));
+        assert_eq!(ids_of(&[&own, &two]), [NodeId(0xab), NodeId(u64::MAX)]);
+
+        let load = |names: &[&str]| {
+            let (cert, key) = ca.issue(names);
+            ClusterTls::from_pem(ca.0.pem().as_bytes(), cert.as_bytes(), key.as_bytes())
+                .unwrap()
+                .node_id()
+        };
+        assert_eq!(
+            load(&[CLUSTER_SERVER_NAME, &own]).unwrap(),
+            Some(NodeId(0xab))
+        );
+        assert_eq!(load(&[CLUSTER_SERVER_NAME]).unwrap(), None);
+        let err = load(&[CLUSTER_SERVER_NAME, &own, &two]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("00000000000000ab, ffffffffffffffff"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_node_certificate_names_only_its_own_id_and_keeps_it_from_shared_ones() {
+        let caller = |nodes: &[u64], fingerprint| Caller {
+            roles: CallerRole::ALL.to_vec(),
+            nodes: nodes.iter().map(|&n| NodeId(n)).collect(),
+            fingerprint,
+        };
+        let (node_7, shared_a, shared_b) = (caller(&[7], 1), caller(&[], 2), caller(&[], 3));
+        let mut owners = HashMap::new();
+        // A node certificate: its own id, never another's.
+        assert_eq!(bind(&mut owners, NodeId(7), &node_7), Ok(()));
+        let err = bind(&mut owners, NodeId(8), &node_7).unwrap_err();
+        assert!(
+            err.contains("node 7's") && err.contains("not node 8"),
+            "{err}"
+        );
+        // A shared certificate: first come among shared ones, never a proven id.
+        let err = bind(&mut owners, NodeId(7), &shared_a).unwrap_err();
+        assert!(err.contains("proves its id"), "{err}");
+        assert_eq!(bind(&mut owners, NodeId(9), &shared_a), Ok(()));
+        assert_eq!(bind(&mut owners, NodeId(9), &shared_a), Ok(()));
+        assert!(bind(&mut owners, NodeId(9), &shared_b).is_err());
+        // A node proving an id a shared certificate took first takes it back.
+        let node_9 = caller(&[9], 4);
+        assert_eq!(bind(&mut owners, NodeId(9), &node_9), Ok(()));
+        assert!(bind(&mut owners, NodeId(9), &shared_a).is_err());
+        // A flood of ids from shared certificates forgets first-come bindings only.
+        for n in 100..100 + MAX_FIRST_COME as u64 {
+            bind(&mut owners, NodeId(n), &shared_b).unwrap();
+        }
+        assert!(owners.len() <= MAX_FIRST_COME + 2, "{}", owners.len());
+        assert!(bind(&mut owners, NodeId(7), &shared_b).is_err());
+        assert!(bind(&mut owners, NodeId(9), &shared_b).is_err());
+        assert_eq!(bind(&mut owners, NodeId(7), &node_7), Ok(()));
     }
 
     #[test]

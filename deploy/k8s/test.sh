@@ -15,7 +15,7 @@ scratch="$(mktemp -d)"
 trap 'rm -rf "$scratch"' EXIT
 cp -r deploy/k8s "$scratch/"
 for overlay in dev gpu; do
-  target/release/kvmesh certs --out "$scratch/k8s/overlays/$overlay/certs" --nodes node >/dev/null
+  target/release/kvmesh certs --out "$scratch/k8s/overlays/$overlay/certs" --nodes node --shared >/dev/null
   kubectl kustomize "$scratch/k8s/overlays/$overlay" > "$scratch/$overlay.yaml"
   "$venv/bin/kubernetes-validate" --strict --quiet "$scratch/$overlay.yaml"
   "$venv/bin/python" deploy/k8s/check.py "$overlay" "$scratch/$overlay.yaml"

@@ -131,8 +131,8 @@ impl Discovery for EtcdDiscovery {
     }
 }
 
-/// Creates the node's key under `lease` unless some key already holds the node id.
-/// Returns whether it was created.
+/// Creates the node's key under `lease` unless some key, in any role, already holds the node
+/// id (ids name nodes to peers whatever their role). Returns whether it was created.
 async fn put_if_absent(
     client: &Client,
     config: &EtcdConfig,
@@ -142,8 +142,11 @@ async fn put_if_absent(
 ) -> Result<bool, StoreError> {
     let key = config.node_key(info.role, info.node_id);
     let value = encode(info, load);
+    let free = [NodeRole::Router, NodeRole::Prefill, NodeRole::Decode].map(|role| {
+        Compare::create_revision(config.node_key(role, info.node_id), CompareOp::Equal, 0)
+    });
     let txn = Txn::new()
-        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+        .when(free)
         .and_then([TxnOp::put(
             key,
             value,

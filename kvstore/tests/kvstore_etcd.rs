@@ -196,6 +196,12 @@ async fn a_live_node_id_cannot_register_twice() {
     let lease = first.register(info(9, NodeRole::Decode)).await.unwrap();
     let again = second.register(info(9, NodeRole::Decode)).await;
     assert_eq!(again.unwrap_err(), StoreError::AlreadyRegistered(NodeId(9)));
+    // Nor in another role: peers know a node by its id alone.
+    let other_role = second.register(info(9, NodeRole::Prefill)).await;
+    assert_eq!(
+        other_role.unwrap_err(),
+        StoreError::AlreadyRegistered(NodeId(9))
+    );
 
     lease.revoke().await.unwrap();
     let lease = second.register(info(9, NodeRole::Decode)).await.unwrap();

@@ -242,10 +242,16 @@ async fn register(
     kv_events: &KvPublisherSlot,
 ) -> Result<NodeLease> {
     let (node, role) = (info.node_id, info.role);
-    let lease = discovery
-        .register(info)
-        .await
-        .with_context(|| format!("registering {} node {node}", role.as_str()))?;
+    let lease = discovery.register(info).await.map_err(|e| {
+        let hint = match e {
+            kvmesh_kvstore::StoreError::AlreadyRegistered(_) => {
+                " (a certificate from `kvmesh certs` is one node's and gives it its id; \
+                 replicas that share a certificate need one made with --shared)"
+            }
+            _ => "",
+        };
+        anyhow::anyhow!("registering {} node {node}: {e}{hint}", role.as_str())
+    })?;
     tracing::info!(%node, role = role.as_str(), "registered");
     kv_events.install(KvEventPublisher::start(&lease));
     Ok(lease)

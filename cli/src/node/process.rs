@@ -36,7 +36,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 
 pub fn run(args: WorkerNode<'_>) -> Result<()> {
     let path = model_args::prepare(args.model, args.threads)?;
-    let node_id = args.mesh.node_id();
+    let tls = args.mesh.cluster_tls()?;
+    let node_id = args.mesh.node_id(tls.as_ref())?;
     let loaded = model_args::load(&path)?;
     super::metrics::count_model_load(node_id);
     let engine = args
@@ -45,7 +46,6 @@ pub fn run(args: WorkerNode<'_>) -> Result<()> {
         .context("building the engine")?;
     let block_size = engine.scheduler().config().block_size;
     let kv_blocks_total = engine.scheduler().pool().num_blocks();
-    let tls = args.mesh.cluster_tls()?;
     // KV (pushed prompts, pulled prefixes) arrives on the gRPC port's number, over UDP.
     let network = Arc::new(args.mesh.kv_transport(args.mesh.listen()?, tls.as_ref())?);
     let kv_events = KvPublisherSlot::default();

@@ -74,6 +74,7 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("invalid router config: {e}"))?;
     let listen = args.mesh.listen()?;
     let tls = args.mesh.cluster_tls()?;
+    let node_id = args.mesh.node_id(tls.as_ref())?;
     runtime()?.block_on(async {
         let discovery = args.mesh.connect().await?;
         let discovery: Arc<dyn Discovery> = Arc::new(discovery);
@@ -88,7 +89,7 @@ pub fn run(args: &RouterNodeConfig) -> Result<()> {
             model.fingerprint,
         );
         tracing::info!(policy = routing.policy_name(), "routing");
-        super::metrics::export_index_stats(index, args.mesh.node_id());
+        super::metrics::export_index_stats(index, node_id);
         let backend = Arc::new(RemoteBackend::new(
             discovery,
             RemoteConfig {

@@ -183,11 +183,11 @@ pub async fn requests_served(address: &str, role: NodeRole) -> u64 {
     node_health(address, role, None).await.requests_total
 }
 
-/// A cluster CA and one node certificate (`node.pem`, `node.key`) made by `kvmesh certs` in
-/// `dir`, and the flags that make a node use them.
+/// A cluster CA and one certificate every node shares (`node.pem`, `node.key`, made by
+/// `kvmesh certs --shared` in `dir`, as for replicas), and the flags that make a node use them.
 pub fn cluster_certs(dir: &std::path::Path) -> (ClusterTls, Vec<String>) {
     let ok = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-        .args(["certs", "--out"])
+        .args(["certs", "--shared", "--out"])
         .arg(dir)
         .status()
         .expect("kvmesh certs runs")
