@@ -145,13 +145,11 @@ async fn put_if_absent(
     let free = [NodeRole::Router, NodeRole::Prefill, NodeRole::Decode].map(|role| {
         Compare::create_revision(config.node_key(role, info.node_id), CompareOp::Equal, 0)
     });
-    let txn = Txn::new()
-        .when(free)
-        .and_then([TxnOp::put(
-            key,
-            value,
-            Some(PutOptions::new().with_lease(lease)),
-        )]);
+    let txn = Txn::new().when(free).and_then([TxnOp::put(
+        key,
+        value,
+        Some(PutOptions::new().with_lease(lease)),
+    )]);
     let mut kv = client.kv_client();
     let resp = bounded(config, config.request_timeout, kv.txn(txn)).await?;
     Ok(resp.succeeded())
