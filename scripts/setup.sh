@@ -10,8 +10,10 @@ dpkg -s libprotobuf-dev >/dev/null 2>&1 || need+=(libprotobuf-dev)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
-# The slow-link test: network namespaces, veth pairs and netem.
+# The slow-link test: network namespaces, veth pairs, a token bucket (tc), and iptables for
+# random loss and a queue that delays packets.
 { command -v ip && command -v tc; } >/dev/null 2>&1 || need+=(iproute2)
+command -v iptables >/dev/null 2>&1 || need+=(iptables)
 # deploy/: etcdctl (the etcd image's health check), Prometheus and promtool (the monitoring
 # image, the alert rules' check).
 command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
