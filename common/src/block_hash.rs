@@ -6,6 +6,8 @@
 //! This is the one implementation: router, engine and kvstore all call it.
 
 use crate::ids::{BlockHash, SequenceHash, TokenId};
+use std::borrow::Cow;
+use std::sync::Arc;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Fixed seed so hashes are stable across processes and releases.
@@ -23,7 +25,7 @@ impl ModelFingerprint {
 }
 
 /// Computes chained block hashes for one model and block size.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockHasher {
     pub fingerprint: ModelFingerprint,
     pub block_size: usize,
@@ -40,10 +42,7 @@ impl BlockHasher {
 
     /// Hash of one block's token ids, independent of what came before.
     pub fn block_hash(&self, tokens: &[TokenId]) -> BlockHash {
-        BlockHash(xxh3_64_with_seed(
-            bytemuck_tokens(tokens).as_slice(),
-            HASH_SEED,
-        ))
+        BlockHash(xxh3_64_with_seed(&le_bytes(tokens), HASH_SEED))
     }
 
     /// Chains `block` onto the prefix identified by `parent` (`None` = start of sequence).
@@ -68,7 +67,8 @@ impl BlockHasher {
         tokens: &[TokenId],
     ) -> Vec<SequenceHash> {
         let full = tokens.len() / self.block_size;
-        let mut out = known.to_vec();
+        let mut out = Vec::with_capacity(full.max(known.len()));
+        out.extend_from_slice(known);
         let mut parent = known.last().copied();
         for i in known.len()..full {
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
@@ -80,8 +80,41 @@ impl BlockHasher {
     }
 }
 
-fn bytemuck_tokens(tokens: &[TokenId]) -> Vec<u8> {
-    tokens.iter().flat_map(|t| t.to_le_bytes()).collect()
+/// A prompt's block hashes with the hasher that made them: a caller that hashes a prompt once
+/// hands them to each component that would hash it again (the router, the engines), and each
+/// takes them only if its own hasher would have made them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PromptHashes {
+    hasher: BlockHasher,
+    hashes: Arc<[SequenceHash]>,
+}
+
+impl PromptHashes {
+    /// The hashes of every full block of `prompt`.
+    pub fn new(hasher: BlockHasher, prompt: &[TokenId]) -> Self {
+        PromptHashes {
+            hasher,
+            hashes: hasher.sequence_hashes(prompt).into(),
+        }
+    }
+
+    /// The hashes, when `hasher` is the one that made them; `None` otherwise.
+    pub fn made_by(&self, hasher: &BlockHasher) -> Option<&[SequenceHash]> {
+        (self.hasher == *hasher).then_some(&self.hashes[..])
+    }
+}
+
+/// `tokens` as the little-endian bytes hashed: on a little-endian machine the tokens' own
+/// memory, read in place (a block is hashed wherever a prompt is looked up or cached, and a
+/// copy cost more than the hash).
+#[cfg(target_endian = "little")]
+fn le_bytes(tokens: &[TokenId]) -> Cow<'_, [u8]> {
+    Cow::Borrowed(bytemuck::cast_slice(tokens))
+}
+
+#[cfg(not(target_endian = "little"))]
+fn le_bytes(tokens: &[TokenId]) -> Cow<'_, [u8]> {
+    Cow::Owned(tokens.iter().flat_map(|t| t.to_le_bytes()).collect())
 }
 
 #[cfg(test)]
@@ -113,6 +146,37 @@ mod tests {
         let a = hasher().sequence_hashes(&[1, 1, 1, 1, 9, 9, 9, 9]);
         let b = hasher().sequence_hashes(&[2, 2, 2, 2, 9, 9, 9, 9]);
         assert_ne!(a[1], b[1]);
+    }
+
+    #[test]
+    fn block_hashes_are_the_little_endian_bytes_hashed() {
+        // The bytes hashed in place are the ones the first version copied out.
+        for len in [0, 1, 16, 1024] {
+            let tokens: Vec<TokenId> = (0..len)
+                .map(|i: u32| i.wrapping_mul(2_654_435_761))
+                .collect();
+            let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+            let expected = BlockHash(xxh3_64_with_seed(&bytes, HASH_SEED));
+            assert_eq!(hasher().block_hash(&tokens), expected, "{len} tokens");
+        }
+    }
+
+    #[test]
+    fn prompt_hashes_serve_only_their_own_hasher() {
+        let prompt: Vec<TokenId> = (0..10).collect();
+        let hashed = PromptHashes::new(hasher(), &prompt);
+        assert_eq!(
+            hashed.made_by(&hasher()),
+            Some(&hasher().sequence_hashes(&prompt)[..])
+        );
+        assert_eq!(
+            hashed.made_by(&BlockHasher::new(ModelFingerprint(7), 8)),
+            None
+        );
+        assert_eq!(
+            hashed.made_by(&BlockHasher::new(ModelFingerprint(8), 4)),
+            None
+        );
     }
 
     proptest! {

@@ -12,7 +12,7 @@ pub mod sampling;
 pub mod shutdown;
 pub mod tls;
 
-pub use block_hash::{BlockHasher, ModelFingerprint};
+pub use block_hash::{BlockHasher, ModelFingerprint, PromptHashes};
 pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};
 pub use protocol::{
     GenerateEvent, GenerateRequest, KvEvent, LoadReport, NodeInfo, NodeRole, TokenEvent, Usage,

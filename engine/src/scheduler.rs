@@ -62,7 +62,7 @@ use crate::block_pool::{BlockPool, TierMove};
 use crate::runner::{SeqChunk, SeqId, StepInput};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::TieredKvEvent;
-use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
+use kvmesh_common::{BlockHasher, BlockId, PromptHashes, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -262,7 +262,18 @@ impl Scheduler {
         seq_id: SeqId,
         prompt: impl Into<Arc<[TokenId]>>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt.into(), Vec::new(), None)
+        self.add(seq_id, prompt.into(), Vec::new(), None, None)
+    }
+
+    /// [`Scheduler::add_sequence`] for a caller that hashed the prompt already (the router
+    /// did): `hashed` is taken when this scheduler's hasher made it, else the prompt is hashed.
+    pub fn add_sequence_hashed(
+        &mut self,
+        seq_id: SeqId,
+        prompt: impl Into<Arc<[TokenId]>>,
+        hashed: &PromptHashes,
+    ) -> Result<(), SchedulerError> {
+        self.add(seq_id, prompt.into(), Vec::new(), None, Some(hashed))
     }
 
     /// Queues a sequence that already generated `output` elsewhere (a migrated request): its
@@ -273,7 +284,7 @@ impl Scheduler {
         prompt: impl Into<Arc<[TokenId]>>,
         output: Vec<TokenId>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt.into(), output, None)
+        self.add(seq_id, prompt.into(), output, None, None)
     }
 
     /// Queues a sequence whose prompt KV will arrive from another node (see the module docs).
@@ -282,7 +293,24 @@ impl Scheduler {
         seq_id: SeqId,
         prompt: impl Into<Arc<[TokenId]>>,
     ) -> Result<(), SchedulerError> {
-        self.add(seq_id, prompt.into(), Vec::new(), Some(RemotePrefill))
+        self.add(seq_id, prompt.into(), Vec::new(), Some(RemotePrefill), None)
+    }
+
+    /// [`Scheduler::add_remote_sequence`] with the prompt hashed already, as
+    /// [`Scheduler::add_sequence_hashed`].
+    pub fn add_remote_sequence_hashed(
+        &mut self,
+        seq_id: SeqId,
+        prompt: impl Into<Arc<[TokenId]>>,
+        hashed: &PromptHashes,
+    ) -> Result<(), SchedulerError> {
+        self.add(
+            seq_id,
+            prompt.into(),
+            Vec::new(),
+            Some(RemotePrefill),
+            Some(hashed),
+        )
     }
 
     fn add(
@@ -291,6 +319,7 @@ impl Scheduler {
         prompt: Arc<[TokenId]>,
         output: Vec<TokenId>,
         remote: Option<RemotePrefill>,
+        hashed: Option<&PromptHashes>,
     ) -> Result<(), SchedulerError> {
         if prompt.is_empty() {
             return Err(SchedulerError::EmptyPrompt);
@@ -317,6 +346,14 @@ impl Scheduler {
         seq.remote = remote;
         self.next_generation += 1;
         if self.config.enable_prefix_caching {
+            if let Some(hashes) = hashed.and_then(|h| h.made_by(&self.config.hasher)) {
+                debug_assert_eq!(
+                    hashes,
+                    &self.config.hasher.sequence_hashes(&seq.prompt)[..],
+                    "another prompt's hashes"
+                );
+                seq.hashes = hashes.to_vec();
+            }
             seq.extend_hashes(&self.config.hasher);
         }
         self.seqs.insert(seq_id, seq);

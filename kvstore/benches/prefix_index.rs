@@ -223,7 +223,7 @@ impl RadixIndex {
     }
 
     /// Leading blocks per node, by fastest tier: the same answer as the crate's.
-    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, TieredOverlap> {
         // As in the crate: fastest tier by tier bits, as a table.
         const FASTEST: [usize; 8] = [3, 0, 1, 0, 2, 0, 1, 0];
         let finish = |c: &[u32; 4]| TieredOverlap {
@@ -231,7 +231,7 @@ impl RadixIndex {
             host: c[1] as usize,
             disk: c[2] as usize,
         };
-        let mut result = HashMap::new();
+        let mut result = U64Map::default();
         let mut cur = 0;
         let mut matching: Vec<(NodeId, [u32; 4])> = Vec::new();
         for (i, hash) in hashes.iter().enumerate() {

@@ -24,20 +24,21 @@ pub use publisher::{KvEventPublisher, PublisherStats};
 pub use tier::{Tier, TierSet, TieredKvEvent, TieredOverlap};
 pub use watcher::{EtcdPrefixIndex, WatcherStats};
 
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::KvEventSink;
 use kvmesh_common::{NodeId, SequenceHash};
-use std::collections::HashMap;
 use tokio::sync::watch;
 
 /// The read side of the prefix index.
 pub trait PrefixIndex: Send + Sync {
     /// For each node holding the first of `hashes` (a prompt's chained sequence hashes): how
     /// many leading blocks it holds, each counted in the fastest tier it holds it in.
-    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap>;
+    /// (A map on a fast hasher: the router looks up every candidate node in it per request.)
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, TieredOverlap>;
 
     /// For each node holding the first of `hashes`: how many leading blocks it holds, in any
     /// tier.
-    fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, usize> {
+    fn overlap(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, usize> {
         self.overlap_tiered(hashes)
             .into_iter()
             .map(|(node, o)| (node, o.total()))

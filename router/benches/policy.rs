@@ -5,12 +5,12 @@
 //! `cargo bench -p kvmesh-router --bench policy` (add `-- <filter>` to pick cases).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{KvEvent, LoadReport, NodeId, NodeInfo, NodeRole, SequenceHash};
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry, PrefixIndex};
 use kvmesh_router::policy::{overlap_on_device, RouteRequest, RoutingConfig};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ const HOLDERS: f64 = 0.3;
 
 struct Mesh {
     nodes: Vec<NodeEntry>,
-    in_flight: HashMap<NodeId, usize>,
+    in_flight: U64Map<NodeId, usize>,
     index: InMemoryPrefixIndex,
     prompt: Vec<SequenceHash>,
 }
@@ -36,7 +36,7 @@ fn mesh() -> Mesh {
         .collect();
     let index = InMemoryPrefixIndex::new();
     let mut nodes = Vec::new();
-    let mut in_flight = HashMap::new();
+    let mut in_flight = U64Map::default();
     for id in (1..=NODES).map(NodeId) {
         let held = if rng.gen_bool(HOLDERS) {
             rng.gen_range(1..=PROMPT_BLOCKS)

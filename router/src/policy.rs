@@ -13,6 +13,7 @@ mod config;
 mod disaggregation;
 mod kv_aware;
 mod least_loaded;
+mod load_order;
 mod overlap;
 mod power_of_two;
 mod pull;
@@ -22,20 +23,21 @@ mod round_robin;
 mod testing;
 
 pub use config::{KvAwareConfig, RoutingConfig, UnknownPolicy};
-pub use disaggregation::{should_prefill_remotely, DisaggConfig};
+pub use disaggregation::{prefill_remotely_given, should_prefill_remotely, DisaggConfig};
 pub use kv_aware::KvAware;
 pub use least_loaded::{least_loaded, least_loaded_with, LeastLoaded};
+pub use load_order::LoadOrder;
 pub use overlap::{overlap_on_device, Tier, TieredOverlap};
 pub use power_of_two::PowerOfTwo;
 pub use pull::pull_holder;
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use std::collections::HashMap;
 use std::fmt::Debug;
 use std::sync::{Mutex, MutexGuard};
 
@@ -46,6 +48,14 @@ pub trait RoutingPolicy: Send + Sync + Debug {
     fn name(&self) -> &'static str;
     /// One of `request.nodes`, or `None` when there are none.
     fn select(&self, request: &RouteRequest<'_>) -> Option<NodeId>;
+
+    /// [`RoutingPolicy::select`] with the candidates also in load order (`by_load` must
+    /// order `request.nodes` by [`RouteRequest::load`]): the same choice, which a policy may
+    /// make without looking at every node.
+    fn select_ordered(&self, request: &RouteRequest<'_>, by_load: &LoadOrder) -> Option<NodeId> {
+        let _ = by_load;
+        self.select(request)
+    }
 }
 
 /// What a policy sees: borrowed from the router's own maps so building it costs nothing.
@@ -56,11 +66,11 @@ pub struct RouteRequest<'a> {
     /// Requests this router has sent to a node that its last load report may not count yet;
     /// reports lag by up to a report interval and a burst would otherwise all go to the node
     /// that looked idle when it began. Missing = 0.
-    pub in_flight: &'a HashMap<NodeId, usize>,
+    pub in_flight: &'a U64Map<NodeId, usize>,
     /// The prompt's length in full KV blocks (what the prefix index can know of).
     pub prompt_blocks: usize,
     /// Leading prompt blocks each node holds, by tier. Missing = none.
-    pub overlap: &'a HashMap<NodeId, TieredOverlap>,
+    pub overlap: &'a U64Map<NodeId, TieredOverlap>,
 }
 
 impl RouteRequest<'_> {

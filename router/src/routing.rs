@@ -8,13 +8,20 @@
 //! model agree on the block size; should they not, those in the minority are left out too
 //! (their KV and prefix hashes cannot be shared with the others).
 
+mod kept;
+
 use crate::policy::{
-    pull_holder, should_prefill_remotely, DisaggConfig, RouteRequest, RoutingPolicy,
+    prefill_remotely_given, pull_holder, should_prefill_remotely, DisaggConfig, LoadOrder,
+    RouteRequest, RoutingPolicy,
 };
-use kvmesh_common::{BlockHasher, ModelFingerprint, NodeId, TokenId};
+use kept::{Kept, Loads, Role};
+use kvmesh_common::fast_hash::U64Map;
+use kvmesh_common::{
+    BlockHasher, LoadReport, ModelFingerprint, NodeId, PromptHashes, SequenceHash, TokenId,
+};
 use kvmesh_kvstore::{NodeEntry, PrefixIndex};
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 /// The decision for one request.
@@ -37,8 +44,9 @@ pub struct Routing {
     /// The model requests are for: nodes with another fingerprint are not candidates.
     model: ModelFingerprint,
     /// Requests this router has on each node: on a decode node until their stream ends, on
-    /// a prefill node until their first token (when the prefill is done).
-    in_flight: Arc<Mutex<HashMap<NodeId, usize>>>,
+    /// a prefill node until their first token (when the prefill is done); and the candidates
+    /// a caller keeps here ([`Routing::keep_candidates`]).
+    loads: Arc<Mutex<Loads>>,
     /// Nodes already logged as left out (each is logged once).
     left_out: Mutex<HashSet<NodeId>>,
 }
@@ -56,7 +64,7 @@ impl Routing {
             disaggregation,
             index,
             model,
-            in_flight: Arc::default(),
+            loads: Arc::default(),
             left_out: Mutex::default(),
         }
     }
@@ -73,20 +81,121 @@ impl Routing {
         decode: &[NodeEntry],
         prefill: &[NodeEntry],
     ) -> Option<Route> {
+        self.route_hashed(prompt, None, decode, prefill)
+    }
+
+    /// [`Routing::route`] for a caller that hashed `prompt` already: `hashed` is used when
+    /// its hasher is the one the candidates call for, else the prompt is hashed here.
+    pub fn route_hashed(
+        &self,
+        prompt: &[TokenId],
+        hashed: Option<&PromptHashes>,
+        decode: &[NodeEntry],
+        prefill: &[NodeEntry],
+    ) -> Option<Route> {
         let block_size = self.block_size(decode)?;
         let decode = &*self.serving(decode, block_size);
         let prefill = &*self.serving(prefill, block_size);
+        let hashes = self.hashes(prompt, hashed, block_size);
+        let loads = lock(&self.loads);
+        let candidates = Candidates {
+            decode,
+            prefill,
+            in_flight: &loads.in_flight,
+            kept: None,
+        };
+        self.decide(prompt, &hashes, block_size, candidates)
+    }
+
+    /// Keeps `decode` and `prefill` (live candidates) here in place of the slices
+    /// [`Routing::route`] takes, for a caller that hears of every change to their load (it
+    /// calls [`Routing::report`]); [`Routing::route_kept`] then routes among them without
+    /// looking at every node, to the node `route` would choose.
+    pub fn keep_candidates(&self, decode: Vec<NodeEntry>, prefill: Vec<NodeEntry>) {
+        let block_size = self.block_size(&decode);
+        let serving = |nodes: Vec<NodeEntry>| match block_size {
+            Some(bs) => self.serving(&nodes, bs).into_owned(),
+            None => Vec::new(),
+        };
+        let (decode, prefill) = (serving(decode), serving(prefill));
+        let mut loads = lock(&self.loads);
+        let kept = Kept {
+            block_size,
+            decode: Role::new(decode, &loads.in_flight),
+            prefill: Role::new(prefill, &loads.in_flight),
+        };
+        loads.kept = Some(kept);
+    }
+
+    /// A kept candidate reports its load ([`Routing::keep_candidates`]).
+    pub fn report(&self, node: NodeId, load: LoadReport) {
+        lock(&self.loads).report(node, load);
+    }
+
+    /// [`Routing::route_hashed`] among the kept candidates; `None` when none is kept, or no
+    /// decode node serves the model.
+    pub fn route_kept(&self, prompt: &[TokenId], hashed: Option<&PromptHashes>) -> Option<Route> {
+        let loads = lock(&self.loads);
+        let kept = loads.kept.as_ref()?;
+        let block_size = kept.block_size?;
+        let hashes = self.hashes(prompt, hashed, block_size);
+        let candidates = Candidates {
+            decode: &kept.decode.nodes,
+            prefill: &kept.prefill.nodes,
+            in_flight: &loads.in_flight,
+            kept: Some(kept),
+        };
+        self.decide(prompt, &hashes, block_size, candidates)
+    }
+
+    /// The prompt's block hashes as nodes announcing `block_size` hash it: `hashed` when
+    /// made so.
+    fn hashes<'a>(
+        &self,
+        prompt: &[TokenId],
+        hashed: Option<&'a PromptHashes>,
+        block_size: usize,
+    ) -> Cow<'a, [SequenceHash]> {
         let hasher = BlockHasher::new(self.model, block_size);
-        let hashes = hasher.sequence_hashes(prompt);
-        let overlap = self.index.overlap_tiered(&hashes);
-        let in_flight = lock(&self.in_flight);
+        let hashes: Cow<[_]> = match hashed.and_then(|h| h.made_by(&hasher)) {
+            Some(hashes) => hashes.into(),
+            None => hasher.sequence_hashes(prompt).into(),
+        };
+        debug_assert_eq!(
+            hashes.len(),
+            prompt.len() / block_size,
+            "another prompt's hashes"
+        );
+        hashes
+    }
+
+    /// The route of `prompt` (whose block hashes are `hashes`) among `candidates`, all
+    /// serving the model with `block_size`.
+    fn decide(
+        &self,
+        prompt: &[TokenId],
+        hashes: &[SequenceHash],
+        block_size: usize,
+        candidates: Candidates<'_>,
+    ) -> Option<Route> {
+        let Candidates {
+            decode,
+            prefill,
+            in_flight,
+            kept,
+        } = candidates;
+        let overlap = self.index.overlap_tiered(hashes);
         let request = |nodes| RouteRequest {
             nodes,
-            in_flight: &in_flight,
+            in_flight,
             prompt_blocks: hashes.len(),
             overlap: &overlap,
         };
-        let d = self.policy.select(&request(decode))?;
+        let select = |nodes, by_load: Option<&LoadOrder>| match by_load {
+            Some(by_load) => self.policy.select_ordered(&request(nodes), by_load),
+            None => self.policy.select(&request(nodes)),
+        };
+        let d = select(decode, kept.map(|k| &k.decode.by_load))?;
         let cached_tokens = request(decode).overlap_of(d).total() * block_size;
         let min_pull = self.disaggregation.pull_min_blocks;
         let pull = (min_pull > 0)
@@ -95,9 +204,13 @@ impl Routing {
         // Planned as if the pull fails: the decode node skips the prefill node when, after
         // the pull, little is left to compute.
         let uncached = prompt.len().saturating_sub(cached_tokens);
-        let remote = should_prefill_remotely(uncached, prefill, &in_flight, &self.disaggregation);
+        let config = &self.disaggregation;
+        let remote = match kept {
+            Some(k) => prefill_remotely_given(uncached, k.prefill.least_queue(), config),
+            None => should_prefill_remotely(uncached, prefill, in_flight, config),
+        };
         let p = if remote {
-            self.policy.select(&request(prefill))
+            select(prefill, kept.map(|k| &k.prefill.by_load))
         } else {
             None
         };
@@ -112,6 +225,13 @@ impl Routing {
     /// The block size most decode nodes of the model announce (the smallest on a tie);
     /// `None` when none serves the model.
     fn block_size(&self, decode: &[NodeEntry]) -> Option<usize> {
+        // Nodes of one model agree: one pass, nothing counted.
+        let first = decode.first()?.info.block_size;
+        let serves_first =
+            |n: &NodeEntry| n.info.model_fingerprint == self.model && n.info.block_size == first;
+        if first > 0 && decode.iter().all(serves_first) {
+            return Some(first);
+        }
         let mut count = BTreeMap::<usize, usize>::new();
         for n in decode {
             if n.info.model_fingerprint == self.model && n.info.block_size > 0 {
@@ -154,9 +274,9 @@ impl Routing {
     /// Counts a request on `node` until the guard is dropped: on its decode node when its
     /// stream ends, on its prefill node at its first token.
     pub fn track(&self, node: NodeId) -> InFlight {
-        *lock(&self.in_flight).entry(node).or_default() += 1;
+        lock(&self.loads).count(node, true);
         InFlight {
-            counts: self.in_flight.clone(),
+            loads: self.loads.clone(),
             node,
         }
     }
@@ -187,20 +307,23 @@ impl Tracked {
 
 /// See [`Routing::track`].
 pub struct InFlight {
-    counts: Arc<Mutex<HashMap<NodeId, usize>>>,
+    loads: Arc<Mutex<Loads>>,
     node: NodeId,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let mut c = lock(&self.counts);
-        if let Some(v) = c.get_mut(&self.node) {
-            *v -= 1;
-            if *v == 0 {
-                c.remove(&self.node);
-            }
-        }
+        lock(&self.loads).count(self.node, false);
     }
+}
+
+/// What [`Routing::decide`] routes among.
+struct Candidates<'a> {
+    decode: &'a [NodeEntry],
+    prefill: &'a [NodeEntry],
+    in_flight: &'a U64Map<NodeId, usize>,
+    /// The same candidates in load order, when kept in the router.
+    kept: Option<&'a Kept>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -360,8 +483,8 @@ mod tests {
             let p = r.route(&prompt, &decode, &prefill).unwrap().prefill;
             prefilling.push(r.track(p.expect("a prefill node is not busy yet")));
         }
-        assert_eq!(lock(&r.in_flight)[&NodeId(2)], 8);
-        assert_eq!(lock(&r.in_flight)[&NodeId(3)], 8);
+        assert_eq!(lock(&r.loads).in_flight[&NodeId(2)], 8);
+        assert_eq!(lock(&r.loads).in_flight[&NodeId(3)], 8);
         // Both have the default busy threshold queued: the decode node prefills itself.
         assert_eq!(r.route(&prompt, &decode, &prefill).unwrap().prefill, None);
         prefilling.pop();
@@ -370,6 +493,70 @@ mod tests {
             .unwrap()
             .prefill
             .is_some());
+    }
+
+    proptest::proptest! {
+        /// Candidates kept in the router, told of every report, route as the slices do:
+        /// the same nodes, draw for draw, while requests come and go and loads change.
+        #[test]
+        fn kept_candidates_route_as_the_slices_do(
+            ops in proptest::collection::vec((0..4u8, 0..12u64, 0..6usize), 1..120),
+            prompts in proptest::collection::vec(proptest::collection::vec(0..3u32, 16..600), 1..4),
+            seed: u64,
+        ) {
+            let index = Arc::new(InMemoryPrefixIndex::new());
+            for (i, p) in prompts.iter().enumerate() {
+                store_prefix(&index, i as u64 * 3 + 1, 16, p);
+            }
+            let make = || {
+                let config = RoutingConfig::KvAware(KvAwareConfig {
+                    seed: Some(seed),
+                    ..KvAwareConfig::default()
+                });
+                Routing::new(config.build(), DisaggConfig::default(), index.clone(), MODEL)
+            };
+            let (sliced, kept) = (make(), make());
+            let mut decode: Vec<NodeEntry> = (1..=8).map(|id| node(id, NodeRole::Decode)).collect();
+            let mut prefill: Vec<NodeEntry> = (9..=11).map(|id| node(id, NodeRole::Prefill)).collect();
+            kept.keep_candidates(decode.clone(), prefill.clone());
+            let mut guards = Vec::new();
+            for (op, id, n) in ops {
+                match op {
+                    // A node reports its load.
+                    0 | 1 => {
+                        let nodes = decode.iter_mut().chain(prefill.iter_mut());
+                        if let Some(e) = nodes.into_iter().find(|e| e.info.node_id.0 == id) {
+                            e.load.running = n * 3;
+                            e.load.waiting = n % 4;
+                            kept.report(e.info.node_id, e.load);
+                        }
+                    }
+                    // A request is routed and tracked.
+                    2 => {
+                        let prompt = &prompts[n % prompts.len()];
+                        let route = sliced.route(prompt, &decode, &prefill);
+                        proptest::prop_assert_eq!(&route, &kept.route_kept(prompt, None));
+                        if let Some(r) = route {
+                            guards.push((
+                                sliced.track_route(r.decode, r.prefill),
+                                kept.track_route(r.decode, r.prefill),
+                            ));
+                        }
+                    }
+                    // A request's prefill ends, or it ends.
+                    _ if !guards.is_empty() => {
+                        let i = id as usize % guards.len();
+                        if n % 2 == 0 {
+                            guards[i].0.prefilled();
+                            guards[i].1.prefilled();
+                        } else {
+                            guards.swap_remove(i);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
     }
 
     #[test]
@@ -381,6 +568,6 @@ mod tests {
         let route = r.route(&[1, 2, 3], &decode, &[]).unwrap();
         assert_eq!(route.decode, NodeId(2));
         drop(g1);
-        assert_eq!(lock(&r.in_flight)[&NodeId(1)], 1);
+        assert_eq!(lock(&r.loads).in_flight[&NodeId(1)], 1);
     }
 }

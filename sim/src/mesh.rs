@@ -56,7 +56,7 @@ use kvmesh_bench::report::{MeshStats, Point};
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
-use kvmesh_common::{NodeId, NodeInfo, NodeRole, TokenId};
+use kvmesh_common::{BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
 use kvmesh_planner::PlannerConfig;
@@ -373,6 +373,8 @@ enum Event {
 struct Live {
     /// Its prompt's tokens, shared with the nodes that hold it.
     prompt: Arc<[TokenId]>,
+    /// Its prompt's block hashes: hashed once on arrival for the router and both its nodes.
+    hashed: PromptHashes,
     /// Its decode node.
     node: usize,
     /// Its prefill node, while the prefill is remote and not yet complete.
@@ -457,7 +459,7 @@ impl Candidates {
     }
 
     fn entry_mut(&mut self, n: usize) -> Option<&mut NodeEntry> {
-        match self.slot[n]? {
+        match self.slot.get(n).copied().flatten()? {
             (NodeRole::Decode, pos) => Some(&mut self.decode[pos]),
             (_, pos) => Some(&mut self.prefill[pos]),
         }
@@ -506,6 +508,8 @@ struct Mesh<'a> {
     ledger: Option<AutoscaleReport>,
     candidates: Candidates,
     routing: Routing,
+    /// The nodes' block hasher (prefill and decode nodes share it).
+    hasher: BlockHasher,
     index: Arc<InMemoryPrefixIndex>,
     queue: EventQueue<Event>,
     live: Vec<Option<Live>>,
@@ -698,6 +702,7 @@ fn run(
         nodes,
         candidates: Candidates::new(entries),
         routing,
+        hasher: sched.hasher,
         index,
         queue,
         live: (0..requests.len()).map(|_| None).collect(),
@@ -716,6 +721,7 @@ fn run(
         report_interval: config.report_interval,
         held: BTreeMap::new(),
     };
+    mesh.keep_candidates();
     mesh.record_counts(Duration::ZERO);
     let mut events = 0;
     while let Some((now, event)) = mesh.queue.pop() {
@@ -751,7 +757,8 @@ impl Mesh<'_> {
             s.window.arrived(self.requests[i].prompt.len());
         }
         let prompt = self.requests[i].prompt.tokens();
-        match self.open(i, &prompt, &[], &[]) {
+        let hashed = PromptHashes::new(self.hasher, &prompt);
+        match self.open(i, &prompt, &hashed, &[], &[]) {
             Opened::On {
                 decode,
                 prefill,
@@ -759,6 +766,7 @@ impl Mesh<'_> {
             } => {
                 self.live[i] = Some(Live {
                     prompt,
+                    hashed,
                     node: decode,
                     prefill,
                     transfer_blocks: 0,
@@ -787,6 +795,7 @@ impl Mesh<'_> {
         &mut self,
         i: usize,
         prompt: &Arc<[TokenId]>,
+        hashed: &PromptHashes,
         resume: &[TokenId],
         tried: &[usize],
     ) -> Opened {
@@ -796,25 +805,28 @@ impl Mesh<'_> {
         } else {
             Cow::Owned([&prompt[..], resume].concat())
         };
-        let untried: Vec<NodeEntry>;
-        let decode = if tried.is_empty() {
-            &self.candidates.decode[..]
+        // A migrated request is routed by more than its prompt: hashed again.
+        let hashed = resume.is_empty().then_some(hashed);
+        let route = if tried.is_empty() {
+            // The candidates the router keeps, as the sim's own lists are.
+            self.routing.route_kept(&tokens, hashed)
         } else {
-            untried = self
+            let untried: Vec<NodeEntry> = self
                 .candidates
                 .decode
                 .iter()
                 .filter(|e| !tried.contains(&(e.info.node_id.0 as usize)))
                 .cloned()
                 .collect();
-            &untried[..]
+            let prefill = if resume.is_empty() {
+                &self.candidates.prefill[..]
+            } else {
+                &[]
+            };
+            self.routing
+                .route_hashed(&tokens, hashed, &untried, prefill)
         };
-        let prefill = if resume.is_empty() {
-            &self.candidates.prefill[..]
-        } else {
-            &[]
-        };
-        let Some(route) = self.routing.route(&tokens, decode, prefill) else {
+        let Some(route) = route else {
             return Opened::NoNode;
         };
         let d = route.decode.0 as usize;
@@ -823,8 +835,11 @@ impl Mesh<'_> {
         let (seq, prompt) = (i as u64, prompt.clone());
         self.touch(d);
         let submitted = match p {
-            Some(_) => self.nodes[d].submit_remote(seq, prompt, r.max_tokens),
-            None if resume.is_empty() => self.nodes[d].submit(seq, prompt, r.max_tokens),
+            Some(_) => self.nodes[d].submit_remote(seq, prompt, hashed, r.max_tokens),
+            None if resume.is_empty() => match hashed {
+                Some(hashed) => self.nodes[d].submit_hashed(seq, prompt, hashed, r.max_tokens),
+                None => self.nodes[d].submit(seq, prompt, r.max_tokens),
+            },
             None => self.nodes[d].submit_resumed(seq, prompt, resume.to_vec(), r.max_tokens),
         };
         match submitted {
@@ -863,7 +878,7 @@ impl Mesh<'_> {
             let prompt = live.prompt.clone();
             // The prefill node computes the prompt and samples the first token.
             self.nodes[p]
-                .submit(a.seq_id, prompt, 1)
+                .submit_hashed(a.seq_id, prompt, &live.hashed, 1)
                 .expect("the decode node accepted the same prompt");
             self.routed[p] += 1;
             self.remote_prefills += 1;
@@ -879,19 +894,31 @@ impl Mesh<'_> {
             self.index.apply(NodeId(n as u64), &events);
         }
         if self.report_interval.is_none() {
-            let load = self.nodes[n].load();
-            if let Some(e) = self.candidates.entry_mut(n) {
-                e.load = load;
-            }
+            self.report_load(n);
         }
+    }
+
+    /// Node `n`'s load reaches the router (its candidates and the ones it keeps).
+    fn report_load(&mut self, n: usize) {
+        let Some(e) = self.candidates.entry_mut(n) else {
+            return;
+        };
+        e.load = self.nodes[n].load();
+        self.routing.report(NodeId(n as u64), e.load);
+    }
+
+    /// The candidates changed: the router keeps them anew.
+    fn keep_candidates(&self) {
+        let c = &self.candidates;
+        self.routing
+            .keep_candidates(c.decode.clone(), c.prefill.clone());
     }
 
     /// The periodic load reports; the next is due only while something else can still
     /// happen (otherwise reports alone would keep the run going for ever).
     fn report_loads(&mut self) {
-        let c = &mut self.candidates;
-        for entry in c.decode.iter_mut().chain(c.prefill.iter_mut()) {
-            entry.load = self.nodes[entry.info.node_id.0 as usize].load();
+        for n in 0..self.nodes.len() {
+            self.report_load(n);
         }
         if let (false, Some(interval)) = (self.queue.is_empty(), self.report_interval) {
             self.queue.push_in(interval, Event::Report);
@@ -1099,7 +1126,7 @@ impl Mesh<'_> {
             self.end_failed(i, now, Some(200), "stream_error", why);
             return touched;
         }
-        match self.open(i, &live.prompt, &resume, &live.tried) {
+        match self.open(i, &live.prompt, &live.hashed, &resume, &live.tried) {
             Opened::On {
                 decode,
                 prefill,

@@ -31,7 +31,7 @@ use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
 use kvmesh_common::fast_hash::U64Set;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
-use kvmesh_common::{LoadReport, TokenId};
+use kvmesh_common::{LoadReport, PromptHashes, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_engine::runner::SeqId;
@@ -187,6 +187,21 @@ impl SimNode {
         })
     }
 
+    /// [`SimNode::submit`] with the prompt hashed already (see
+    /// [`Scheduler::add_sequence_hashed`]).
+    pub fn submit_hashed(
+        &mut self,
+        seq_id: SeqId,
+        prompt: Arc<[TokenId]>,
+        hashed: &PromptHashes,
+        max_tokens: usize,
+    ) -> Result<(), NodeError> {
+        let len = prompt.len();
+        self.track(seq_id, max_tokens, 0, len, |scheduler| {
+            scheduler.add_sequence_hashed(seq_id, prompt, hashed)
+        })
+    }
+
     /// Queues a migrated request: `output` are the tokens it already delivered from another
     /// node. Their KV is computed here as a prompt's is, and it continues after them, up to
     /// `max_tokens` in all.
@@ -207,15 +222,18 @@ impl SimNode {
     /// Queues a request whose prompt KV another node computes (disaggregated prefill): once
     /// admitted it is listed by [`SimNode::take_remote_admissions`], and
     /// [`SimNode::complete_remote`] ends its prefill when the KV is in.
+    /// `hashed`: the prompt's hashes, when the caller has them.
     pub fn submit_remote(
         &mut self,
         seq_id: SeqId,
         prompt: Arc<[TokenId]>,
+        hashed: Option<&PromptHashes>,
         max_tokens: usize,
     ) -> Result<(), NodeError> {
         // Its prefill is computed elsewhere: nothing of it is queued here.
-        self.track(seq_id, max_tokens, 0, 0, |scheduler| {
-            scheduler.add_remote_sequence(seq_id, prompt)
+        self.track(seq_id, max_tokens, 0, 0, |scheduler| match hashed {
+            Some(hashed) => scheduler.add_remote_sequence_hashed(seq_id, prompt, hashed),
+            None => scheduler.add_remote_sequence(seq_id, prompt),
         })
     }
 
@@ -703,7 +721,7 @@ pub(crate) mod tests {
     #[test]
     fn a_remote_prefill_waits_for_its_kv_then_decodes() {
         let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
-        node.submit_remote(7, (1..=10).collect(), 3).unwrap();
+        node.submit_remote(7, (1..=10).collect(), None, 3).unwrap();
         // Admission reserves blocks for the whole prompt but computes nothing.
         assert_eq!(node.start_step(Duration::ZERO), None);
         let admitted = node.take_remote_admissions();

@@ -226,6 +226,34 @@ fn full_blocks_are_announced_as_they_are_computed() {
     );
 }
 
+#[test]
+fn a_prompt_hashed_by_the_caller_is_cached_under_the_same_hashes() {
+    // Hashes the scheduler's own hasher made are taken; another block size's are not.
+    let mut own = Scheduler::new(config(16, 64));
+    let mut foreign = Scheduler::new(config(16, 64));
+    for s in [&mut own, &mut foreign] {
+        s.set_record_kv_events(true);
+    }
+    let hasher = own.config().hasher;
+    own.add_sequence_hashed(1, prompt(9), &PromptHashes::new(hasher, &prompt(9)))
+        .unwrap();
+    let other = BlockHasher::new(ModelFingerprint(1), 2);
+    foreign
+        .add_remote_sequence_hashed(1, prompt(9), &PromptHashes::new(other, &prompt(9)))
+        .unwrap();
+    assert!(foreign.fail_remote_prefill(1));
+    let expected: Vec<_> = hasher
+        .sequence_hashes(&prompt(9))
+        .into_iter()
+        .map(|h| TieredKvEvent::stored(Tier::Device, h))
+        .collect();
+    for s in [&mut own, &mut foreign] {
+        let out = s.schedule();
+        let _ = s.update_from_output(out, &[(1, 5)]).unwrap();
+        assert_eq!(s.drain_kv_events(), expected);
+    }
+}
+
 // ---- Remote prefill ----
 
 #[test]

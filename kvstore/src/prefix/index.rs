@@ -291,13 +291,9 @@ impl State {
 
 impl InMemoryPrefixIndex {
     /// The lookup behind both overlaps: `finish` turns a node's counts into its answer.
-    fn walk<T>(
-        &self,
-        hashes: &[SequenceHash],
-        finish: impl Fn(&Counts) -> T,
-    ) -> HashMap<NodeId, T> {
+    fn walk<T>(&self, hashes: &[SequenceHash], finish: impl Fn(&Counts) -> T) -> U64Map<NodeId, T> {
         let state = self.state.read().expect("prefix index lock");
-        let mut result = HashMap::new();
+        let mut result = U64Map::default();
         let Some((first, rest)) = hashes.split_first() else {
             return result;
         };
@@ -348,7 +344,7 @@ impl InMemoryPrefixIndex {
 }
 
 impl PrefixIndex for InMemoryPrefixIndex {
-    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, TieredOverlap> {
         self.walk(hashes, |c| TieredOverlap {
             device: c[0] as usize,
             host: c[1] as usize,
@@ -356,7 +352,7 @@ impl PrefixIndex for InMemoryPrefixIndex {
         })
     }
 
-    fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, usize> {
+    fn overlap(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, usize> {
         self.walk(hashes, |c| (c[0] + c[1] + c[2]) as usize)
     }
 
@@ -521,8 +517,8 @@ mod tests {
                 }
             }
 
-            fn overlap(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
-                let mut out = HashMap::new();
+            fn overlap(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, TieredOverlap> {
+                let mut out = U64Map::default();
                 for (&node, blocks) in &self.0 {
                     let mut o = TieredOverlap::default();
                     for h in hashes {

@@ -11,6 +11,7 @@ use super::{InMemoryPrefixIndex, PrefixIndex, TieredOverlap};
 use crate::etcd::{bounded, connect_client, next_watch_batch, Backoff};
 use crate::{EtcdConfig, StoreError};
 use etcd_client::{Client, EventType, GetOptions, KeyValue, WatchOptions};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -137,7 +138,7 @@ impl EtcdPrefixIndex {
 }
 
 impl PrefixIndex for EtcdPrefixIndex {
-    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> HashMap<NodeId, TieredOverlap> {
+    fn overlap_tiered(&self, hashes: &[SequenceHash]) -> U64Map<NodeId, TieredOverlap> {
         self.inner.index.overlap_tiered(hashes)
     }
 

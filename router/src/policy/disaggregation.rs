@@ -3,10 +3,10 @@
 //! busy prefill nodes costs more time than prefilling locally.
 
 use crate::ConfigError;
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -51,7 +51,7 @@ impl DisaggConfig {
 pub fn should_prefill_remotely(
     uncached_tokens: usize,
     prefill_nodes: &[NodeEntry],
-    in_flight: &HashMap<NodeId, usize>,
+    in_flight: &U64Map<NodeId, usize>,
     config: &DisaggConfig,
 ) -> bool {
     if uncached_tokens <= config.local_prefill_max_tokens {
@@ -63,14 +63,32 @@ pub fn should_prefill_remotely(
     })
 }
 
+/// [`should_prefill_remotely`] for a caller that knows the shortest queue (waiting + in
+/// flight) among the prefill nodes, `None` when there are none: some node is not busy exactly
+/// when the least busy one is not.
+pub fn prefill_remotely_given(
+    uncached_tokens: usize,
+    least_queue: Option<usize>,
+    config: &DisaggConfig,
+) -> bool {
+    uncached_tokens > config.local_prefill_max_tokens
+        && least_queue.is_some_and(|q| q < config.prefill_busy_threshold)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::policy::testing::node;
 
+    /// The rule over `nodes`, checked against the rule given their shortest queue.
     fn remote(uncached: usize, nodes: &[NodeEntry], in_flight: &[(u64, usize)]) -> bool {
-        let in_flight = in_flight.iter().map(|&(id, n)| (NodeId(id), n)).collect();
-        should_prefill_remotely(uncached, nodes, &in_flight, &DisaggConfig::default())
+        let in_flight: U64Map<_, _> = in_flight.iter().map(|&(id, n)| (NodeId(id), n)).collect();
+        let config = DisaggConfig::default();
+        let queue = |n: &NodeEntry| n.load.waiting + in_flight.get(&n.info.node_id).unwrap_or(&0);
+        let least = nodes.iter().map(queue).min();
+        let remote = should_prefill_remotely(uncached, nodes, &in_flight, &config);
+        assert_eq!(remote, prefill_remotely_given(uncached, least, &config));
+        remote
     }
 
     #[test]

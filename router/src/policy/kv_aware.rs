@@ -19,9 +19,18 @@
 //! never get to cache it. The least-loaded node is always eligible, so when the best cached
 //! node is excluded the choice falls back towards least-loaded, still preferring cache
 //! among the nodes within bounds.
+//!
+//! Given the candidates in load order ([`RoutingPolicy::select_ordered`]), only the nodes the
+//! prefix index names are scored one by one: every other node costs the prefill of the whole
+//! prompt plus its load, so the least loaded of them is the best of them, and the nodes tied
+//! with the best are a run from the start of the order. The choice is the one scoring every
+//! node makes, ties and the generator's draws included.
 
 use super::least_loaded::LeastLoaded;
-use super::{lock, rng, KvAwareConfig, RouteRequest, RoutingPolicy, Tier};
+use super::{
+    lock, rng, KvAwareConfig, LoadOrder, RouteRequest, RoutingConfig, RoutingPolicy, Tier,
+    TieredOverlap,
+};
 use kvmesh_common::NodeId;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -31,22 +40,29 @@ use std::sync::Mutex;
 pub struct KvAware {
     config: KvAwareConfig,
     rng: Mutex<StdRng>,
+    /// The config is one `validate` accepts: costs are finite, never negative and grow with
+    /// load, and the least-loaded node is eligible, which the ordered selection relies on.
+    valid: bool,
 }
 
 impl KvAware {
     pub fn new(config: KvAwareConfig) -> Self {
         KvAware {
             rng: rng(config.seed),
+            valid: RoutingConfig::KvAware(config.clone()).validate().is_ok(),
             config,
         }
     }
 
+    fn cost(&self, uncached_share: f64, load: usize) -> f64 {
+        self.config.prefill_weight * uncached_share + self.config.load_weight * load as f64
+    }
+
     /// The prompt's share still to prefill on a node holding `overlap`, in `0.0..=1.0`.
-    fn uncached_share(&self, request: &RouteRequest<'_>, node: NodeId) -> f64 {
+    fn uncached_share(&self, request: &RouteRequest<'_>, overlap: TieredOverlap) -> f64 {
         if request.prompt_blocks == 0 {
             return 0.0;
         }
-        let overlap = request.overlap_of(node);
         let credited: f64 = Tier::ALL
             .iter()
             .map(|&t| self.config.credit(t) * overlap.get(t) as f64)
@@ -63,14 +79,19 @@ impl RoutingPolicy for KvAware {
 
     fn select(&self, request: &RouteRequest<'_>) -> Option<NodeId> {
         let c = &self.config;
+        // Most candidates hold none of the prompt (the index names only those that do): they
+        // share one uncached share, and only the others are looked up.
+        let none_held = self.uncached_share(request, TieredOverlap::default());
+        let share = |node: NodeId| match request.overlap.get(&node) {
+            Some(&overlap) => self.uncached_share(request, overlap),
+            None => none_held,
+        };
         let scored: Vec<(usize, f64)> = request
             .nodes
             .iter()
             .map(|n| {
                 let load = request.load(n);
-                let cost = c.prefill_weight * self.uncached_share(request, n.info.node_id)
-                    + c.load_weight * load as f64;
-                (load, cost)
+                (load, self.cost(share(n.info.node_id), load))
             })
             .collect();
         let min_load = scored.iter().map(|&(load, _)| load).min()?;
@@ -102,13 +123,74 @@ impl RoutingPolicy for KvAware {
             .nth(pick)?;
         Some(request.nodes[i].info.node_id)
     }
+
+    fn select_ordered(&self, request: &RouteRequest<'_>, by_load: &LoadOrder) -> Option<NodeId> {
+        debug_assert!(
+            by_load.len() == request.nodes.len()
+                && by_load
+                    .iter()
+                    .all(|(load, i)| request.load(&request.nodes[i]) == load),
+            "the load order is stale"
+        );
+        if !self.valid {
+            return self.select(request);
+        }
+        let c = &self.config;
+        let (min_load, _) = by_load.iter().next()?;
+        let max_load = min_load as f64 * c.imbalance_ratio + c.imbalance_slack as f64;
+        let eligible = |load: usize| load as f64 <= max_load;
+        // (position, load, cost) of the candidates the index names.
+        let held: Vec<(usize, usize, f64)> = request
+            .overlap
+            .iter()
+            .filter_map(|(&node, &overlap)| {
+                let i = by_load.position(node)?;
+                let load = request.load(&request.nodes[i]);
+                Some((
+                    i,
+                    load,
+                    self.cost(self.uncached_share(request, overlap), load),
+                ))
+            })
+            .collect();
+        let none_held = self.uncached_share(request, TieredOverlap::default());
+        let unheld = || {
+            by_load
+                .iter()
+                .filter(|&(_, i)| !request.overlap.contains_key(&request.nodes[i].info.node_id))
+                .map(|(load, i)| (i, load, self.cost(none_held, load)))
+        };
+        // Costs are never negative nor NaN here, so the minimum is the same in any order.
+        let best = held
+            .iter()
+            .copied()
+            .chain(unheld().next())
+            .filter(|&(_, load, _)| eligible(load))
+            .map(|(_, _, cost)| cost)
+            .fold(f64::INFINITY, f64::min);
+        let tolerance = 1e-9 * best.abs().max(1.0);
+        let is_best =
+            |&(_, load, cost): &(usize, usize, f64)| eligible(load) && cost <= best + tolerance;
+        let mut ties: Vec<usize> = held.iter().filter(|h| is_best(h)).map(|h| h.0).collect();
+        // Eligibility and cost only grow along the order: the tied ones come first.
+        ties.extend(unheld().take_while(is_best).map(|(i, _, _)| i));
+        if ties.is_empty() {
+            return self.select(request);
+        }
+        ties.sort_unstable();
+        let pick = if ties.len() == 1 {
+            0
+        } else {
+            lock(&self.rng).gen_range(0..ties.len())
+        };
+        Some(request.nodes[ties[pick]].info.node_id)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::policy::testing::{snapshots, Snapshot};
-    use crate::policy::TieredOverlap;
     use proptest::prelude::*;
     use std::collections::HashSet;
 
@@ -216,7 +298,87 @@ mod tests {
         assert!(!a.contains(&4));
     }
 
+    /// Any config `validate` accepts, from a few values each knob often takes.
+    fn valid_configs() -> impl Strategy<Value = KvAwareConfig> {
+        let weights = prop::sample::select(vec![0.0, 0.1, 0.5, 1.0, 3.0]);
+        let credits = prop::sample::select(vec![0.0, 0.5, 0.8, 1.0]);
+        let ratios = prop::sample::select(vec![1.0, 1.5, 4.0]);
+        (
+            (weights.clone(), weights),
+            (credits.clone(), credits.clone(), credits),
+            (ratios, 0..6usize),
+        )
+            .prop_map(
+                |((p, l), (device, host, disk), (ratio, slack))| KvAwareConfig {
+                    prefill_weight: p,
+                    load_weight: l,
+                    device_credit: device,
+                    host_credit: host,
+                    disk_credit: disk,
+                    imbalance_ratio: ratio,
+                    imbalance_slack: slack,
+                    seed: None,
+                },
+            )
+    }
+
+    /// Up to 300 nodes with few distinct loads (so many tie) and overlaps on some of them,
+    /// some naming nodes that are not candidates.
+    fn crowded_snapshots() -> impl Strategy<Value = Snapshot> {
+        let node = (
+            0..4usize,
+            0..2usize,
+            0..3usize,
+            prop::option::weighted(0.2, (1..=16usize, 0..3usize)),
+        );
+        (
+            prop::collection::vec(node, 1..300),
+            1..=16usize,
+            prop::collection::vec(1..400u64, 0..4),
+        )
+            .prop_map(|(nodes, prompt_blocks, strangers)| {
+                let mut s = Snapshot {
+                    prompt_blocks,
+                    ..Snapshot::default()
+                };
+                for (id, (running, waiting, in_flight, held)) in (1..).zip(nodes) {
+                    s.nodes
+                        .push(crate::policy::testing::node(id, running, waiting, 0));
+                    if in_flight > 0 {
+                        s.in_flight.insert(NodeId(id), in_flight);
+                    }
+                    if let Some((blocks, tier)) = held {
+                        let o = TieredOverlap::default()
+                            .with(Tier::ALL[tier], blocks.min(prompt_blocks));
+                        s.overlap.insert(NodeId(id), o);
+                    }
+                }
+                for id in strangers {
+                    s.overlap
+                        .insert(NodeId(1000 + id), TieredOverlap::on_device(prompt_blocks));
+                }
+                s
+            })
+    }
+
     proptest! {
+        /// Scoring only the nodes the index names and the least loaded of the rest chooses
+        /// what scoring every node chooses, draw for draw.
+        #[test]
+        fn the_ordered_selection_is_the_plain_one(
+            s in prop_oneof![snapshots(), crowded_snapshots()],
+            config in valid_configs(),
+            seed: u64,
+        ) {
+            let seeded = || KvAware::new(KvAwareConfig { seed: Some(seed), ..config.clone() });
+            let (plain, ordered) = (seeded(), seeded());
+            let r = s.request();
+            let by_load = LoadOrder::of(&r);
+            for _ in 0..4 {
+                prop_assert_eq!(ordered.select_ordered(&r, &by_load), plain.select(&r));
+            }
+        }
+
         #[test]
         fn chooses_an_eligible_candidate(s in snapshots(), seed: u64) {
             let policy = KvAware::new(KvAwareConfig { seed: Some(seed), ..KvAwareConfig::default() });
@@ -246,7 +408,7 @@ mod tests {
             let chosen = policy.select(&r).unwrap();
             let load1 = r.load(&r.nodes[0]);
             let chosen = r.nodes.iter().find(|n| n.info.node_id == chosen).unwrap();
-            let full_hit = policy.uncached_share(&r, chosen.info.node_id) == 0.0;
+            let full_hit = policy.uncached_share(&r, r.overlap_of(chosen.info.node_id)) == 0.0;
             prop_assert!(r.load(chosen) < load1 || (r.load(chosen) == load1 && full_hit));
         }
     }

@@ -1,9 +1,9 @@
 //! The node with the fewest requests ahead: no cache awareness, deterministic.
 
 use super::{RouteRequest, RoutingPolicy};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
-use std::collections::HashMap;
 
 /// Fewest requests (running + waiting + in flight), then lowest KV usage, then lowest node
 /// id, so the choice is deterministic.
@@ -35,20 +35,17 @@ pub(super) fn load_key(request: &RouteRequest<'_>, node: &NodeEntry) -> (usize, 
 
 /// [`LeastLoaded`] on reported load alone.
 pub fn least_loaded(nodes: &[NodeEntry]) -> Option<NodeId> {
-    least_loaded_with(nodes, &HashMap::new())
+    least_loaded_with(nodes, &U64Map::default())
 }
 
 /// [`LeastLoaded`], adding to each node's reported requests those this router has in
 /// flight there.
-pub fn least_loaded_with(
-    nodes: &[NodeEntry],
-    in_flight: &HashMap<NodeId, usize>,
-) -> Option<NodeId> {
+pub fn least_loaded_with(nodes: &[NodeEntry], in_flight: &U64Map<NodeId, usize>) -> Option<NodeId> {
     LeastLoaded.select(&RouteRequest {
         nodes,
         in_flight,
         prompt_blocks: 0,
-        overlap: &HashMap::new(),
+        overlap: &U64Map::default(),
     })
 }
 
@@ -72,9 +69,9 @@ mod tests {
     #[test]
     fn requests_in_flight_count_until_reports_catch_up() {
         let nodes = [node(1, 0, 0, 0), node(2, 1, 0, 0)];
-        let in_flight = HashMap::from([(NodeId(1), 2)]);
+        let in_flight = U64Map::from_iter([(NodeId(1), 2)]);
         assert_eq!(least_loaded_with(&nodes, &in_flight), Some(NodeId(2)));
-        let in_flight = HashMap::from([(NodeId(1), 1)]);
+        let in_flight = U64Map::from_iter([(NodeId(1), 1)]);
         assert_eq!(least_loaded_with(&nodes, &in_flight), Some(NodeId(1)));
     }
 

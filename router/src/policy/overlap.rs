@@ -2,12 +2,12 @@
 //! ([`TieredOverlap`], the prefix index's answer): a block in host memory or on disk saves
 //! less than one in the device pool, since it must be brought back first.
 
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::NodeId;
 pub use kvmesh_kvstore::{Tier, TieredOverlap};
-use std::collections::HashMap;
 
 /// A device-only answer ([`kvmesh_kvstore::PrefixIndex::overlap`]) as the policies take it.
-pub fn overlap_on_device(blocks: HashMap<NodeId, usize>) -> HashMap<NodeId, TieredOverlap> {
+pub fn overlap_on_device(blocks: U64Map<NodeId, usize>) -> U64Map<NodeId, TieredOverlap> {
     blocks
         .into_iter()
         .map(|(node, n)| (node, TieredOverlap::on_device(n)))
@@ -20,7 +20,7 @@ mod tests {
 
     #[test]
     fn device_counts_lift_to_device_overlaps() {
-        let lifted = overlap_on_device(HashMap::from([(NodeId(7), 4)]));
+        let lifted = overlap_on_device(U64Map::from_iter([(NodeId(7), 4)]));
         assert_eq!(lifted[&NodeId(7)], TieredOverlap::on_device(4));
         assert_eq!(lifted[&NodeId(7)].get(Tier::Host), 0);
     }

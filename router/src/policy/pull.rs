@@ -4,37 +4,43 @@
 //! measured; this only says where the blocks are.
 
 use super::TieredOverlap;
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::NodeId;
 use kvmesh_kvstore::NodeEntry;
-use std::collections::HashMap;
 
 /// The node among `holders` (live nodes of any role; `decode` itself is skipped) holding the
 /// longest cached prefix of the prompt, with that prefix in blocks, when it exceeds what
 /// `decode` holds by at least `min_blocks`. Ties go to the lowest node id, so that the choice
 /// is stable.
 pub fn pull_holder<'a>(
-    holders: impl IntoIterator<Item = &'a NodeEntry>,
-    overlap: &HashMap<NodeId, TieredOverlap>,
+    holders: impl IntoIterator<Item = &'a NodeEntry> + Clone,
+    overlap: &U64Map<NodeId, TieredOverlap>,
     decode: NodeId,
     min_blocks: usize,
 ) -> Option<(NodeId, usize)> {
-    let held = |id: NodeId| overlap.get(&id).map_or(0, TieredOverlap::total);
-    let own = held(decode);
-    holders
+    let own = overlap.get(&decode).map_or(0, TieredOverlap::total);
+    // Only the nodes the index names hold anything: rank those (usually none gains enough)
+    // rather than look up every live node, then take the best that is live.
+    let mut ranked: Vec<(usize, NodeId)> = overlap
+        .iter()
+        .map(|(&id, o)| (o.total(), id))
+        .filter(|&(blocks, id)| id != decode && blocks >= own + min_blocks.max(1))
+        .collect();
+    ranked.sort_unstable_by_key(|&(blocks, id)| (std::cmp::Reverse(blocks), id));
+    let live = |id: NodeId| holders.clone().into_iter().any(|n| n.info.node_id == id);
+    ranked
         .into_iter()
-        .map(|n| n.info.node_id)
-        .filter(|&id| id != decode)
-        .map(|id| (id, held(id)))
-        .filter(|&(_, blocks)| blocks >= own + min_blocks.max(1))
-        .max_by_key(|&(id, blocks)| (blocks, std::cmp::Reverse(id)))
+        .find(|&(_, id)| live(id))
+        .map(|(blocks, id)| (id, blocks))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::policy::testing::node;
+    use proptest::prelude::*;
 
-    fn overlap(pairs: &[(u64, usize)]) -> HashMap<NodeId, TieredOverlap> {
+    fn overlap(pairs: &[(u64, usize)]) -> U64Map<NodeId, TieredOverlap> {
         pairs
             .iter()
             .map(|&(id, n)| (NodeId(id), TieredOverlap::on_device(n)))
@@ -69,5 +75,29 @@ mod tests {
             pull_holder(&nodes, &overlap(&[(9, 50)]), NodeId(1), 4),
             None
         );
+    }
+
+    proptest! {
+        /// Ranking the nodes the index names picks what looking up every live node picked.
+        #[test]
+        fn ranks_as_a_scan_of_every_live_node(
+            live in prop::collection::btree_set(1..20u64, 0..12),
+            held in prop::collection::vec((1..24u64, 1..12usize), 0..12),
+            decode in 1..20u64,
+            min_blocks in 0..4usize,
+        ) {
+            let nodes: Vec<NodeEntry> = live.iter().map(|&id| node(id, 0, 0, 0)).collect();
+            let o = overlap(&held);
+            let held = |id: NodeId| o.get(&id).map_or(0, TieredOverlap::total);
+            let own = held(NodeId(decode));
+            let scanned = nodes
+                .iter()
+                .map(|n| n.info.node_id)
+                .filter(|&id| id != NodeId(decode))
+                .map(|id| (id, held(id)))
+                .filter(|&(_, blocks)| blocks >= own + min_blocks.max(1))
+                .max_by_key(|&(id, blocks)| (blocks, std::cmp::Reverse(id)));
+            prop_assert_eq!(pull_holder(&nodes, &o, NodeId(decode), min_blocks), scanned);
+        }
     }
 }

@@ -1,10 +1,10 @@
 //! Snapshots for the policy tests.
 
 use super::{RouteRequest, TieredOverlap};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
 use kvmesh_kvstore::NodeEntry;
 use proptest::prelude::*;
-use std::collections::HashMap;
 
 pub fn node(id: u64, running: usize, waiting: usize, used: usize) -> NodeEntry {
     NodeEntry {
@@ -29,9 +29,9 @@ pub fn node(id: u64, running: usize, waiting: usize, used: usize) -> NodeEntry {
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub nodes: Vec<NodeEntry>,
-    pub in_flight: HashMap<NodeId, usize>,
+    pub in_flight: U64Map<NodeId, usize>,
     pub prompt_blocks: usize,
-    pub overlap: HashMap<NodeId, TieredOverlap>,
+    pub overlap: U64Map<NodeId, TieredOverlap>,
 }
 
 impl Snapshot {

@@ -82,6 +82,7 @@ impl Mesh<'_> {
     /// forgets what it holds.
     pub(super) fn leave_routing(&mut self, n: usize) {
         self.candidates.remove(n);
+        self.keep_candidates();
         self.index.remove_node(NodeId(n as u64));
     }
 
@@ -130,6 +131,7 @@ impl Mesh<'_> {
         let mut e = entry(n, self.roles[n], config);
         e.load = self.nodes[n].load();
         self.candidates.add(e);
+        self.keep_candidates();
         self.record_counts(now);
     }
 
