@@ -209,7 +209,11 @@ impl<R: ModelRunner> Loop<R> {
                 {
                     break;
                 }
+                let empty = !self.engine.has_work();
                 self.wait(self.next_timeout());
+                if empty && !self.gather() {
+                    break;
+                }
             }
             if !self.receive() {
                 break;
@@ -267,6 +271,19 @@ impl<R: ModelRunner> Loop<R> {
                 sel.ready();
             }
         }
+    }
+
+    /// Takes what arrives within the gather window (see [`DecodeConfig::gather_window`]), so
+    /// requests sent together start in one step. False on `Stop`.
+    fn gather(&mut self) -> bool {
+        let until = Instant::now() + self.config.gather_window;
+        while Instant::now() < until {
+            if !self.receive() {
+                return false;
+            }
+            self.wait(Some(until));
+        }
+        true
     }
 
     /// When a remote prefill's transfer or a pull next times out.

@@ -26,10 +26,18 @@ fn tokenizer() -> Arc<Tokenizer> {
 }
 
 /// A MockRunner whose every step waits for a permit: the test decides when the worker moves.
-/// Dropping the permit sender lets every step through.
+/// Dropping the permit sender lets every step through. Each step's number of sequences goes
+/// to `steps`.
 struct GatedRunner {
     inner: MockRunner,
     permits: Receiver<()>,
+    steps: Sender<usize>,
+}
+
+/// The test's side of a [`GatedRunner`].
+struct Gate {
+    permits: Sender<()>,
+    steps: Receiver<usize>,
 }
 
 impl KvSource for GatedRunner {
@@ -59,6 +67,7 @@ impl ModelRunner for GatedRunner {
         on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
     ) -> Result<StepOutput, RunnerError> {
         let _ = self.permits.recv();
+        let _ = self.steps.send(input.chunks.len());
         self.inner.execute_observed(input, on_layer)
     }
     fn write_kv_blocks(
@@ -71,7 +80,7 @@ impl ModelRunner for GatedRunner {
     }
 }
 
-fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Sender<()>) {
+fn gated_worker(max_queued_requests: usize) -> (DecodeWorker, Gate) {
     let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::default());
     gated_worker_on(max_queued_requests, transport, DecodeConfig::new(NodeId(9)))
 }
@@ -81,7 +90,7 @@ fn gated_worker_on(
     max_queued_requests: usize,
     transport: Arc<dyn Transport>,
     decode: DecodeConfig,
-) -> (DecodeWorker, Sender<()>) {
+) -> (DecodeWorker, Gate) {
     let tokenizer = tokenizer();
     let shape = KvShape {
         num_layers: 2,
@@ -102,9 +111,11 @@ fn gated_worker_on(
         hasher: BlockHasher::new(ModelFingerprint(1), 16),
     };
     let (permit_tx, permits) = crossbeam_channel::unbounded();
+    let (steps, step_rx) = crossbeam_channel::unbounded();
     let runner = GatedRunner {
         inner: MockRunner::new(shape, tokenizer.vocab_size(), 512, CostModel::zero()),
         permits,
+        steps,
     };
     let engine = LlmEngine::new(config, runner, tokenizer);
     let decode = DecodeConfig {
@@ -113,7 +124,10 @@ fn gated_worker_on(
     };
     (
         DecodeWorker::spawn(decode, engine, transport).unwrap(),
-        permit_tx,
+        Gate {
+            permits: permit_tx,
+            steps: step_rx,
+        },
     )
 }
 
@@ -148,8 +162,29 @@ fn generate(
 }
 
 #[test]
+fn requests_sent_together_to_an_idle_worker_start_in_one_step() {
+    let config = DecodeConfig {
+        gather_window: Duration::from_millis(300),
+        ..DecodeConfig::new(NodeId(9))
+    };
+    let transport: Arc<dyn Transport> = Arc::new(InProcessTransport::default());
+    let (worker, gate) = gated_worker_on(8, transport, config);
+    drop(gate.permits);
+    let h = worker.handle();
+    let first = generate(&h, request(1, 20)).unwrap();
+    // The second is sent 20 ms after the first, as a client's "simultaneous" requests arrive
+    // spread out: well within the window.
+    std::thread::sleep(Duration::from_millis(20));
+    let second = generate(&h, request(2, 20)).unwrap();
+    assert_eq!(gate.steps.recv().unwrap(), 2, "the first step prefills both");
+    assert!(finishes(first) && finishes(second));
+    h.drain();
+    worker.join();
+}
+
+#[test]
 fn a_full_queue_answers_overloaded() {
-    let (worker, permits) = gated_worker(2);
+    let (worker, Gate { permits, .. }) = gated_worker(2);
     let d = worker.handle();
     // No step can run, so no request leaves the queue.
     let a = generate(&d, request(1, 10)).unwrap();
@@ -166,7 +201,7 @@ fn a_full_queue_answers_overloaded() {
 
 #[test]
 fn invalid_requests_are_refused_at_once() {
-    let (worker, permits) = gated_worker(8);
+    let (worker, Gate { permits, .. }) = gated_worker(8);
     drop(permits);
     let d = worker.handle();
     let invalid = |r| matches!(generate(&d, r), Err(WorkerError::InvalidRequest(_)));
@@ -187,7 +222,7 @@ fn invalid_requests_are_refused_at_once() {
 
 #[test]
 fn an_out_of_vocabulary_token_fails_alone() {
-    let (worker, permits) = gated_worker(8);
+    let (worker, Gate { permits, .. }) = gated_worker(8);
     let d = worker.handle();
     let vocab = tokenizer().vocab_size() as u32;
     // No step runs before the permits go: every request accepted until then shares the
@@ -214,7 +249,7 @@ fn an_out_of_vocabulary_token_fails_alone() {
 
 #[test]
 fn a_draining_worker_finishes_its_requests_and_refuses_new_ones() {
-    let (worker, permits) = gated_worker(8);
+    let (worker, Gate { permits, .. }) = gated_worker(8);
     let d = worker.handle();
     let a = generate(&d, request(1, 30)).unwrap();
     d.drain();
@@ -241,7 +276,7 @@ fn an_export_to_a_slow_node_holds_up_no_decode() {
         export_timeout: Duration::from_secs(20),
         ..DecodeConfig::new(NodeId(9))
     };
-    let (worker, permits) = gated_worker_on(8, transport.clone(), config);
+    let (worker, Gate { permits, .. }) = gated_worker_on(8, transport.clone(), config);
     // Dropped before the worker even when the test fails: the worker's thread then never
     // waits on the gate while it is joined.
     let open = open;
