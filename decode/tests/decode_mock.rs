@@ -176,7 +176,11 @@ fn requests_sent_together_to_an_idle_worker_start_in_one_step() {
     // spread out: well within the window.
     std::thread::sleep(Duration::from_millis(20));
     let second = generate(&h, request(2, 20)).unwrap();
-    assert_eq!(gate.steps.recv().unwrap(), 2, "the first step prefills both");
+    assert_eq!(
+        gate.steps.recv().unwrap(),
+        2,
+        "the first step prefills both"
+    );
     assert!(finishes(first) && finishes(second));
     h.drain();
     worker.join();
