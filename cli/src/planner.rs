@@ -23,10 +23,11 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use humantime_serde::re::humantime;
 use kvmesh_common::NodeRole;
-use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, Leadership};
-use kvmesh_planner::{Planner, PlannerConfig, Policy};
+use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, Leadership, NodeEntry};
+use kvmesh_planner::{Decision, Observation, Planner, PlannerConfig, Policy};
 use observe::RouterTotals;
-use std::path::PathBuf;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -91,7 +92,8 @@ pub struct PlannerArgs {
     pub metrics_listen: Option<std::net::SocketAddr>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PolicyArg {
     Load,
     Slo,
@@ -107,7 +109,24 @@ pub enum ActuatorArg {
 
 /// The configuration `args` describe: the file, then the flags over it, validated.
 pub fn planner_config(args: &PlannerArgs) -> Result<PlannerConfig> {
-    let mut config: PlannerConfig = match &args.config {
+    load_planner_config(
+        args.config.as_deref(),
+        args.policy,
+        args.slo.as_deref(),
+        args.advisory,
+    )
+}
+
+/// A planner configuration: the TOML `file` (the defaults without one), then the overrides
+/// (`--policy`, `--slo ttft=500ms,itl=50ms`, `--advisory`), validated. `kvmesh planner` and
+/// `kvmesh serve --autoscale` read theirs through it.
+pub fn load_planner_config(
+    file: Option<&Path>,
+    policy: Option<PolicyArg>,
+    slo: Option<&str>,
+    advisory: bool,
+) -> Result<PlannerConfig> {
+    let mut config: PlannerConfig = match file {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading the planner config {}", path.display()))?;
@@ -116,13 +135,13 @@ pub fn planner_config(args: &PlannerArgs) -> Result<PlannerConfig> {
         }
         None => PlannerConfig::default(),
     };
-    if let Some(p) = args.policy {
+    if let Some(p) = policy {
         config.policy = match p {
             PolicyArg::Load => Policy::Load,
             PolicyArg::Slo => Policy::Slo,
         };
     }
-    if let Some(slo) = &args.slo {
+    if let Some(slo) = slo {
         for part in slo.split(',').filter(|p| !p.is_empty()) {
             let (key, value) = part
                 .split_once('=')
@@ -136,7 +155,7 @@ pub fn planner_config(args: &PlannerArgs) -> Result<PlannerConfig> {
             }
         }
     }
-    config.advisory |= args.advisory;
+    config.advisory |= advisory;
     config
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid planner config: {e}"))?;
@@ -224,6 +243,7 @@ async fn lead(
     let start = Instant::now();
     let mut last = scrape_all(&args.router).await;
     let mut observed_at = Instant::now();
+    let mut earlier = None;
     let mut tick = tokio::time::interval(args.observe_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -241,29 +261,61 @@ async fn lead(
         last = now_readings;
         let elapsed = observed_at.elapsed();
         observed_at = Instant::now();
-        let mut obs = observe::observation(&prefill, &decode, &window, elapsed);
+        let mut obs = observe::observation(&prefill, &decode, &window, elapsed, earlier.as_ref());
+        earlier = Some(obs.clone());
         let registered: Vec<_> = prefill.iter().chain(&decode).cloned().collect();
         let [p, d] = actuator.starting(&registered);
         obs.prefill_nodes += p;
         obs.decode_nodes += d;
-        metrics.observed(&obs, elapsed);
         let now = start.elapsed();
-        planner.observe(now, obs);
-        if now < planner.next_decision_at() {
+        let Some(decision) = decide_round(&mut planner, now, obs, elapsed, metrics) else {
             continue;
-        }
-        let decision = planner.decide(now);
-        metrics.decided(&decision);
+        };
         let json = serde_json::to_string(&decision).expect("a decision serializes");
-        tracing::info!(decision = %json, "decided");
         leadership.put("decision", json).await?;
-        if decision.acted() {
-            let moves = moves(&decision, &prefill, &decode);
-            if let Err(e) = actuator.apply(&decision, &moves).await {
-                metrics.actuation_failures.increment(1);
-                tracing::warn!(actuator = actuator.name(), "acting on a decision: {e:#}");
-            }
-        }
+        act(&decision, &prefill, &decode, actuator, metrics).await;
+    }
+}
+
+/// A driver's round after observing `obs` (covering the `elapsed` before `now`): the planner
+/// absorbs it and, when a decision is due, makes one, exports and logs it (one readable line,
+/// the JSON in a field). `kvmesh planner` and `kvmesh serve --autoscale` both run it.
+pub fn decide_round(
+    planner: &mut Planner,
+    now: Duration,
+    obs: Observation,
+    elapsed: Duration,
+    metrics: &metrics::PlannerMetrics,
+) -> Option<Decision> {
+    metrics.observed(&obs, elapsed);
+    planner.observe(now, obs);
+    if now < planner.next_decision_at() {
+        return None;
+    }
+    let decision = planner.decide(now);
+    metrics.decided(&decision);
+    let json = serde_json::to_string(&decision).expect("a decision serializes");
+    tracing::info!(decision = %json, "decided: {decision}");
+    Some(decision)
+}
+
+/// Has `actuator` carry out `decision` (unless it changes nothing or is advisory) on the
+/// nodes listed; a failure is counted and logged, and the next decision starts from what
+/// the mesh then is.
+pub async fn act(
+    decision: &Decision,
+    prefill: &[NodeEntry],
+    decode: &[NodeEntry],
+    actuator: &mut dyn Actuator,
+    metrics: &metrics::PlannerMetrics,
+) {
+    if !decision.acted() {
+        return;
+    }
+    let moves = moves(decision, prefill, decode);
+    if let Err(e) = actuator.apply(decision, &moves).await {
+        metrics.actuation_failures.increment(1);
+        tracing::warn!(actuator = actuator.name(), "acting on a decision: {e:#}");
     }
 }
 

@@ -1,6 +1,7 @@
 //! `kvmesh serve`: the whole mesh in one process — the HTTP router, prefill workers and decode
 //! workers, joined by the in-process transport and the in-memory kvstore.
 
+pub mod autoscale;
 mod config;
 mod in_process;
 mod mesh;
@@ -52,6 +53,9 @@ pub struct ServeArgs {
     #[serde(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]
+    #[serde(flatten)]
+    pub autoscale: autoscale::config::AutoscaleArgs,
+    #[command(flatten)]
     #[serde(skip)]
     pub config: ConfigArgs,
 }
@@ -68,7 +72,11 @@ pub fn run(config: &ServeConfig) -> Result<()> {
     let sink: Arc<dyn KvEventSink> = index.clone();
     mesh_config.decode.kv_events = Some(sink.clone());
     mesh_config.prefill.kv_events = Some(sink);
-    let mesh = LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?;
+    let planner = config.autoscale.planner()?;
+    if let Some(planner) = &planner {
+        autoscale::fit_workers(&mut mesh_config, planner);
+    }
+    let mesh = Arc::new(LocalMesh::start(&loaded, &mesh_config).context("starting the workers")?);
     tracing::info!(
         prefill_workers = mesh_config.prefill_workers,
         decode_workers = mesh_config.decode_workers,
@@ -78,13 +86,14 @@ pub fn run(config: &ServeConfig) -> Result<()> {
     let routing = Routing::new(
         config.routing.build(),
         config.disaggregation(),
-        index,
+        index.clone(),
         loaded.fingerprint,
     );
     let workers = LocalWorkers::of(&mesh);
+    let discovery = Arc::new(workers.discovery(&mesh_config, loaded.fingerprint));
     let backend = Arc::new(MeshBackend::with_connector(
-        workers.clone(),
-        Arc::new(workers.discovery(&mesh_config, loaded.fingerprint)),
+        workers,
+        discovery.clone(),
         MeshBackendConfig::default(),
         routing,
     ));
@@ -104,15 +113,32 @@ pub fn run(config: &ServeConfig) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(config.router.listen)
             .await
             .with_context(|| format!("binding {}", config.router.listen))?;
+        let autoscaler = planner.map(|planner| {
+            autoscale::Autoscaler::start(
+                planner,
+                config.autoscale.observe_every,
+                discovery.clone(),
+                autoscale::InProcessActuator {
+                    mesh: mesh.clone(),
+                    index: index.clone(),
+                },
+            )
+        });
         tracing::info!(
             address = %listener.local_addr()?,
             model = %config.router.model_name,
             "serving the OpenAI API"
         );
-        router
+        let served = router
             .serve(listener, shutdown_signal())
             .await
-            .context("HTTP server")
+            .context("HTTP server");
+        // The planner stops first, finishing the move under way: nothing moves while the
+        // workers drain.
+        if let Some(autoscaler) = autoscaler {
+            autoscaler.stop().await;
+        }
+        served
     })?;
     tracing::info!("HTTP server stopped; draining workers");
     backend.drain();

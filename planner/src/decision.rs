@@ -213,9 +213,84 @@ impl Decision {
     }
 }
 
+/// One line for a log: each role's count and why, the switches, and whether it is advisory,
+/// e.g. `prefill 1 -> 2 (prefill_queue_high), decode 2 -> 1 (kv_usage_low), 1 decode -> prefill`.
+impl std::fmt::Display for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, role) in Role::ALL.into_iter().enumerate() {
+            let d = self.role(role);
+            let name = match role {
+                Role::Prefill => "prefill",
+                Role::Decode => "decode",
+            };
+            let sep = if i == 0 { "" } else { ", " };
+            match d.direction() {
+                Direction::Hold => write!(f, "{sep}{name} {}", d.observed)?,
+                _ => write!(f, "{sep}{name} {} -> {}", d.observed, d.target)?,
+            }
+            write!(f, " ({})", d.reason.kind())?;
+        }
+        let s = self.switches;
+        if s.decode_to_prefill > 0 {
+            write!(f, ", {} decode -> prefill", s.decode_to_prefill)?;
+        }
+        if s.prefill_to_decode > 0 {
+            write!(f, ", {} prefill -> decode", s.prefill_to_decode)?;
+        }
+        if self.advisory {
+            write!(f, " (advisory)")?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_decision_reads_as_one_line() {
+        let d = Decision {
+            at: Duration::ZERO,
+            prefill: RoleDecision {
+                observed: 1,
+                target: 2,
+                reason: Reason::PrefillQueueHigh {
+                    queued_tokens: 900,
+                    threshold: 512.0,
+                },
+            },
+            decode: RoleDecision {
+                observed: 2,
+                target: 1,
+                reason: Reason::KvUsageLow {
+                    usage: 0.1,
+                    threshold: 0.5,
+                },
+            },
+            switches: RoleSwitches {
+                prefill_to_decode: 0,
+                decode_to_prefill: 1,
+            },
+            advisory: false,
+        };
+        assert_eq!(
+            d.to_string(),
+            "prefill 1 -> 2 (prefill_queue_high), decode 2 -> 1 (kv_usage_low), \
+             1 decode -> prefill"
+        );
+        let hold = Decision {
+            prefill: RoleDecision::hold(1, Reason::Hold),
+            decode: RoleDecision::hold(3, Reason::Hold),
+            switches: RoleSwitches::default(),
+            advisory: true,
+            ..d
+        };
+        assert_eq!(
+            hold.to_string(),
+            "prefill 1 (hold), decode 3 (hold) (advisory)"
+        );
+    }
 
     #[test]
     fn a_decision_serializes_for_reports() {

@@ -147,12 +147,12 @@ mod tests {
                 continue;
             }
             // A key the role's TOML does not know fails as an unknown field; a known one
-            // at most as a wrong type for this probe value.
+            // at most as a wrong type, or an unknown variant, for this probe value.
             let mut table = toml::Table::new();
             super::super::set_key(&mut table, key_of::<C>(id), toml::Value::from("probe"));
             if let Err(e) = toml::Value::Table(table).try_into::<C>() {
                 assert!(
-                    !e.to_string().contains("unknown"),
+                    !e.to_string().contains("unknown field"),
                     "--{id} of {} sets an unknown key: {e}",
                     C::ROLE
                 );

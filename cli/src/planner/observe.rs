@@ -157,22 +157,31 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
 
 /// The observation for an interval of `elapsed` in which the routers did `window` (the sum
 /// of their [`RouterTotals::since`]), with the nodes as discovery lists them now.
+///
+/// `earlier` is the previous observation: when no request ended in this window (long
+/// prompts, a short interval), its mean prompt and output lengths stand, so the prefill
+/// nodes' queues are not read as empty while they work.
 pub fn observation(
     prefill: &[NodeEntry],
     decode: &[NodeEntry],
     window: &RouterTotals,
     elapsed: Duration,
+    earlier: Option<&Observation>,
 ) -> Observation {
     let requests = window.requests;
-    let per_request = |total: f64| {
+    let per_request = |total: f64, before: Option<f64>| {
         if requests > 0.0 {
             total / requests
         } else {
-            0.0
+            before.unwrap_or(0.0)
         }
     };
-    let mean_prompt_tokens = per_request(window.prompt_tokens);
-    let mean_output_tokens = per_request(window.generation_tokens);
+    let mean_prompt_tokens =
+        per_request(window.prompt_tokens, earlier.map(|o| o.mean_prompt_tokens));
+    let mean_output_tokens = per_request(
+        window.generation_tokens,
+        earlier.map(|o| o.mean_output_tokens),
+    );
     let quantiles = |h: &Histogram| {
         Some(LatencyQuantiles {
             p50: secs(h.quantile(0.5)?),
@@ -261,6 +270,7 @@ mod tests {
             &decode,
             &after.since(&before),
             Duration::from_secs(10),
+            None,
         );
         assert_eq!(o.arrival_rate, 2.0);
         assert_eq!(o.mean_prompt_tokens, 200.0);
@@ -275,6 +285,19 @@ mod tests {
         // The p99 is 19.8 of 20: 98% of the way through the second bucket.
         assert!((ttft.p99.as_secs_f64() - (0.1 + 0.9 * 0.98)).abs() < 1e-9);
         assert!(o.itl.is_none(), "no ITL samples: no quantiles");
+
+        // A window in which no request ended keeps the lengths seen before: the queue of
+        // the busy prefill node is not read as empty.
+        let quiet = observation(
+            &prefill,
+            &decode,
+            &after.since(&after),
+            Duration::from_secs(1),
+            Some(&o),
+        );
+        assert_eq!(quiet.arrival_rate, 0.0);
+        assert_eq!(quiet.mean_prompt_tokens, 200.0);
+        assert_eq!(quiet.prefill_queued_tokens, vec![800]);
     }
 
     #[test]

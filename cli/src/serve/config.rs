@@ -1,6 +1,7 @@
 //! The typed configuration of `kvmesh serve`: defaults < TOML file < `KVMESH_*` env < flags
 //! (layered by [`crate::config`]).
 
+use super::autoscale::config::{self as autoscale, AutoscaleConfig};
 use super::mesh::LocalMeshConfig as MeshConfig;
 use super::ServeArgs;
 use crate::admission_args;
@@ -32,6 +33,8 @@ pub struct ServeConfig {
     /// KV pool and batching of every worker.
     pub engine: EngineConfig,
     pub router: RouterConfig,
+    /// The planner in this process (`--autoscale`).
+    pub autoscale: AutoscaleConfig,
 }
 
 impl Default for ServeConfig {
@@ -48,6 +51,7 @@ impl Default for ServeConfig {
             routing: RoutingConfig::default(),
             engine: EngineConfig::default(),
             router: RouterConfig::default(),
+            autoscale: AutoscaleConfig::default(),
         }
     }
 }
@@ -62,8 +66,11 @@ fn default_prefill_workers() -> usize {
 
 impl Layered for ServeConfig {
     const ROLE: &'static str = "serve";
-    const KEYS: &'static [&'static [(&'static str, &'static str)]] =
-        &[admission_args::ROUTER_KEYS, &[("listen", "router.listen")]];
+    const KEYS: &'static [&'static [(&'static str, &'static str)]] = &[
+        admission_args::ROUTER_KEYS,
+        &[("listen", "router.listen")],
+        autoscale::KEYS,
+    ];
     const MACHINE_DEFAULTS: &'static [(&'static str, &'static str)] =
         &[("prefill_workers", "1 with 8 or more cores, else 0")];
     const UNSET_KEYS: &'static [&'static str] = &["engine.max_model_len"];
@@ -83,6 +90,9 @@ impl Layered for ServeConfig {
         if self.max_queued_requests == 0 {
             return Err(Invalid::new("max_queued_requests", "must be at least 1"));
         }
+        self.autoscale
+            .planner()
+            .map_err(|e| Invalid::new("autoscale", format!("{e:#}")))?;
         self.router.api_keys.retain(|k| !k.is_empty());
         self.router
             .validate()
@@ -163,5 +173,38 @@ mod tests {
             crate::config::parse::<ServeConfig>(&args, &env(&[])).unwrap(),
             c
         );
+    }
+
+    #[test]
+    fn autoscale_flags_set_the_autoscale_table_and_a_bad_planner_setting_is_refused() {
+        use crate::config::testing::env;
+        use crate::planner::PolicyArg;
+        let args = [
+            "--autoscale",
+            "--planner-policy",
+            "slo",
+            "--slo",
+            "ttft=1s",
+            "--observe-every",
+            "500ms",
+        ];
+        let c: ServeConfig = crate::config::parse(&args, &env(&[])).unwrap();
+        assert!(c.autoscale.enabled);
+        assert_eq!(c.autoscale.policy, Some(PolicyArg::Slo));
+        assert_eq!(c.autoscale.observe_every, Duration::from_millis(500));
+        let planner = c.autoscale.planner().unwrap().expect("enabled");
+        assert_eq!(planner.policy, kvmesh_planner::Policy::Slo);
+        assert_eq!(planner.slo.ttft, Duration::from_secs(1));
+        assert!(ServeConfig::default()
+            .autoscale
+            .planner()
+            .unwrap()
+            .is_none());
+
+        let bad =
+            crate::config::parse::<ServeConfig>(&["--autoscale", "--slo", "ttft=fast"], &env(&[]))
+                .unwrap_err();
+        assert!(bad.to_string().contains("autoscale"), "{bad}");
+        assert!(bad.to_string().contains("not a duration"), "{bad}");
     }
 }

@@ -163,3 +163,83 @@ async fn the_mesh_backend_passes_over_a_draining_worker() {
     assert!(backend.generate(request(9, 40, 4)).await.is_err());
     mesh.shutdown();
 }
+
+#[test]
+fn workers_switch_roles_come_and_go_and_every_stream_keeps_its_tokens() {
+    let config = LocalMeshConfig {
+        prefill_workers: 1,
+        decode_workers: 2,
+        prefill_engine: engine_config(),
+        decode_engine: engine_config(),
+        decode: DecodeConfig {
+            local_prefill_max_tokens: 32,
+            ..DecodeConfig::new(NodeId(0))
+        },
+        ..Default::default()
+    };
+    let mesh = LocalMesh::start(loaded(), &config).unwrap();
+    let decode_ids =
+        || -> Vec<NodeId> { mesh.decode_handles().iter().map(|h| h.node_id()).collect() };
+    let prefill_ids =
+        || -> Vec<NodeId> { mesh.prefill_handles().iter().map(|h| h.node_id()).collect() };
+    let (d0, d1, p0) = (NodeId(0x200), NodeId(0x201), NodeId(0x100));
+    assert_eq!((decode_ids(), prefill_ids()), (vec![d0, d1], vec![p0]));
+
+    // Requests open on the worker that switches (short prompts, prefilled there: the test
+    // beside this one counts the remote prefills of 0x200 and 0x201): it finishes them
+    // before it flips.
+    let requests: Vec<_> = (0..4).map(|i| request(10 + i, 24, 8)).collect();
+    let decode1 = mesh.decode_handles()[1].clone();
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|r| decode1.generate(r.clone(), None).unwrap())
+        .collect();
+    let left = mesh.switch(d1, NodeRole::Prefill).unwrap();
+    assert!(left.finished, "the drain cut requests short");
+    for (r, s) in requests.iter().zip(streams) {
+        assert_eq!(collect(s), reference(r));
+    }
+    assert!(
+        decode1.generate(requests[0].clone(), None).is_err(),
+        "the old role refuses"
+    );
+    assert_eq!((decode_ids(), prefill_ids()), (vec![d0], vec![p0, d1]));
+
+    // The first prefill worker becomes a decode worker, a new decode worker joins, and the
+    // switched worker prefills for both.
+    mesh.switch(p0, NodeRole::Decode).unwrap();
+    let added = mesh.add(NodeRole::Decode).unwrap();
+    assert_eq!(added, NodeId(0x300));
+    assert_eq!(
+        (decode_ids(), prefill_ids()),
+        (vec![p0, d0, added], vec![d1])
+    );
+    let prefill = mesh.prefill_handles()[0].clone();
+    for (i, h) in mesh.decode_handles().into_iter().enumerate() {
+        let remote = h.node_id() != d0;
+        let r = request(30 + i as u64, if remote { 90 } else { 24 }, 6);
+        let s = h.generate(r.clone(), remote.then(|| prefill.clone().into()));
+        assert_eq!(collect(s.unwrap()), reference(&r));
+    }
+    assert_eq!(
+        transfers_completed(p0),
+        1,
+        "prefilled by the switched worker"
+    );
+    assert_eq!(transfers_completed(added), 1);
+
+    // Asking for the role a worker has changes nothing; a removed worker is gone.
+    assert_eq!(mesh.switch(d1, NodeRole::Prefill).unwrap().seconds, 0.0);
+    assert!(mesh.remove(added).unwrap().finished);
+    assert_eq!(decode_ids(), vec![p0, d0]);
+    assert!(matches!(
+        mesh.remove(added),
+        Err(MeshError::UnknownWorker(id)) if id == added
+    ));
+    mesh.shutdown();
+    assert!(matches!(
+        mesh.add(NodeRole::Decode),
+        Err(MeshError::ShuttingDown)
+    ));
+    assert!(decode_ids().is_empty() && prefill_ids().is_empty());
+}
