@@ -11,6 +11,7 @@
 pub mod actuator;
 pub mod compose;
 pub mod etcd;
+pub mod kubernetes;
 pub mod local;
 pub mod metrics;
 pub mod observe;
@@ -60,8 +61,9 @@ pub struct PlannerArgs {
     #[arg(long)]
     pub advisory: bool,
     /// Who carries decisions out: `local` (processes of this binary on this host),
-    /// `compose` (`docker-compose up --scale` on the Compose cluster), `etcd` (desired
-    /// counts for an external orchestrator), `none`.
+    /// `compose` (`docker-compose up --scale` on the Compose cluster), `kubernetes` (the
+    /// Deployments' scale subresource, from inside the cluster), `etcd` (desired counts for
+    /// an external orchestrator), `none`.
     #[arg(long, value_enum, default_value = "local")]
     pub actuator: ActuatorArg,
     /// A flag for every node the local actuator starts (repeat; e.g.
@@ -75,6 +77,15 @@ pub struct PlannerArgs {
     /// The Compose project name (`-p`), when not the file's directory name.
     #[arg(long)]
     pub compose_project: Option<String>,
+    /// The namespace of the Deployments the `kubernetes` actuator scales (default: the
+    /// planner pod's own).
+    #[arg(long)]
+    pub k8s_namespace: Option<String>,
+    /// The Deployments of the prefill and decode nodes, for the `kubernetes` actuator.
+    #[arg(long, default_value = "prefill")]
+    pub k8s_prefill_deployment: String,
+    #[arg(long, default_value = "decode")]
+    pub k8s_decode_deployment: String,
     /// How to run Compose (e.g. `docker compose`).
     #[arg(long, default_value = "docker-compose")]
     pub compose_command: String,
@@ -103,6 +114,7 @@ pub enum PolicyArg {
 pub enum ActuatorArg {
     Local,
     Compose,
+    Kubernetes,
     Etcd,
     None,
 }
@@ -207,6 +219,20 @@ pub fn run(args: &PlannerArgs) -> Result<()> {
                     args.compose_file.clone().context("--compose-file")?,
                     args.compose_project.clone(),
                 )?),
+                ActuatorArg::Kubernetes => {
+                    let (api, own) = kubernetes::KubeApi::in_cluster()?;
+                    Box::new(kubernetes::KubernetesActuator::new(
+                        api,
+                        args.k8s_namespace
+                            .clone()
+                            .or(own)
+                            .context("--k8s-namespace: the pod's namespace is not mounted")?,
+                        [
+                            args.k8s_prefill_deployment.clone(),
+                            args.k8s_decode_deployment.clone(),
+                        ],
+                    ))
+                }
                 ActuatorArg::Etcd => Box::new(etcd::EtcdActuator::new(leadership.clone()).await?),
                 ActuatorArg::None => Box::new(NoActuator),
             };

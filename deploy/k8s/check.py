@@ -7,7 +7,9 @@
   longer than their drain timeout (from the ConfigMap's TOML) plus the drain's own time;
 - resource requests on every container, a PodDisruptionBudget per Deployment of nodes;
 - the certificate Secret is mounted, without the CA's private key;
-- in the gpu overlay, prefill and decode nodes limit nvidia.com/gpu.
+- in the gpu overlay, prefill and decode nodes limit nvidia.com/gpu;
+- the planner runs as a ServiceAccount bound to a Role that may get and patch the prefill
+  and decode Deployments' scale subresource (its `kubernetes` actuator).
 Usage: check.py OVERLAY RENDERED.yaml
 """
 
@@ -70,9 +72,35 @@ def main(overlay, path):
                     problems.append(f"{name}: no nvidia.com/gpu limit in the gpu overlay")
                 if overlay != "gpu" and gpus:
                     problems.append(f"{name}: a GPU limit outside the gpu overlay")
+    problems += planner_rbac(by_kind)
     assert not problems, f"{overlay}:\n  " + "\n  ".join(problems)
     print(f"deploy/k8s/check.py: {overlay}: {len(docs)} objects, "
           f"{len(by_kind['Deployment'])} Deployments checked")
+
+
+def planner_rbac(by_kind):
+    """What keeps the planner's PATCH .../deployments/{prefill,decode}/scale from a 403."""
+    planner = next(d for d in by_kind["Deployment"] if d["metadata"]["name"] == "planner")
+    namespace = planner["metadata"].get("namespace")
+    account = planner["spec"]["template"]["spec"].get("serviceAccountName")
+    if not account or account not in {a["metadata"]["name"] for a in by_kind.get("ServiceAccount", [])}:
+        return [f"planner: no ServiceAccount of its own ({account})"]
+    roles = {r["metadata"]["name"]: r for r in by_kind.get("Role", [])}
+    granted = set()
+    for b in by_kind.get("RoleBinding", []):
+        bound = any(s["kind"] == "ServiceAccount" and s["name"] == account
+                    and s.get("namespace", b["metadata"].get("namespace")) == namespace
+                    for s in b.get("subjects", []))
+        role = roles.get(b["roleRef"]["name"]) if b["roleRef"]["kind"] == "Role" else None
+        if not bound or role is None:
+            continue
+        for rule in role["rules"]:
+            if "apps" in rule["apiGroups"] and "deployments/scale" in rule["resources"]:
+                for name in rule.get("resourceNames") or ["prefill", "decode"]:
+                    granted |= {(name, verb) for verb in rule["verbs"]}
+    needed = {(name, verb) for name in ("prefill", "decode") for verb in ("get", "patch")}
+    missing = sorted(needed - granted)
+    return [f"planner: may not {verb} deployments/{name}/scale" for name, verb in missing]
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ pub fn scale_args(targets: [u32; 2]) -> Vec<String> {
 }
 
 /// Of the replicas asked for, those not registered yet.
-fn starting(asked: [u32; 2], registered: &[NodeEntry]) -> [u32; 2] {
+pub(super) fn starting(asked: [u32; 2], registered: &[NodeEntry]) -> [u32; 2] {
     let count = |role| registered.iter().filter(|n| n.info.role == role).count() as u32;
     [
         asked[0].saturating_sub(count(NodeRole::Prefill)),
