@@ -33,12 +33,8 @@ pub struct DecodeConfig {
     pub prefill_pulls: bool,
     /// Where this node announces its prefix-cache changes (none: not announced).
     pub kv_events: Option<Arc<dyn KvEventSink>>,
-    /// How long an idle worker, woken by a request, waits for others before its first
-    /// step. Requests sent together (a closed loop's clients when their answers end in one
-    /// step, a burst) arrive spread over a millisecond or so; a step started with the first
-    /// alone makes the rest wait for it, which on a CPU is a whole prefill (100 ms and more),
-    /// so two milliseconds buy the others that step. Zero turns it off. A busy worker never
-    /// waits: new requests join its next step.
+    /// How long an idle worker, woken by a request, waits for others before its first step
+    /// (default [`kvmesh_worker::GATHER_WINDOW`]; zero: not at all).
     pub gather_window: Duration,
 }
 
@@ -53,7 +49,7 @@ impl DecodeConfig {
             export_timeout: Duration::from_secs(1),
             prefill_pulls: true,
             kv_events: None,
-            gather_window: Duration::from_millis(2),
+            gather_window: kvmesh_worker::GATHER_WINDOW,
         }
     }
 }

@@ -33,6 +33,9 @@ pub struct PrefillConfig {
     pub pull_timeout: Duration,
     /// Where this node announces its prefix-cache changes (none: not announced).
     pub kv_events: Option<Arc<dyn KvEventSink>>,
+    /// How long an idle worker, woken by a request, waits for others before its first step
+    /// (default [`kvmesh_worker::GATHER_WINDOW`]; zero: not at all).
+    pub gather_window: Duration,
 }
 
 impl PrefillConfig {
@@ -43,6 +46,7 @@ impl PrefillConfig {
             send_timeout: Duration::from_secs(5),
             pull_timeout: Duration::from_secs(2),
             kv_events: None,
+            gather_window: kvmesh_worker::GATHER_WINDOW,
         }
     }
 }
@@ -352,11 +356,13 @@ impl<R: ModelRunner> Loop<R> {
                 {
                     break;
                 }
-                self.wait();
+                let empty = !self.engine.has_work();
+                self.wait(self.pulls.next_deadline());
+                if empty && !self.gather() {
+                    break;
+                }
             }
-            self.receive_pulls();
-            self.receive_sent();
-            if !self.drain_inbox() {
+            if !self.receive() {
                 break;
             }
             self.drop_cancelled();
@@ -387,9 +393,29 @@ impl<R: ModelRunner> Loop<R> {
         }
     }
 
+    /// Takes the pulls' replies and chunks, the ends of sends and the inbox. False on `Stop`.
+    fn receive(&mut self) -> bool {
+        self.receive_pulls();
+        self.receive_sent();
+        self.drain_inbox()
+    }
+
+    /// Takes what arrives within the gather window (see [`PrefillConfig::gather_window`]),
+    /// so requests sent together start in one step. False on `Stop`.
+    fn gather(&mut self) -> bool {
+        let until = Instant::now() + self.config.gather_window;
+        while Instant::now() < until {
+            if !self.receive() {
+                return false;
+            }
+            self.wait(Some(until));
+        }
+        true
+    }
+
     /// Blocks until a message, a pulled chunk, a holder's reply or the end of a KV send
-    /// arrives, or a pull times out.
-    fn wait(&self) {
+    /// arrives, or `deadline` (a pull's) passes.
+    fn wait(&self, deadline: Option<Instant>) {
         let mut sel = Select::new();
         sel.recv(&self.inbox);
         sel.recv(&self.sent_rx);
@@ -397,7 +423,7 @@ impl<R: ModelRunner> Loop<R> {
             sel.recv(&self.kv_rx);
         }
         sel.recv(self.pulls.replies());
-        match self.pulls.next_deadline() {
+        match deadline {
             Some(d) => {
                 let _ = sel.ready_deadline(d);
             }

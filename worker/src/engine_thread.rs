@@ -8,6 +8,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// How long an idle engine thread, woken by a request, waits for others before its first
+/// step (a worker's `gather_window` by default). Requests sent together (a closed loop's
+/// clients when their answers end in one step, a burst, one router's requests fanned out)
+/// arrive spread over a millisecond or so; a step started with the first alone makes the
+/// rest wait for it, which on a CPU is a whole prefill (100 ms and more), so two
+/// milliseconds buy the others that step. A busy thread never waits: new requests join its
+/// next step.
+pub const GATHER_WINDOW: Duration = Duration::from_millis(2);
+
 /// The messages every worker's inbox carries besides its role's own.
 pub trait Control: Send + 'static {
     /// Wakes the thread to notice a drain.
