@@ -41,7 +41,10 @@ fn bin_of(nanos: u64) -> usize {
 
 impl GapHistogram {
     pub fn record(&mut self, gap: Duration) {
-        let nanos = u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX);
+        self.record_nanos(u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX));
+    }
+
+    fn record_nanos(&mut self, nanos: u64) {
         let bin = bin_of(nanos);
         if bin >= self.bins.len() {
             self.bins.resize(bin + 1, (0, 0));
@@ -61,8 +64,11 @@ impl GapHistogram {
 
     /// The gaps between consecutive `times`.
     pub fn record_between(&mut self, times: &[Duration]) {
+        // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
+        // subtraction a gap, for every token of the run.
+        let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
         for w in times.windows(2) {
-            self.record(w[1] - w[0]);
+            self.record_nanos(nanos(&w[1]) - nanos(&w[0]));
         }
     }
 

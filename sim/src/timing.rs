@@ -306,7 +306,7 @@ impl TimingProfile {
         }
         let us = self.micros(shape);
         // Rounded to whole nanoseconds so the same shape always costs the same time.
-        Duration::from_nanos((us * 1e3).round() as u64)
+        Duration::from_nanos(round_to_u64(us * 1e3))
     }
 
     /// A step's time in microseconds, unrounded (the model itself, also for an empty step).
@@ -320,10 +320,56 @@ impl TimingProfile {
     }
 }
 
+/// `x.round() as u64` (halves away from zero, negatives and NaN to 0, saturating) without
+/// the library call `round` is on this target: a step is timed per simulated step, hundreds
+/// of millions of times an hour.
+fn round_to_u64(x: f64) -> u64 {
+    // Truncated and saturated; the fraction is exact: below 2^53 it is `x`'s fractional
+    // bits, above it `x` is whole (0, or past u64's range a positive number that saturates).
+    let whole = x as u64;
+    let fraction = x - whole as f64;
+    if fraction >= 0.5 {
+        whole.saturating_add(1)
+    } else {
+        whole
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvmesh_engine::runner::SeqChunk;
+
+    #[test]
+    fn rounds_as_the_library_does() {
+        let mut values = vec![
+            0.0,
+            -0.0,
+            0.5,
+            1.5,
+            2.5,
+            0.49999999999999994,
+            -0.5,
+            -1.7,
+            1e300,
+            -1e300,
+            f64::NAN,
+            f64::INFINITY,
+            f64::NEG_INFINITY,
+            4503599627370495.5,
+            9007199254740993.0,
+            18446744073709551615.0,
+            18446744073709549568.0,
+        ];
+        let mut x = 0.123_f64;
+        for _ in 0..100_000 {
+            x = (x * 1.000_37 + 0.618) % 1e7;
+            values.extend([x, x.floor() + 0.5, x.floor() - 0.5]);
+        }
+        for v in values {
+            assert_eq!(round_to_u64(v), v.round() as u64, "{v}");
+        }
+    }
 
     /// A chunk of `n` tokens after `start_pos` cached ones.
     pub(super) fn chunk(start_pos: usize, n: usize) -> SeqChunk {
