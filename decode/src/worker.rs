@@ -13,7 +13,7 @@ use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, ModelRunner, SeqId};
 use kvmesh_transfer::{KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
-    CancelToken, EngineReturn, EngineThread, ExportSource, IncomingTransfer, KvDestination,
+    CancelToken, EngineReturn, EngineThread, ExportSource, Gather, IncomingTransfer, KvDestination,
     KvOutbox, LoadPublisher, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
@@ -211,7 +211,7 @@ impl<R: ModelRunner> Loop<R> {
                 }
                 let empty = !self.engine.has_work();
                 self.wait(self.next_timeout());
-                if empty && !self.gather() {
+                if empty && !self.gather(self.config.gather_window) {
                     break;
                 }
             }
@@ -252,89 +252,12 @@ impl<R: ModelRunner> Loop<R> {
         self.publish_load();
     }
 
-    /// Blocks until a message or a chunk arrives, or `deadline` passes.
-    fn wait(&mut self, deadline: Option<Instant>) {
-        let mut sel = Select::new();
-        if !self.inbox_closed {
-            sel.recv(&self.inbox);
-        }
-        if !self.kv_closed {
-            sel.recv(&self.kv_rx);
-        }
-        sel.recv(&self.reply_rx);
-        sel.recv(self.pulls.replies());
-        match deadline {
-            Some(d) => {
-                let _ = sel.ready_deadline(d);
-            }
-            None => {
-                sel.ready();
-            }
-        }
-    }
-
-    /// Takes what arrives within the gather window (see [`DecodeConfig::gather_window`]), so
-    /// requests sent together start in one step. False on `Stop`.
-    fn gather(&mut self) -> bool {
-        let until = Instant::now() + self.config.gather_window;
-        while Instant::now() < until {
-            if !self.receive() {
-                return false;
-            }
-            self.wait(Some(until));
-        }
-        true
-    }
-
     /// When a remote prefill's transfer or a pull next times out.
     fn next_timeout(&self) -> Option<Instant> {
         match (self.remote.next_deadline(), self.pulls.next_deadline()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
-    }
-
-    /// Takes everything that has arrived: prefill and export replies first, then KV (so a
-    /// reply's chunks, sent before it, are all here), then new requests. False on `Stop`.
-    fn receive(&mut self) -> bool {
-        for ended in self.pulls.on_replies(&mut self.engine) {
-            self.pull_ended(ended);
-        }
-        for _ in 0..self.reply_rx.len() {
-            let Ok(reply) = self.reply_rx.try_recv() else {
-                break;
-            };
-            self.on_reply(reply);
-        }
-        for _ in 0..self.kv_rx.len().max(1) {
-            match self.kv_rx.try_recv() {
-                Ok(chunk) => self.on_chunk(chunk),
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    self.kv_closed = true;
-                    break;
-                }
-            }
-        }
-        loop {
-            match self.inbox.try_recv() {
-                Ok(Inbox::Generate(s)) => self.accept(*s),
-                Ok(Inbox::Export(job)) => job.serve(
-                    &self.engine,
-                    &self.outbox,
-                    self.config.export_timeout,
-                    self.metrics.kv_exported_blocks.clone(),
-                ),
-                Ok(Inbox::Wake) => {}
-                Ok(Inbox::Stop) => return false,
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    self.inbox_closed = true;
-                    break;
-                }
-            }
-        }
-        true
     }
 
     fn accept(&mut self, submission: Submission) {
@@ -752,5 +675,71 @@ impl<R: ModelRunner> Loop<R> {
         let pulling = self.pulls.len();
         self.publisher
             .publish(&mut self.engine, pulling, &self.shared.load);
+    }
+}
+
+impl<R: ModelRunner> Gather for Loop<R> {
+    /// Blocks until a message or a chunk arrives, or `deadline` passes.
+    fn wait(&mut self, deadline: Option<Instant>) {
+        let mut sel = Select::new();
+        if !self.inbox_closed {
+            sel.recv(&self.inbox);
+        }
+        if !self.kv_closed {
+            sel.recv(&self.kv_rx);
+        }
+        sel.recv(&self.reply_rx);
+        sel.recv(self.pulls.replies());
+        match deadline {
+            Some(d) => {
+                let _ = sel.ready_deadline(d);
+            }
+            None => {
+                sel.ready();
+            }
+        }
+    }
+
+    /// Takes everything that has arrived: prefill and export replies first, then KV (so a
+    /// reply's chunks, sent before it, are all here), then new requests. False on `Stop`.
+    fn receive(&mut self) -> bool {
+        for ended in self.pulls.on_replies(&mut self.engine) {
+            self.pull_ended(ended);
+        }
+        for _ in 0..self.reply_rx.len() {
+            let Ok(reply) = self.reply_rx.try_recv() else {
+                break;
+            };
+            self.on_reply(reply);
+        }
+        for _ in 0..self.kv_rx.len().max(1) {
+            match self.kv_rx.try_recv() {
+                Ok(chunk) => self.on_chunk(chunk),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.kv_closed = true;
+                    break;
+                }
+            }
+        }
+        loop {
+            match self.inbox.try_recv() {
+                Ok(Inbox::Generate(s)) => self.accept(*s),
+                Ok(Inbox::Export(job)) => job.serve(
+                    &self.engine,
+                    &self.outbox,
+                    self.config.export_timeout,
+                    self.metrics.kv_exported_blocks.clone(),
+                ),
+                Ok(Inbox::Wake) => {}
+                Ok(Inbox::Stop) => return false,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    self.inbox_closed = true;
+                    break;
+                }
+            }
+        }
+        true
     }
 }

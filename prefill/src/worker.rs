@@ -11,7 +11,7 @@ use kvmesh_engine::sampler::Sampled;
 use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, Control, EngineReturn, EngineThread, ExportError, ExportJob, ExportReply,
-    ExportRequest, KvExporter, KvOutbox, KvPull, LoadPublisher, NodeState, PrefillClient,
+    ExportRequest, Gather, KvExporter, KvOutbox, KvPull, LoadPublisher, NodeState, PrefillClient,
     PrefillDone, PrefillError, PrefillReply, PrefillRequest, PrefillTarget, Puller, WorkerMetrics,
 };
 use std::collections::HashMap;
@@ -358,7 +358,7 @@ impl<R: ModelRunner> Loop<R> {
                 }
                 let empty = !self.engine.has_work();
                 self.wait(self.pulls.next_deadline());
-                if empty && !self.gather() {
+                if empty && !self.gather(self.config.gather_window) {
                     break;
                 }
             }
@@ -389,46 +389,6 @@ impl<R: ModelRunner> Loop<R> {
                 }
                 Inbox::Export(job) => job.refuse(),
                 Inbox::Wake | Inbox::Stop => {}
-            }
-        }
-    }
-
-    /// Takes the pulls' replies and chunks, the ends of sends and the inbox. False on `Stop`.
-    fn receive(&mut self) -> bool {
-        self.receive_pulls();
-        self.receive_sent();
-        self.drain_inbox()
-    }
-
-    /// Takes what arrives within the gather window (see [`PrefillConfig::gather_window`]),
-    /// so requests sent together start in one step. False on `Stop`.
-    fn gather(&mut self) -> bool {
-        let until = Instant::now() + self.config.gather_window;
-        while Instant::now() < until {
-            if !self.receive() {
-                return false;
-            }
-            self.wait(Some(until));
-        }
-        true
-    }
-
-    /// Blocks until a message, a pulled chunk, a holder's reply or the end of a KV send
-    /// arrives, or `deadline` (a pull's) passes.
-    fn wait(&self, deadline: Option<Instant>) {
-        let mut sel = Select::new();
-        sel.recv(&self.inbox);
-        sel.recv(&self.sent_rx);
-        if !self.kv_closed {
-            sel.recv(&self.kv_rx);
-        }
-        sel.recv(self.pulls.replies());
-        match deadline {
-            Some(d) => {
-                let _ = sel.ready_deadline(d);
-            }
-            None => {
-                sel.ready();
             }
         }
     }
@@ -727,6 +687,35 @@ impl<R: ModelRunner> Loop<R> {
         let pulling = self.pulls.len();
         self.publisher
             .publish(&mut self.engine, pulling, &self.shared.load);
+    }
+}
+
+impl<R: ModelRunner> Gather for Loop<R> {
+    /// Blocks until a message, a pulled chunk, a holder's reply or the end of a KV send
+    /// arrives, or `deadline` (a pull's) passes.
+    fn wait(&mut self, deadline: Option<Instant>) {
+        let mut sel = Select::new();
+        sel.recv(&self.inbox);
+        sel.recv(&self.sent_rx);
+        if !self.kv_closed {
+            sel.recv(&self.kv_rx);
+        }
+        sel.recv(self.pulls.replies());
+        match deadline {
+            Some(d) => {
+                let _ = sel.ready_deadline(d);
+            }
+            None => {
+                sel.ready();
+            }
+        }
+    }
+
+    /// Takes the pulls' replies and chunks, the ends of sends and the inbox. False on `Stop`.
+    fn receive(&mut self) -> bool {
+        self.receive_pulls();
+        self.receive_sent();
+        self.drain_inbox()
     }
 }
 

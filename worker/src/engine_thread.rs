@@ -6,7 +6,7 @@ use crossbeam_channel::{Receiver, Sender};
 use kvmesh_common::NodeId;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How long an idle engine thread, woken by a request, waits for others before its first
 /// step (a worker's `gather_window` by default). Requests sent together (a closed loop's
@@ -16,6 +16,28 @@ use std::time::Duration;
 /// milliseconds buy the others that step. A busy thread never waits: new requests join its
 /// next step.
 pub const GATHER_WINDOW: Duration = Duration::from_millis(2);
+
+/// An engine thread's loop as far as waiting for work goes.
+pub trait Gather {
+    /// Takes everything that has arrived; false when the thread must stop.
+    fn receive(&mut self) -> bool;
+
+    /// Blocks until something arrives or `deadline` passes.
+    fn wait(&mut self, deadline: Option<Instant>);
+
+    /// Takes what arrives within `window` (see [`GATHER_WINDOW`]), so requests sent
+    /// together start in one step. False when the thread must stop.
+    fn gather(&mut self, window: Duration) -> bool {
+        let until = Instant::now() + window;
+        while Instant::now() < until {
+            if !self.receive() {
+                return false;
+            }
+            self.wait(Some(until));
+        }
+        true
+    }
+}
 
 /// The messages every worker's inbox carries besides its role's own.
 pub trait Control: Send + 'static {

@@ -38,7 +38,7 @@ pub mod wire;
 
 pub use crate::metrics::WorkerMetrics;
 pub use client::{PrefillClient, PrefillTarget};
-pub use engine_thread::{inbox, Control, EngineThread, NodeState, GATHER_WINDOW};
+pub use engine_thread::{inbox, Control, EngineThread, Gather, NodeState, GATHER_WINDOW};
 pub use export::{
     ExportDone, ExportError, ExportJob, ExportReply, ExportRequest, ExportSource, KvExporter,
 };
