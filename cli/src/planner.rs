@@ -81,9 +81,10 @@ pub struct PlannerArgs {
     /// planner pod's own).
     #[arg(long)]
     pub k8s_namespace: Option<String>,
-    /// The Deployments of the prefill and decode nodes, for the `kubernetes` actuator.
+    /// The Deployment of the prefill nodes, for the `kubernetes` actuator.
     #[arg(long, default_value = "prefill")]
     pub k8s_prefill_deployment: String,
+    /// The Deployment of the decode nodes, for the `kubernetes` actuator.
     #[arg(long, default_value = "decode")]
     pub k8s_decode_deployment: String,
     /// How to run Compose (e.g. `docker compose`).
