@@ -154,15 +154,19 @@ snapshot() {
 snapshot start
 
 # ---- kvmesh's load generator, before and after aiperf (their spread is the drift) ----
-# kvmesh_run NAME [WORKLOAD LOAD]: the closed loop by default.
+# kvmesh_run NAME [WORKLOAD LOAD]: the closed loop by default. Each run has a seed of its
+# own, so it sends prompts no earlier run sent (the same seed twice would find the first
+# run's prompts in the prefix cache).
+RUNS=0
 kvmesh_run() {
   local dir="$OUT/kvmesh-$1"
+  RUNS=$((RUNS + 1))
   local workload="${2:-synthetic:input=$INPUT,output=$OUTPUT}" load="${3:-concurrency:$CONCURRENCY}"
   log "kvmesh bench serve ($1): load average $(loadavg)"
   rm -rf "$dir"
   pinned "$CLIENT_CPUS" "${BENCH[@]}" "${SERVE_CMD[@]}" --url "$URL" --model "$SERVED_NAME" --api completions --ignore-eos \
     --workload "$workload" --load "$load" \
-    --requests "$REQUESTS" --out "$dir" >"$dir.txt" 2>"$dir.log" &
+    --requests "$REQUESTS" --seed "$RUNS" --out "$dir" >"$dir.txt" 2>"$dir.log" &
   BENCH_PID=$!
   wait "$BENCH_PID" || { log "kvmesh bench serve failed:"; tail -n 20 "$dir.log" >&2; exit 1; }
   BENCH_PID=""
