@@ -367,6 +367,9 @@ impl<R: ModelRunner> Loop<R> {
             }
             self.drop_cancelled();
             if self.engine.has_work() {
+                // What the step is about to compute shows while it runs: a prompt prefilled
+                // in one step would otherwise never be seen in the queue.
+                self.publish_load();
                 self.step();
             }
             self.publish_load();

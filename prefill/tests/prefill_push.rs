@@ -81,6 +81,28 @@ struct Received {
     reply: PrefillReply,
 }
 
+/// A request to prefill `prompt` (past its first `cached_prefix_len` tokens) into fresh
+/// blocks of `dest`.
+fn push_request(
+    prompt: &[TokenId],
+    params: SamplingParams,
+    cached_prefix_len: usize,
+    dest: NodeId,
+) -> PrefillRequest {
+    let blocks: Vec<BlockId> = (0..(prompt.len().div_ceil(BS) - cached_prefix_len / BS) as u32)
+        .map(|i| BlockId(1000 + i))
+        .collect();
+    PrefillRequest {
+        request_id: RequestId(77),
+        prompt: prompt.to_vec(),
+        params,
+        cached_prefix_len,
+        destination: KvDestination { node: dest, blocks },
+        holder: None,
+        cancel: CancelToken::new(),
+    }
+}
+
 fn prefill(
     worker_budget: usize,
     prompt: &[TokenId],
@@ -96,19 +118,8 @@ fn prefill(
         transport.clone() as Arc<dyn Transport>,
     )
     .unwrap();
-    let blocks: Vec<BlockId> = (0..(prompt.len().div_ceil(BS) - cached_prefix_len / BS) as u32)
-        .map(|i| BlockId(1000 + i))
-        .collect();
     let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
-    let request = PrefillRequest {
-        request_id: RequestId(77),
-        prompt: prompt.to_vec(),
-        params,
-        cached_prefix_len,
-        destination: KvDestination { node: dest, blocks },
-        holder: None,
-        cancel: CancelToken::new(),
-    };
+    let request = push_request(prompt, params, cached_prefix_len, dest);
     worker.handle().prefill(request, reply_tx).unwrap();
     let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
     drop(worker);
@@ -116,6 +127,31 @@ fn prefill(
         chunks: drain(&rx),
         reply,
     }
+}
+
+#[test]
+fn a_prompt_shows_in_the_load_while_its_one_step_runs() {
+    let transport = Arc::new(InProcessTransport::new(4096));
+    let dest = NodeId(2);
+    let _rx = transport.bind(dest).unwrap();
+    // One step computes the whole prompt.
+    let worker = PrefillWorker::spawn(
+        PrefillConfig::new(NodeId(1)),
+        engine(512),
+        transport.clone() as Arc<dyn Transport>,
+    )
+    .unwrap();
+    let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
+    let request = push_request(&prompt(480), SamplingParams::greedy(1), 0, dest);
+    worker.handle().prefill(request, reply_tx).unwrap();
+    // Sample what the worker publishes until the prompt is done.
+    let mut busiest = 0;
+    while reply_rx.try_recv().is_err() {
+        let load = worker.handle().load();
+        busiest = busiest.max(load.running + load.waiting);
+        std::thread::yield_now();
+    }
+    assert_eq!(busiest, 1, "the prompt never showed in the published load");
 }
 
 fn drain(rx: &Receiver<KvChunk>) -> Vec<KvChunk> {
