@@ -119,9 +119,7 @@ fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes()
     let serve_toml = dir.join("serve.toml");
     std::fs::write(
         &serve_toml,
-        // Prompts prefill in several steps: a worker publishes its load between steps, so a
-        // one-step prefill would never show in its queue.
-        "local_prefill_max_tokens = 32\n[engine]\nnum_blocks = 256\nmax_num_batched_tokens = 32\n",
+        "local_prefill_max_tokens = 32\n[engine]\nnum_blocks = 256\n",
     )
     .unwrap();
     let addr = free_addr("127.0.0.1");
