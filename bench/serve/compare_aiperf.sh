@@ -22,12 +22,13 @@
 # then prints the medians, the ratio of aiperf's to the mean of kvmesh's two runs and whether
 # it is within the tolerance; the spread between kvmesh's two runs is the machine's drift.
 #
-# How to read it: TTFT is the same statistic in both (send to first token). A closed loop
-# at concurrency C is not one request stream: when C requests end in the same engine step,
-# aiperf's workers send the next C within a few milliseconds (bunched), so more prompts
-# share a prefill step and wait for it, and the server's TTFT differs from the one under
-# kvmesh's stream. The replay (3) sends aiperf's stream itself, so it judges the two tools
-# on the same server work: TTFT agreement is read from it, TPOT from the closed loops.
+# How to read it: TTFT is the same statistic in both (send to first token), judged on the
+# closed loops, the same workload for both tools. When C requests end in one engine step,
+# kvmesh's generator sends the next C within microseconds and aiperf's workers within a
+# millisecond or two; the server's gather window (an idle worker waits 2 ms for requests
+# sent together) makes both start in one step. The replay (3), aiperf's send times as an
+# open loop, is printed for reference: replayed without the closed loop's feedback, sends
+# land while earlier requests still run, so its TTFT is not the closed loop's.
 # Each run's mean TTFT is also set beside the server's own (its kvmesh_router_ttft_seconds
 # histogram, read before and after the run): whether each tool measures what the server did. aiperf's
 # "inter_token_latency" is per request (e2e - ttft) / (output tokens - 1), one value per
@@ -237,7 +238,7 @@ print(f"kvmesh before / after: {runs[0]['ok']} / {runs[1]['ok']} ok, "
       f"{a['input_sequence_length']['avg']:.1f} in / {a['output_sequence_length']['avg']:.1f} out tokens")
 # (name, kvmesh's value from a run's summary, aiperf's, judged?)
 rows = [
-    ("TTFT p50, own closed loops", lambda r: r["ttft"]["p50"], aiperf("time_to_first_token"), False),
+    ("TTFT p50, closed loops", lambda r: r["ttft"]["p50"], aiperf("time_to_first_token"), True),
     ("TPOT p50 | aiperf ITL p50", lambda r: r["tpot"]["p50"], aiperf("inter_token_latency"), True),
     ("ITL p50, pooled gaps (reference)", lambda r: r["itl"]["p50"], None, False),
 ]
@@ -252,15 +253,12 @@ for name, pick, v, judged in rows:
     ratio = v / k
     ok = abs(ratio - 1) <= tolerance
     agree &= ok or not judged
-    verdict = ("agree" if ok else "DISAGREE") if judged else "(streams differ)"
+    verdict = ("agree" if ok else "DISAGREE") if judged else "(reference)"
     print(f"{name:34} {k0:13.2f} {k1:8.2f} {v:8.2f} {ratio:14.3f}  {verdict}")
-# The same request stream: aiperf's sends replayed.
+# For reference: aiperf's send times replayed as an open loop.
 k = replayed["ttft"]["p50"] * 1e3
 v = aiperf("time_to_first_token")
-ratio = v / k
-ok = abs(ratio - 1) <= tolerance
-agree &= ok
-print(f"{'TTFT p50, aiperf sends replayed':34} {k:13.2f} {'':8} {v:8.2f} {ratio:14.3f}  {'agree' if ok else 'DISAGREE'}")
+print(f"{'TTFT p50, aiperf sends replayed':34} {k:13.2f} {'':8} {v:8.2f} {v / k:14.3f}  (reference)")
 print(f"  (replay: {replayed['ok']} ok of {replayed['requests']})")
 # What the server itself saw of each run's requests (mean TTFT, its histogram's sum / count).
 snaps = {n: [float(x) for x in open(f"{out}/ttft-{n}.txt").read().split()] for n in
@@ -277,6 +275,6 @@ for name, prev, tool in [
 ]:
     server = served(prev, {"start": "before", "before": "aiperf", "aiperf": "replay", "replay": "after"}[prev])
     print(f"{name:34} {tool:13.2f} {server:8.2f} {tool / server:14.3f}")
-print(f"aiperf against kvmesh (TPOT: the mean of its two closed loops; TTFT: the replay), within {tolerance:.0%}: {'yes' if agree else 'no'}")
+print(f"aiperf against kvmesh (TTFT and TPOT p50: the mean of its two closed loops), within {tolerance:.0%}: {'yes' if agree else 'no'}")
 sys.exit(0 if agree else 1)
 EOF
