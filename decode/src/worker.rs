@@ -690,14 +690,7 @@ impl<R: ModelRunner> Gather for Loop<R> {
         }
         sel.recv(&self.reply_rx);
         sel.recv(self.pulls.replies());
-        match deadline {
-            Some(d) => {
-                let _ = sel.ready_deadline(d);
-            }
-            None => {
-                sel.ready();
-            }
-        }
+        kvmesh_worker::engine_thread::ready_until(&mut sel, deadline);
     }
 
     /// Takes everything that has arrived: prefill and export replies first, then KV (so a

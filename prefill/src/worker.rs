@@ -704,14 +704,7 @@ impl<R: ModelRunner> Gather for Loop<R> {
             sel.recv(&self.kv_rx);
         }
         sel.recv(self.pulls.replies());
-        match deadline {
-            Some(d) => {
-                let _ = sel.ready_deadline(d);
-            }
-            None => {
-                sel.ready();
-            }
-        }
+        kvmesh_worker::engine_thread::ready_until(&mut sel, deadline);
     }
 
     /// Takes the pulls' replies and chunks, the ends of sends and the inbox. False on `Stop`.

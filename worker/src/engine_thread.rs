@@ -17,6 +17,18 @@ use std::time::{Duration, Instant};
 /// next step.
 pub const GATHER_WINDOW: Duration = Duration::from_millis(2);
 
+/// Blocks until one of `sel`'s operations is ready or `deadline` passes (none: until one is).
+pub fn ready_until(sel: &mut crossbeam_channel::Select<'_>, deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => {
+            let _ = sel.ready_deadline(d);
+        }
+        None => {
+            sel.ready();
+        }
+    }
+}
+
 /// An engine thread's loop as far as waiting for work goes.
 pub trait Gather {
     /// Takes everything that has arrived; false when the thread must stop.

@@ -114,26 +114,11 @@ impl Actuator for NoActuator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvmesh_planner::{Reason, RoleDecision, RoleSwitches};
-    use std::time::Duration;
+    use crate::planner::testing::decision;
+    use kvmesh_planner::RoleSwitches;
 
     fn node(id: u64, role: NodeRole, running: usize) -> NodeEntry {
         crate::planner::testing::node(id, role, running, 0, 0)
-    }
-
-    fn decision(p: (u32, u32), d: (u32, u32), switches: RoleSwitches) -> Decision {
-        let role = |(observed, target)| RoleDecision {
-            observed,
-            target,
-            reason: Reason::Hold,
-        };
-        Decision {
-            at: Duration::ZERO,
-            prefill: role(p),
-            decode: role(d),
-            switches,
-            advisory: false,
-        }
     }
 
     #[test]

@@ -2,6 +2,24 @@
 
 use kvmesh_common::{LoadReport, ModelFingerprint, NodeId, NodeInfo, NodeRole};
 use kvmesh_kvstore::NodeEntry;
+use kvmesh_planner::{Decision, Reason, RoleDecision, RoleSwitches};
+use std::time::Duration;
+
+/// A decision from (observed, target) prefill and decode counts, with `switches`.
+pub fn decision(prefill: (u32, u32), decode: (u32, u32), switches: RoleSwitches) -> Decision {
+    let role = |(observed, target)| RoleDecision {
+        observed,
+        target,
+        reason: Reason::Hold,
+    };
+    Decision {
+        at: Duration::ZERO,
+        prefill: role(prefill),
+        decode: role(decode),
+        switches,
+        advisory: false,
+    }
+}
 
 /// A registered node `id` of `role` at 127.0.0.1:`id`, with 100 KV blocks and this load.
 pub fn node(id: u64, role: NodeRole, running: usize, waiting: usize, used: usize) -> NodeEntry {

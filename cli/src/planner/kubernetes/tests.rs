@@ -5,7 +5,7 @@
 //! a refused call.
 
 use super::*;
-use kvmesh_planner::{Reason, RoleDecision, RoleSwitches};
+use kvmesh_planner::RoleSwitches;
 use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
 use rustls::pki_types::PrivateKeyDer;
 use std::sync::Mutex;
@@ -184,22 +184,13 @@ fn token_file() -> tempfile::NamedTempFile {
     file
 }
 
+/// A decision that moves one node from decode to prefill (the actuator sets replicas only).
 fn decision(prefill: (u32, u32), decode: (u32, u32)) -> Decision {
-    let role = |(observed, target)| RoleDecision {
-        observed,
-        target,
-        reason: Reason::Hold,
+    let switches = RoleSwitches {
+        prefill_to_decode: 0,
+        decode_to_prefill: 1,
     };
-    Decision {
-        at: Duration::ZERO,
-        prefill: role(prefill),
-        decode: role(decode),
-        switches: RoleSwitches {
-            prefill_to_decode: 0,
-            decode_to_prefill: 1,
-        },
-        advisory: false,
-    }
+    crate::planner::testing::decision(prefill, decode, switches)
 }
 
 #[tokio::test]

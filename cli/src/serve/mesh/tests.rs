@@ -23,6 +23,21 @@ fn engine_config() -> EngineConfig {
     }
 }
 
+/// `prefill_workers` and two decode workers that send prompts over 32 tokens to them.
+fn disaggregated(prefill_workers: usize) -> LocalMeshConfig {
+    LocalMeshConfig {
+        prefill_workers,
+        decode_workers: 2,
+        prefill_engine: engine_config(),
+        decode_engine: engine_config(),
+        decode: DecodeConfig {
+            local_prefill_max_tokens: 32,
+            ..DecodeConfig::new(NodeId(0))
+        },
+        ..Default::default()
+    }
+}
+
 /// `len` real tokens, different for each `seed`.
 fn request(seed: u64, len: usize, max_tokens: u32) -> GenerateRequest {
     let text = "Networks joined the machines, and distributed systems learned to survive \
@@ -79,17 +94,7 @@ fn transfers_completed(node: NodeId) -> u64 {
 
 #[test]
 fn a_local_mesh_serves_through_its_handles() {
-    let config = LocalMeshConfig {
-        prefill_workers: 2,
-        decode_workers: 2,
-        prefill_engine: engine_config(),
-        decode_engine: engine_config(),
-        decode: DecodeConfig {
-            local_prefill_max_tokens: 32,
-            ..DecodeConfig::new(NodeId(0))
-        },
-        ..Default::default()
-    };
+    let config = disaggregated(2);
     let mesh = LocalMesh::start(loaded(), &config).unwrap();
     let (decode, prefill) = (mesh.decode_handles(), mesh.prefill_handles());
     assert_eq!(decode.len(), 2);
@@ -166,17 +171,7 @@ async fn the_mesh_backend_passes_over_a_draining_worker() {
 
 #[test]
 fn workers_switch_roles_come_and_go_and_every_stream_keeps_its_tokens() {
-    let config = LocalMeshConfig {
-        prefill_workers: 1,
-        decode_workers: 2,
-        prefill_engine: engine_config(),
-        decode_engine: engine_config(),
-        decode: DecodeConfig {
-            local_prefill_max_tokens: 32,
-            ..DecodeConfig::new(NodeId(0))
-        },
-        ..Default::default()
-    };
+    let config = disaggregated(1);
     let mesh = LocalMesh::start(loaded(), &config).unwrap();
     let decode_ids =
         || -> Vec<NodeId> { mesh.decode_handles().iter().map(|h| h.node_id()).collect() };
