@@ -108,13 +108,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         }
         // The faults, each once the stream has moved on from the last one.
         progress.wait_for(5, Duration::from_secs(300));
-        await_load(
-            &rt,
-            &decode_addrs[0..=0],
-            NodeRole::Decode,
-            Some(&tls),
-            |l| l.running > 0,
-        );
+        await_streaming(&rt, &decode_addrs[0..=0], Some(&tls));
         decode[0].child.kill().unwrap();
         faults.push(("kill -9 decode node", Instant::now()));
         decode[0].child.wait().unwrap();
@@ -134,13 +128,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
         progress.wait_for(34, Duration::from_secs(300));
-        await_load(
-            &rt,
-            &decode_addrs[1..=1],
-            NodeRole::Decode,
-            Some(&tls),
-            |l| l.running > 0,
-        );
+        await_streaming(&rt, &decode_addrs[1..=1], Some(&tls));
         signal(&decode[1], "-STOP");
         faults.push(("SIGSTOP decode node", Instant::now()));
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
@@ -150,13 +138,7 @@ fn the_mesh_loses_no_request_to_node_deaths_an_etcd_outage_or_a_drain() {
         rt.block_on(await_membership(&discovery, 1, 2, Duration::from_secs(30)));
 
         progress.wait_for(progress.count() + 4, Duration::from_secs(300));
-        await_load(
-            &rt,
-            &decode_addrs[1..=1],
-            NodeRole::Decode,
-            Some(&tls),
-            |l| l.running > 0,
-        );
+        await_streaming(&rt, &decode_addrs[1..=1], Some(&tls));
         signal(&decode[1], "-TERM");
         let drained = Instant::now();
         faults.push(("SIGTERM (drain) decode node", drained));

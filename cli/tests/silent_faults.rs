@@ -98,9 +98,7 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
     let (outcome, stopped, at) = std::thread::scope(|s| {
         let client = s.spawn(|| stream_completion(router_addr, &body(true)));
-        let stopped = await_load(&rt, &decode_addrs, NodeRole::Decode, None, |l| {
-            l.running > 0
-        });
+        let stopped = await_streaming(&rt, &decode_addrs, None);
         signal(&decode[stopped], "-STOP");
         let at = Instant::now();
         (client.join().unwrap(), stopped, at)
@@ -136,9 +134,7 @@ fn hung_nodes_poison_requests_and_gone_clients_cost_nothing() {
     let migrations_before = counter(router_addr, "kvmesh_router_migrations_total");
     let (outcome, refusal) = std::thread::scope(|s| {
         let client = s.spawn(|| stream_completion(router_addr, &body(true)));
-        let victim = await_load(&rt, &decode_addrs, NodeRole::Decode, None, |l| {
-            l.running > 0
-        });
+        let victim = await_streaming(&rt, &decode_addrs, None);
         let refusal = rt.block_on(poison(decode_addrs[victim], None));
         (client.join().unwrap(), refusal)
     });

@@ -400,7 +400,7 @@ fn the_mesh_routes_around_a_slow_lossy_link_and_loses_nothing() {
         let _stop = StopOnDrop(&stop);
         progress.wait_for(BEFORE, Duration::from_secs(300));
         // The link turns bad under a stream the slow node is serving.
-        await_load(&rt, &[slow_addr], NodeRole::Decode, None, |l| l.running > 0);
+        await_streaming(&rt, &[slow_addr], None);
         for (n, addr) in before.iter_mut().zip(all) {
             *n = served(addr);
         }

@@ -103,23 +103,31 @@ fn push_request(
     }
 }
 
+/// The node the workers of [`worker_for_dest`] push KV to.
+const DEST: NodeId = NodeId(2);
+
+/// A prefill worker (node 1) stepping at most `budget` tokens, and what [`DEST`] receives.
+fn worker_for_dest(budget: usize) -> (PrefillWorker, Receiver<KvChunk>) {
+    let transport = Arc::new(InProcessTransport::new(4096));
+    let rx = transport.bind(DEST).unwrap();
+    let worker = PrefillWorker::spawn(
+        PrefillConfig::new(NodeId(1)),
+        engine(budget),
+        transport as Arc<dyn Transport>,
+    )
+    .unwrap();
+    (worker, rx)
+}
+
 fn prefill(
     worker_budget: usize,
     prompt: &[TokenId],
     params: SamplingParams,
     cached_prefix_len: usize,
 ) -> Received {
-    let transport = Arc::new(InProcessTransport::new(4096));
-    let dest = NodeId(2);
-    let rx = transport.bind(dest).unwrap();
-    let worker = PrefillWorker::spawn(
-        PrefillConfig::new(NodeId(1)),
-        engine(worker_budget),
-        transport.clone() as Arc<dyn Transport>,
-    )
-    .unwrap();
+    let (worker, rx) = worker_for_dest(worker_budget);
     let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
-    let request = push_request(prompt, params, cached_prefix_len, dest);
+    let request = push_request(prompt, params, cached_prefix_len, DEST);
     worker.handle().prefill(request, reply_tx).unwrap();
     let reply = reply_rx.recv_timeout(Duration::from_secs(60)).unwrap();
     drop(worker);
@@ -131,18 +139,10 @@ fn prefill(
 
 #[test]
 fn a_prompt_shows_in_the_load_while_its_one_step_runs() {
-    let transport = Arc::new(InProcessTransport::new(4096));
-    let dest = NodeId(2);
-    let _rx = transport.bind(dest).unwrap();
     // One step computes the whole prompt.
-    let worker = PrefillWorker::spawn(
-        PrefillConfig::new(NodeId(1)),
-        engine(512),
-        transport.clone() as Arc<dyn Transport>,
-    )
-    .unwrap();
+    let (worker, _rx) = worker_for_dest(512);
     let (reply_tx, reply_rx) = crossbeam_channel::unbounded();
-    let request = push_request(&prompt(480), SamplingParams::greedy(1), 0, dest);
+    let request = push_request(&prompt(480), SamplingParams::greedy(1), 0, DEST);
     worker.handle().prefill(request, reply_tx).unwrap();
     // Sample what the worker publishes until the prompt is done.
     let mut busiest = 0;
@@ -336,15 +336,7 @@ fn an_unreachable_destination_fails_the_prefill() {
 
 #[test]
 fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
-    let transport = Arc::new(InProcessTransport::new(4096));
-    let dest = NodeId(2);
-    let _kv = transport.bind(dest).unwrap();
-    let worker = PrefillWorker::spawn(
-        PrefillConfig::new(NodeId(1)),
-        engine(4096),
-        transport.clone() as Arc<dyn Transport>,
-    )
-    .unwrap();
+    let (worker, _kv) = worker_for_dest(4096);
     let mut bad = prompt(40);
     bad[3] = loaded().tokenizer.vocab_size() as TokenId;
     let (reply_tx, _reply_rx) = crossbeam_channel::unbounded();
@@ -355,7 +347,7 @@ fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
             params: SamplingParams::greedy(4),
             cached_prefix_len: 0,
             destination: KvDestination {
-                node: dest,
+                node: DEST,
                 blocks: (0..3).map(BlockId).collect(),
             },
             holder: None,
@@ -368,7 +360,7 @@ fn a_token_outside_the_vocabulary_is_refused_at_the_door() {
         Err(PrefillError::InvalidRequest(m)) => assert!(m.contains("vocabulary"), "{m}"),
         other => panic!("not refused as invalid: {other:?}"),
     }
-    prefill_on(&worker, dest, &prompt(40), 0, None);
+    prefill_on(&worker, DEST, &prompt(40), 0, None);
 }
 
 #[test]

@@ -561,6 +561,15 @@ impl ChaosMesh {
     }
 }
 
+/// [`await_load`] until one of the decode nodes at `addrs` is streaming a request.
+pub fn await_streaming(
+    rt: &tokio::runtime::Runtime,
+    addrs: &[SocketAddr],
+    tls: Option<&ClusterTls>,
+) -> usize {
+    await_load(rt, addrs, NodeRole::Decode, tls, |l| l.running > 0)
+}
+
 /// Waits (polling gRPC health; nodes push nothing) until the load of one of `addrs` meets
 /// `busy`; returns its index. Fails after 60 s, with what each node reported.
 pub fn await_load(
