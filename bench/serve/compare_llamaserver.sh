@@ -13,9 +13,11 @@
 #   --attainment F       share of completed requests that must meet every objective, judged
 #                        by the low end of its 95% Wilson interval (default: 0.99)
 #   --requests N         requests per probe (default: 400: at 0.99 a probe passes only with
-#                        at least 381 requests in a row meeting the SLO)
-#   --duration D         no new requests after D in a probe (default: 90s; a retried probe
-#                        runs twice as long)
+#                        at least 381 requests in a row meeting the SLO; a retried probe
+#                        sends twice as many; a probe stops at the first miss after which
+#                        it cannot pass)
+#   --duration D         a safety cap: no new requests after D in a probe (default: 900s,
+#                        long enough for 400 requests at 0.5 req/s)
 #   --ctx N              llama-server context per slot; -c is 32*N (default: 2048)
 #   --only NAME          run just `kvmesh` or `llama-server`
 #   --out DIR            logs and per-server reports (default: target/bench-serve)
@@ -51,7 +53,7 @@ WORKLOAD="synthetic:input=azure,output=azure,scale=4,max_input=1024,max_output=1
 SLO="ttft=2s,itl=100ms"
 ATTAINMENT="0.99"
 REQUESTS=400
-DURATION="90s"
+DURATION="900s"
 CTX=2048
 ONLY=""
 WAIT_IDLE=0

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use crate::arrivals::LoadShape;
 
-pub use driver::{run, Run, RunEvent};
+pub use driver::{run, run_until, Run, RunEvent};
 
 /// Which endpoint requests go to.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -8,7 +8,10 @@ use crate::arrivals::{Arrivals, LoadShape};
 use crate::cpu::CpuClock;
 use crate::load::{self, LoadError, Run, RunEvent, RunPlan, Target};
 use crate::report::{MaxGoodput, Point};
-use crate::search::{Found, MaxGoodputSearch, Probe, RecordError, SearchConfig, SearchConfigError};
+use crate::search::{
+    Criteria, Found, MaxGoodputSearch, Probe, RecordError, SearchConfig, SearchConfigError, Tally,
+};
+use crate::slo::RequestOutcome;
 use crate::slo::SloSpec;
 use crate::workload::Workload;
 
@@ -52,6 +55,8 @@ pub struct Measured {
 pub struct Search {
     /// Every probe, in the order run.
     pub points: Vec<Measured>,
+    /// Each point's verdict, in step with `points`.
+    pub probes: Vec<Probe>,
     /// The search's answer; `None` when even the start failed.
     pub found: Option<Found>,
     /// The answer's point, for the report.
@@ -89,12 +94,14 @@ impl Bench {
     }
 
     /// Point `index`, its first request the workload's item `first_item` (the requests sent
-    /// before it, so that it sends fresh prompts).
+    /// before it, so that it sends fresh prompts). With `criteria`, a probe of a planned
+    /// number of requests stops sending at the first miss after which it cannot pass.
     async fn measure(
         &self,
         (index, first_item): (usize, usize),
         shape: &LoadShape,
         length: u32,
+        criteria: Option<&Criteria>,
         observer: &mut Observer<'_>,
     ) -> Result<Measured, LoadError> {
         // Labels are unique in a report (compare matches points by them): a search's retry
@@ -108,12 +115,24 @@ impl Bench {
             label: &label,
             shape,
         });
+        let plan = self.plan(shape, length, first_item);
+        let mut tally = Tally::default();
+        let mut settled = |outcome: &RequestOutcome| match (criteria, plan.max_requests) {
+            (Some(criteria), Some(planned)) => {
+                // Only a miss settles a probe: one too short to pass even if every request
+                // meets the SLO runs its length (and the search runs it again, longer).
+                let met = tally.add(outcome, &self.slo);
+                !met && !tally.can_pass(planned, criteria)
+            }
+            _ => false,
+        };
         let clock = CpuClock::start();
-        let run = load::run(
+        let run = load::run_until(
             &self.target,
             &self.workload,
-            &self.plan(shape, length, first_item),
+            &plan,
             &mut |event| observer(Progress::Request(event)),
+            &mut settled,
         )
         .await?;
         let point = Point::new(label, shape, &self.slo, &run.outcomes, run.duration)
@@ -127,7 +146,7 @@ impl Bench {
         shape: &LoadShape,
         observer: &mut Observer<'_>,
     ) -> Result<Measured, LoadError> {
-        self.measure((0, 0), shape, 1, observer).await
+        self.measure((0, 0), shape, 1, None, observer).await
     }
 
     /// One point per shape, in order.
@@ -139,7 +158,7 @@ impl Bench {
         let mut points: Vec<Measured> = Vec::with_capacity(shapes.len());
         for (index, shape) in shapes.iter().enumerate() {
             let measured = self
-                .measure((index, sent(&points)), shape, 1, observer)
+                .measure((index, sent(&points)), shape, 1, None, observer)
                 .await?;
             points.push(measured);
         }
@@ -167,10 +186,13 @@ impl Bench {
                     (points.len(), sent(&points)),
                     &shape,
                     request.length,
+                    Some(&criteria),
                     observer,
                 )
                 .await?;
-            let probe = Probe::judged(request, &measured.point.slo, &criteria);
+            let planned = self.plan(&shape, request.length, 0).max_requests;
+            let stopped_short_of = planned.filter(|_| measured.run.stopped);
+            let probe = Probe::judged(request, &measured.point.slo, &criteria, stopped_short_of);
             points.push(measured);
             search.record(probe)?;
         }
@@ -178,6 +200,7 @@ impl Bench {
         let max_goodput = search.answer().map(|i| MaxGoodput::of(&points[i].point));
         Ok(Search {
             points,
+            probes: search.probes().to_vec(),
             found,
             max_goodput,
         })

@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::arrivals::{Arrivals, LoadShape, OpenLoop, RateProfile};
 use crate::slo::SloReport;
 
-pub use judge::{judge, Criteria, Verdict, Why};
+pub use judge::{judge, judge_tally, Criteria, Tally, Verdict, Why};
 pub use sweep::{parse_sweep, Sweep};
 
 /// What the search varies.
@@ -155,16 +155,29 @@ pub struct Probe {
     pub verdict: Verdict,
     /// Requests per second meeting every objective ([`SloReport::goodput`]).
     pub goodput: f64,
+    /// It stopped before its planned length, once it could no longer pass.
+    pub ended_early: bool,
 }
 
 impl Probe {
-    /// The probe `request` asked for, judged from its report.
-    pub fn judged(request: ProbeRequest, report: &SloReport, criteria: &Criteria) -> Probe {
+    /// The probe `request` asked for, judged from its report. `stopped_short_of`: the
+    /// requests it was planned to send, when it stopped early because it could no longer
+    /// pass ([`Tally::can_pass`]); its verdict is then the best case's, as if every request
+    /// not sent had met the SLO.
+    pub fn judged(
+        request: ProbeRequest,
+        report: &SloReport,
+        criteria: &Criteria,
+        stopped_short_of: Option<usize>,
+    ) -> Probe {
+        let tally = Tally::of(report);
+        let judged = stopped_short_of.map_or(tally, |planned| tally.best_case(planned));
         Probe {
             load: request.load,
             length: request.length,
-            verdict: judge(report, criteria),
+            verdict: judge_tally(judged, criteria),
             goodput: report.goodput.rate,
+            ended_early: stopped_short_of.is_some(),
         }
     }
 }

@@ -99,6 +99,11 @@ impl RequestOutcome {
             (None, Objective::Ttft | Objective::E2e) => false,
         }
     }
+
+    /// Whether this (completed) request meets every objective of `slo`.
+    pub fn meets_all(&self, slo: &SloSpec) -> bool {
+        slo.targets().all(|(objective, t)| self.meets(objective, t))
+    }
 }
 
 /// The share of completed requests meeting an objective (or all of them).
@@ -215,10 +220,7 @@ impl SloReport {
                 ),
             })
             .collect();
-        let good = ok
-            .iter()
-            .filter(|o| slo.targets().all(|(objective, t)| o.meets(objective, t)))
-            .count();
+        let good = ok.iter().filter(|o| o.meets_all(slo)).count();
         let all = Attainment::new(good, ok.len());
         let completed_rate = per_s(ok.len() as f64, duration_s);
         let output_tokens = ok.iter().map(|o| o.output_tokens).sum();

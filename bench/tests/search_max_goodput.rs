@@ -53,7 +53,7 @@ fn search(config: SearchConfig, shed_above: f64) -> MaxGoodputSearch {
         );
         let criteria = search.config().criteria;
         search
-            .record(Probe::judged(request, &report, &criteria))
+            .record(Probe::judged(request, &report, &criteria, None))
             .unwrap();
     }
     search

@@ -538,6 +538,7 @@ fn as_run(run: MeshRun) -> Run {
         waited: 0,
         held: 0,
         error_examples: run.error_examples,
+        stopped: false,
     }
 }
 
@@ -559,7 +560,7 @@ fn max_goodput(
             );
         };
         let measured = sim.point(points.len(), &shape, request.length)?;
-        let probe = Probe::judged(request, &measured.point.slo, &criteria);
+        let probe = Probe::judged(request, &measured.point.slo, &criteria, None);
         points.push(measured);
         search.record(probe)?;
     }

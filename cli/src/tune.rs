@@ -28,7 +28,7 @@ use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::Arrivals;
 use kvmesh_bench::plot::{self, PlotFormat};
 use kvmesh_bench::probe::{Bench, Progress};
-use kvmesh_bench::search::{judge, Axis, Criteria, SearchConfig, Verdict};
+use kvmesh_bench::search::{Axis, Criteria, SearchConfig, Verdict};
 use kvmesh_bench::slo::SloSpec;
 use kvmesh_bench::workload::{WorkloadOptions, WorkloadSpec};
 use kvmesh_bench::{Api, Target};
@@ -519,7 +519,6 @@ fn measure(
         }
     })??;
     drop(deployment);
-    let criteria = Criteria::default();
     let (point, concurrency, proven) = match (&search.max_goodput, &search.found) {
         (Some(m), Some(f)) => (
             search.points.iter().rfind(|p| p.point.label == m.label),
@@ -532,7 +531,9 @@ fn measure(
             search
                 .points
                 .iter()
-                .filter(|p| matches!(judge(&p.point.slo, &criteria), Verdict::Inconclusive))
+                .zip(&search.probes)
+                .filter(|(_, probe)| probe.verdict == Verdict::Inconclusive)
+                .map(|(p, _)| p)
                 .max_by(|a, b| {
                     a.point
                         .slo

@@ -50,6 +50,8 @@ pub struct Run {
     /// The first message of each error kind in `outcomes` (an error body, the stream's error
     /// event, the I/O error).
     pub error_examples: BTreeMap<String, String>,
+    /// The caller's stop rule ended sending before the plan did ([`run_until`]).
+    pub stopped: bool,
 }
 
 /// Sends `workload` to `target` as `plan` says, calling `observer` at each send and end.
@@ -64,6 +66,18 @@ pub async fn run(
     workload: &Workload,
     plan: &RunPlan,
     observer: &mut (dyn FnMut(RunEvent<'_>) + Send),
+) -> Result<Run, LoadError> {
+    run_until(target, workload, plan, observer, &mut |_| false).await
+}
+
+/// [`run`], which also stops sending once `stop` says so of a request that ended (the
+/// requests in flight are still awaited): a probe whose verdict is settled ends early.
+pub async fn run_until(
+    target: &Target,
+    workload: &Workload,
+    plan: &RunPlan,
+    observer: &mut (dyn FnMut(RunEvent<'_>) + Send),
+    stop: &mut (dyn FnMut(&RequestOutcome) -> bool + Send),
 ) -> Result<Run, LoadError> {
     let offers = Offers::new(workload, plan)?;
     if target.request_timeout.is_zero() {
@@ -96,7 +110,7 @@ pub async fn run(
         outcomes: Vec::new(),
         run: Run::default(),
     };
-    driver.drive(plan.duration, observer).await;
+    driver.drive(plan.duration, observer, stop).await;
     Ok(driver.finish())
 }
 
@@ -291,6 +305,7 @@ impl Driver {
         &mut self,
         duration: Option<Duration>,
         observer: &mut (dyn FnMut(RunEvent<'_>) + Send),
+        stop: &mut (dyn FnMut(&RequestOutcome) -> bool + Send),
     ) {
         let deadline = duration.map(|d| self.start + d);
         let mut sending = true;
@@ -300,11 +315,11 @@ impl Driver {
             }
         }
         loop {
-            if sending && (self.offers.exhausted() || deadline.is_some_and(|d| Instant::now() >= d))
-            {
+            let cut = self.run.stopped || deadline.is_some_and(|d| Instant::now() >= d);
+            if sending && (self.offers.exhausted() || cut) {
                 sending = false;
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    // Not yet sent when time ran out: they never will be.
+                if cut {
+                    // Not yet sent when time ran out or the caller stopped: they never will be.
                     self.held_for.clear();
                     self.waiting.clear();
                 }
@@ -341,7 +356,7 @@ impl Driver {
                 }
                 Some(joined) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     let sending = sending && deadline.is_none_or(|d| Instant::now() < d);
-                    self.ended(joined, sending, observer);
+                    self.ended(joined, sending, observer, stop);
                 }
                 _ = tokio::time::sleep_until(deadline.unwrap_or(self.start)), if sending && deadline.is_some() => {}
             }
@@ -429,6 +444,7 @@ impl Driver {
         joined: Result<(Id, Ended), JoinError>,
         sending: bool,
         observer: &mut (dyn FnMut(RunEvent<'_>) + Send),
+        stop: &mut (dyn FnMut(&RequestOutcome) -> bool + Send),
     ) {
         let (offer, outcome, failure) = match joined {
             Ok((id, ended)) => {
@@ -455,7 +471,14 @@ impl Driver {
             self.run.error_examples.entry(f.kind).or_insert(f.message);
         }
         observer(RunEvent::Ended(&outcome));
+        self.run.stopped |= stop(&outcome);
         self.outcomes.push((offer.n, outcome));
+        if self.run.stopped {
+            // Nothing more goes out; the loop awaits what is in flight.
+            self.held_for.clear();
+            self.waiting.clear();
+            return;
+        }
         if self.offers.first_pass(&offer) {
             self.turn_ended[offer.item] = true;
             for follow_up in self.held_for.remove(&offer.item).unwrap_or_default() {

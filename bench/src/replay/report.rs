@@ -300,6 +300,7 @@ mod tests {
                     "not in this run's errors".to_string(),
                 ),
             ]),
+            ..Run::default()
         };
         let r = summarize(run, 0.25, Duration::from_secs(2));
         assert_eq!((r.requests, r.completed, r.failed()), (5, 3, 2));

@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use crate::slo::SloReport;
+use crate::slo::{wilson, Class, RequestOutcome, SloReport, SloSpec, Z_95};
 
 /// What a probe must show to pass.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -64,21 +64,78 @@ impl Verdict {
     }
 }
 
+/// A probe's requests as the judge counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Completed, meeting every objective.
+    pub met: usize,
+    /// Completed, missing one objective or more.
+    pub missed: usize,
+    pub shed: usize,
+    pub failed: usize,
+}
+
+impl Tally {
+    pub fn of(report: &SloReport) -> Tally {
+        Tally {
+            met: report.all.met,
+            missed: report.ok - report.all.met,
+            shed: report.shed,
+            failed: report.failed,
+        }
+    }
+
+    /// Counts one more request; whether it met every objective.
+    pub fn add(&mut self, outcome: &RequestOutcome, slo: &SloSpec) -> bool {
+        match outcome.class() {
+            Class::Ok if outcome.meets_all(slo) => self.met += 1,
+            Class::Ok => self.missed += 1,
+            Class::Shed => self.shed += 1,
+            Class::Failed => self.failed += 1,
+        }
+        outcome.class() == Class::Ok && outcome.meets_all(slo)
+    }
+
+    pub fn requests(&self) -> usize {
+        self.met + self.missed + self.shed + self.failed
+    }
+
+    /// The best this tally can end as after `planned` requests: every one still to come
+    /// completed and met every objective.
+    pub fn best_case(self, planned: usize) -> Tally {
+        Tally {
+            met: self.met + planned.saturating_sub(self.requests()),
+            ..self
+        }
+    }
+
+    /// Whether a probe of `planned` requests that has counted this so far can still pass.
+    /// Once it cannot, running it on only costs time: its verdict is the best case's.
+    pub fn can_pass(self, planned: usize, criteria: &Criteria) -> bool {
+        judge_tally(self.best_case(planned), criteria) == Verdict::Pass
+    }
+}
+
 /// Judges a probe's report. Refusals are checked first: they are the server saying the load
 /// is too much, whatever the attainment of what it did serve.
 pub fn judge(report: &SloReport, criteria: &Criteria) -> Verdict {
-    let share = |n: usize| n as f64 / report.requests.max(1) as f64;
-    if share(report.shed) > criteria.max_shed_share {
+    judge_tally(Tally::of(report), criteria)
+}
+
+/// [`judge`] on the counts alone.
+pub fn judge_tally(tally: Tally, criteria: &Criteria) -> Verdict {
+    let share = |n: usize| n as f64 / tally.requests().max(1) as f64;
+    if share(tally.shed) > criteria.max_shed_share {
         return Verdict::fail(Why::Shed {
-            share: share(report.shed),
+            share: share(tally.shed),
         });
     }
-    if share(report.failed) > criteria.max_failed_share {
+    if share(tally.failed) > criteria.max_failed_share {
         return Verdict::fail(Why::Failed {
-            share: share(report.failed),
+            share: share(tally.failed),
         });
     }
-    let Some(interval) = report.all.interval else {
+    let Some(interval) = wilson(tally.met, tally.met + tally.missed, Z_95) else {
         return Verdict::fail(Why::NothingCompleted);
     };
     if interval.low >= criteria.target_attainment {

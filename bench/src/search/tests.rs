@@ -36,6 +36,7 @@ fn run(search: &mut MaxGoodputSearch, oracle: impl Fn(f64, u32) -> Verdict) -> V
             length: request.length,
             verdict: oracle(request.load, request.length),
             goodput: request.load,
+            ended_early: false,
         };
         search.record(probe).unwrap();
         assert!(loads.len() <= 1000, "the search does not end");
@@ -207,6 +208,7 @@ fn record_refuses_a_probe_it_did_not_ask_for() {
         length: 1,
         verdict: Verdict::Pass,
         goodput: 1.0,
+        ended_early: false,
     };
     assert_eq!(
         search.record(probe),
@@ -372,8 +374,9 @@ fn a_probe_is_judged_from_its_report_and_serializes_flat() {
         load: 8.0,
         length: 1,
     };
-    let probe = Probe::judged(request, &r, &Criteria::default());
+    let probe = Probe::judged(request, &r, &Criteria::default(), None);
     assert_eq!(probe.verdict, Verdict::Pass);
+    assert!(!probe.ended_early);
     assert_eq!(probe.goodput, 10.0, "100 good requests in 10 s");
     let json = serde_json::to_value(probe).unwrap();
     assert_eq!(json["verdict"], "pass");
@@ -387,6 +390,52 @@ fn a_probe_is_judged_from_its_report_and_serializes_flat() {
         (&json["verdict"], &json["reason"], &json["share"]),
         (&"fail".into(), &"shed".into(), &0.5.into())
     );
+}
+
+#[test]
+fn a_probe_can_pass_until_its_best_case_cannot() {
+    let at99 = target(0.99);
+    // 400 planned at 0.99: 381 in a row pass (low 0.9901), one miss in 400 cannot (0.9860).
+    let clean = Tally {
+        met: 10,
+        ..Tally::default()
+    };
+    assert!(clean.can_pass(400, &at99));
+    assert!(!clean.can_pass(300, &at99), "300 all met: low 0.9874");
+    let one_miss = Tally { missed: 1, ..clean };
+    assert!(!one_miss.can_pass(400, &at99));
+    // Its best case is inconclusive (high above 0.99), so the search runs it again longer,
+    // where one miss in 800 passes.
+    let best = one_miss.best_case(400);
+    assert_eq!((best.met, best.missed), (399, 1));
+    assert_eq!(judge_tally(best, &at99), Verdict::Inconclusive);
+    assert!(one_miss.can_pass(800, &at99));
+    // Refusals count against the planned total: 4 shed of 400 planned is 1%, 5 is over.
+    let shed = |n| Tally { shed: n, ..clean };
+    assert!(shed(4).can_pass(400, &Criteria::default()));
+    assert!(!shed(5).can_pass(400, &Criteria::default()));
+    // The tally of a report is the report's judgement.
+    let r = report(95, 5, vec![refused(Some(429), "429")]);
+    let t = Tally::of(&r);
+    assert_eq!((t.met, t.missed, t.shed, t.failed), (95, 5, 1, 0));
+    assert_eq!(judge_tally(t, &target(0.9)), judge(&r, &target(0.9)));
+}
+
+#[test]
+fn a_probe_stopped_early_is_judged_by_its_best_case() {
+    let r = report(50, 5, Vec::new());
+    let request = ProbeRequest {
+        load: 2.0,
+        length: 1,
+    };
+    let at99 = target(0.99);
+    // 395 of 400 at best: inconclusive at 0.99 (0.9710, 0.9947), so it is run again longer.
+    let stopped = Probe::judged(request, &r, &at99, Some(400));
+    assert_eq!(stopped.verdict, Verdict::Inconclusive);
+    assert!(stopped.ended_early);
+    // Planned at 60, 55 of 60 at best is a fail.
+    let short = Probe::judged(request, &r, &at99, Some(60));
+    assert!(matches!(short.verdict, Verdict::Fail { .. }));
 }
 
 // --- the sweep grammar -------------------------------------------------------------------
