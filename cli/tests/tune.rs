@@ -31,7 +31,7 @@ const SMALL_SPACE: &[&str] = &[
     "--topologies",
     "serve:0+1,serve:1+1,mesh:1+1",
     "--step-budgets",
-    "256",
+    "128",
     "--local-prefill",
     "0",
     "--policies",
@@ -136,7 +136,7 @@ fn check_best(best: &Path, stdout: &str) {
         );
         if *role != "router" {
             assert!(
-                text(&output.stdout).contains("max_num_batched_tokens = 256"),
+                text(&output.stdout).contains("max_num_batched_tokens = 128"),
                 "{}",
                 text(&output.stdout)
             );
@@ -226,7 +226,7 @@ fn a_dry_run_prints_the_plan_and_starts_nothing() {
     assert!(output.status.success(), "{}", text(&output.stderr));
     assert!(stdout.starts_with("3 candidates:\n"), "{stdout}");
     assert!(
-        stdout.contains("#2   mesh 1:1, step 256 tokens"),
+        stdout.contains("#2   mesh 1:1, step 128 tokens"),
         "{stdout}"
     );
     // 3 then 2 candidates: 7 units of 10 s.
