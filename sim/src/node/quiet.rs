@@ -152,6 +152,7 @@ impl SimNode {
 mod tests {
     use super::*;
     use crate::node::tests::config;
+    use crate::node::Started;
     use crate::timing::TimingProfile;
     use std::collections::BTreeMap;
 
@@ -165,7 +166,7 @@ mod tests {
         let mut now = Duration::ZERO;
         let mut times: BTreeMap<SeqId, Vec<Duration>> = BTreeMap::new();
         let mut runs = 0;
-        while let Some(end) = node.start_step(now) {
+        while let Some(Started::Step(end)) = node.start_step(now) {
             let mut deliver = |t: RunTokens| {
                 for seq in t.seqs {
                     times.entry(seq).or_default().extend(&t.ends);
