@@ -148,6 +148,16 @@ impl From<Vec<TokenId>> for SimPrompt {
     }
 }
 
+impl From<&[TokenId]> for SimPrompt {
+    /// One copy, straight into the shared buffer.
+    fn from(tokens: &[TokenId]) -> SimPrompt {
+        SimPrompt {
+            shared: tokens.into(),
+            first: tokens.first().copied().unwrap_or_default(),
+        }
+    }
+}
+
 impl FromIterator<TokenId> for SimPrompt {
     fn from_iter<I: IntoIterator<Item = TokenId>>(iter: I) -> SimPrompt {
         iter.into_iter().collect::<Vec<_>>().into()
@@ -181,7 +191,7 @@ impl SimRequest {
     pub fn from_scaled(r: &ScaledRequest) -> SimRequest {
         SimRequest {
             at: r.at,
-            prompt: r.prompt_tokens.clone().into(),
+            prompt: SimPrompt::from(&r.prompt_tokens[..]),
             max_tokens: r.max_tokens as usize,
             after: r.previous_turn,
         }
@@ -193,7 +203,7 @@ impl SimRequest {
         match &item.prompt {
             Prompt::Tokens(ids) => Ok(SimRequest {
                 at,
-                prompt: ids.clone().into(),
+                prompt: SimPrompt::from(&ids[..]),
                 max_tokens: item.max_tokens as usize,
                 after: item.previous_turn,
             }),

@@ -33,7 +33,7 @@
 
 use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
-use kvmesh_common::fast_hash::U64Set;
+use kvmesh_common::fast_hash::{U64Map, U64Set};
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{LoadReport, PromptHashes, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
@@ -42,7 +42,7 @@ use kvmesh_engine::runner::SeqId;
 use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,8 +143,8 @@ pub struct SimNode {
     run: Option<DecodeRun>,
     /// Whether `start_step` may plan quiet decode steps at once.
     coalesce: bool,
-    /// Ordered, so nothing about a run depends on hash iteration order.
-    requests: BTreeMap<SeqId, Tracking>,
+    /// Looked up by id alone (and summed, in any order), so a fast unordered map.
+    requests: U64Map<SeqId, Tracking>,
     /// Remote prefills admitted (blocks reserved) whose transfer the driver must start.
     remote_admitted: Vec<RemoteAdmission>,
     busy: Duration,
@@ -181,7 +181,7 @@ impl SimNode {
             in_flight: None,
             run: None,
             coalesce: false,
-            requests: BTreeMap::new(),
+            requests: U64Map::default(),
             remote_admitted: Vec::new(),
             busy: Duration::ZERO,
             steps: 0,

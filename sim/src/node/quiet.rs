@@ -68,8 +68,12 @@ impl SimNode {
             context,
         };
         let mut end = now;
-        for i in 0..steps {
-            end += self.timing.step_time(&run.shape(i));
+        for time in self
+            .timing
+            .decode_step_times(run.batch, run.context)
+            .take(steps)
+        {
+            end += time;
             run.ends.push(end);
         }
         self.run = Some(run);
