@@ -632,12 +632,16 @@ impl SimNode {
         self.recent_steps.drain(..).collect()
     }
 
-    /// The load report a real node would send.
+    /// The load report a real node would send, but for its queued prompt tokens (left at
+    /// 0): routing does not read them, summing them costs a pass over the node's requests
+    /// at every step, and the planner's observation reads [`Self::queued_prefill_tokens`]
+    /// at its tick instead.
     pub fn load(&self) -> LoadReport {
         LoadReport {
             running: self.scheduler.num_running(),
             waiting: self.scheduler.num_waiting(),
             kv_blocks_used: self.scheduler.pool().num_used(),
+            queued_prompt_tokens: 0,
         }
     }
 
