@@ -10,6 +10,10 @@
 //! decode in place. Every request must complete with exactly its greedy text (each prompt
 //! asked again on the idle server afterwards), and the log must show the switch and the
 //! decision lines.
+//!
+//! The second test lets the prefill role go to zero (`min = 0`): idle, the planner removes
+//! the only prefill worker; prompts then prefill on the decode worker, whose queued prompt
+//! tokens bring a prefill worker back; every request completes with its greedy text.
 
 mod cluster;
 
@@ -22,6 +26,10 @@ use std::time::{Duration, Instant};
 
 /// Long enough for the load policy's thresholds and cooldowns to play out on a slow machine.
 const PHASE_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// Each test runs a serve process on one thread; one at a time keeps their phases' timing
+/// what it is alone on a small machine.
+static ONE_SERVE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const PLANNER: &str = r#"
 policy = "load"
@@ -40,8 +48,8 @@ down = "15s"
 down_stable_for = "2s"
 [load]
 interval = "1s"
-# One queued 200-token prompt is over the threshold (the queue counts requests times the
-# mean prompt length); phase B's queue is empty.
+# One queued 200-token prompt is over the threshold; phase B's 12-token prompts prefill on
+# the decode worker, a step's budget (256 tokens) holding them all.
 context_length = 100
 prefill_queue_up = 1.0
 prefill_queue_down = 0.1
@@ -110,12 +118,41 @@ fn load_until(
     results.into_inner().unwrap()
 }
 
-#[test]
-fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("serve_autoscale");
+/// Each request asked again, 12 at a time, on the now idle server: the same greedy text.
+fn assert_all_complete_with_their_text(addr: SocketAddr, all: &[(Vec<u32>, u32, Outcome)]) {
+    for (_, _, out) in all {
+        assert_eq!(out.status, 200, "{:?}", out.error);
+        assert!(out.error.is_none(), "a request was lost: {:?}", out.error);
+        assert_eq!(out.finish.as_deref(), Some("length"));
+    }
+    for batch in all.chunks(12) {
+        std::thread::scope(|s| {
+            for (p, max_tokens, out) in batch {
+                s.spawn(move || {
+                    let again = stream_completion(addr, &body(p, *max_tokens));
+                    assert_eq!(out.text, again.text, "a request's text changed");
+                });
+            }
+        });
+    }
+}
+
+/// Waits until `until` holds, reading metrics pages (no push signal), within the deadline.
+fn wait_for(what: &str, until: impl Fn() -> bool) {
+    let deadline = Instant::now() + PHASE_TIMEOUT;
+    while !until() {
+        assert!(Instant::now() < deadline, "{what}: not in time");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// Starts `kvmesh serve --autoscale` with `planner_toml` and one worker per role; returns
+/// the process, its address and its log.
+fn serve(name: &str, planner_toml: &str) -> (Node, SocketAddr, std::path::PathBuf) {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     std::fs::create_dir_all(&dir).unwrap();
     let planner = dir.join("planner.toml");
-    std::fs::write(&planner, PLANNER).unwrap();
+    std::fs::write(&planner, planner_toml).unwrap();
     let serve_toml = dir.join("serve.toml");
     std::fs::write(
         &serve_toml,
@@ -144,6 +181,15 @@ fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes()
     let log = dir.join("serve.log");
     let serve = Node::spawn(args.iter().map(|a| a.to_string()).collect(), log.clone());
     await_health(addr, &[&serve]);
+    (serve, addr, log)
+}
+
+#[test]
+fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes() {
+    let _alone = ONE_SERVE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let (serve, addr, log) = serve("serve_autoscale", PLANNER);
 
     let actual = |role| nodes(addr, "kvmesh_planner_actual_nodes", role);
     let phase_a = load_until(addr, 2, 0, 200, |_| 4, || actual("prefill") == 2.0);
@@ -183,19 +229,65 @@ fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes()
     );
     let all: Vec<_> = phase_a.into_iter().chain(phase_b).collect();
     assert!(all.len() >= 12, "only {} requests", all.len());
-    for (_, _, out) in &all {
-        assert_eq!(out.status, 200, "{:?}", out.error);
-        assert!(out.error.is_none(), "a request was lost: {:?}", out.error);
-        assert_eq!(out.finish.as_deref(), Some("length"));
-    }
-    for batch in all.chunks(12) {
-        std::thread::scope(|s| {
-            for (p, max_tokens, out) in batch {
-                s.spawn(move || {
-                    let again = stream_completion(addr, &body(p, *max_tokens));
-                    assert_eq!(out.text, again.text, "a request's text changed");
-                });
-            }
-        });
-    }
+    assert_all_complete_with_their_text(addr, &all);
+}
+
+const PLANNER_PREFILL_TO_ZERO: &str = r#"
+policy = "load"
+budget = 2
+[prefill]
+min = 0
+max = 1
+[decode]
+min = 1
+max = 1
+[cooldown]
+up = "1s"
+down = "1s"
+down_stable_for = "2s"
+[load]
+interval = "1s"
+# A 200-token prompt queued on any worker, prefill or decode, is over the threshold; idle,
+# every queue is empty.
+context_length = 100
+prefill_queue_up = 1.0
+prefill_queue_down = 0.1
+"#;
+
+#[test]
+fn the_prefill_role_goes_to_zero_and_returns_when_prompts_queue_on_decode() {
+    let _alone = ONE_SERVE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let (serve, addr, log) = serve("serve_autoscale_prefill_zero", PLANNER_PREFILL_TO_ZERO);
+    let actual = |role| nodes(addr, "kvmesh_planner_actual_nodes", role);
+    // Idle: the only prefill worker goes.
+    wait_for("the prefill worker removed", || actual("prefill") == 0.0);
+    // No prefill worker: the router has the decode worker prefill every prompt, and its
+    // queued prompt tokens bring a prefill worker back.
+    let served = load_until(addr, 2, 0, 200, |_| 4, || actual("prefill") == 1.0);
+
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = |what: &str| text.lines().find(|l| l.contains(what)).map(String::from);
+    let tail = || serve.log_tail();
+    let removed = line("autoscale: drained and stopped a worker")
+        .unwrap_or_else(|| panic!("no worker removed:\n{}", tail()));
+    assert!(removed.contains("prefill"), "{removed}");
+    assert!(
+        line("decided: prefill 1 -> 0 (prefill_queue_low)").is_some(),
+        "the removal's decision line is missing:\n{}",
+        tail()
+    );
+    assert!(
+        line("decided: prefill 0 -> 1 (prefill_queue_high)").is_some(),
+        "no decision to bring prefill back:\n{}",
+        tail()
+    );
+    let started = line("autoscale: started a worker")
+        .unwrap_or_else(|| panic!("no worker started:\n{}", tail()));
+    assert!(started.contains("prefill"), "{started}");
+
+    eprintln!("{} requests", served.len());
+    assert!(!served.is_empty());
+    assert_all_complete_with_their_text(addr, &served);
 }

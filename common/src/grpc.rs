@@ -432,6 +432,7 @@ impl From<&LoadReport> for pb::LoadReport {
             running: l.running as u64,
             waiting: l.waiting as u64,
             kv_blocks_used: l.kv_blocks_used as u64,
+            queued_prompt_tokens: l.queued_prompt_tokens,
         }
     }
 }

@@ -124,6 +124,11 @@ pub struct LoadReport {
     pub running: usize,
     pub waiting: usize,
     pub kv_blocks_used: usize,
+    /// Prompt tokens its requests wait to have computed here: the uncomputed part of every
+    /// waiting prompt and of every prompt still being prefilled in chunks (a decode node's
+    /// local prefills included, its remote ones not). The planner sizes prefill on it.
+    #[serde(default)]
+    pub queued_prompt_tokens: u64,
 }
 
 #[cfg(test)]

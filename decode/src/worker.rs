@@ -222,6 +222,11 @@ impl<R: ModelRunner> Loop<R> {
             self.handle_timeouts();
             if self.engine.has_work() {
                 self.kicked = false;
+                if self.engine.scheduler().num_waiting() > 0 {
+                    // Prompts about to prefill here show while the step runs (a prompt
+                    // prefilled in one step would otherwise never be seen queued).
+                    self.publish_load();
+                }
                 self.step();
                 self.start_transfers();
                 self.handle_timeouts();

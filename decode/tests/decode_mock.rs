@@ -187,6 +187,36 @@ fn requests_sent_together_to_an_idle_worker_start_in_one_step() {
 }
 
 #[test]
+fn a_prompt_prefilled_in_chunks_shows_its_rest_as_queued() {
+    let (worker, gate) = gated_worker(8);
+    let h = worker.handle();
+    // The load a step waiting for its permit leaves published.
+    let published = |queued: u64| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while h.load().queued_prompt_tokens != queued {
+            assert!(
+                Instant::now() < deadline,
+                "published {:?}, not {queued} tokens queued",
+                h.load()
+            );
+            std::thread::yield_now();
+        }
+    };
+    // 400 tokens in steps of 256: the second step computes the last 144. The whole prompt
+    // shows while the first step runs.
+    let rx = generate(&h, request(1, 400)).unwrap();
+    published(400);
+    gate.permits.send(()).unwrap();
+    assert_eq!(gate.steps.recv().unwrap(), 1);
+    published(144);
+    drop(gate.permits);
+    assert!(finishes(rx));
+    h.drain();
+    worker.join();
+    assert_eq!(h.load().queued_prompt_tokens, 0);
+}
+
+#[test]
 fn a_full_queue_answers_overloaded() {
     let (worker, Gate { permits, .. }) = gated_worker(2);
     let d = worker.handle();

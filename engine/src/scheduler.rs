@@ -686,6 +686,25 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Prompt tokens still to be computed here: all of every waiting sequence's uncomputed
+    /// tokens (a preempted one recomputes its output too) and the rest of every running
+    /// sequence still prefilling in chunks. Sequences whose KV comes from another node count
+    /// nothing until they fall back to a local prefill.
+    pub fn queued_prompt_tokens(&self) -> u64 {
+        let waiting = self
+            .waiting
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|seq| seq.remote.is_none())
+            .map(|seq| seq.num_uncomputed());
+        let prefilling = self
+            .running
+            .iter()
+            .map(|id| self.seqs[id].num_uncomputed())
+            .filter(|&n| n > 1);
+        waiting.chain(prefilling).map(|n| n as u64).sum()
+    }
+
     /// Whether any sequence is waiting, running or awaiting remote KV.
     pub fn has_work(&self) -> bool {
         !self.seqs.is_empty()

@@ -135,6 +135,7 @@ mod tests {
             running: 3,
             waiting: 1,
             kv_blocks_used: 10,
+            queued_prompt_tokens: 300,
         };
         d.report_load(NodeId(1), load).unwrap();
         assert!(changes.has_changed().unwrap());

@@ -123,6 +123,7 @@ async fn load_reports_propagate_and_coalesce() {
         running: n,
         waiting: n / 2,
         kv_blocks_used: 10 * n,
+        queued_prompt_tokens: 100 * n as u64,
     };
     lease.report_load(load(3));
     wait_for(&reader, PROPAGATION, "a load report", |d| {
@@ -246,6 +247,7 @@ async fn readers_keep_the_last_membership_while_etcd_is_down_and_catch_up_after(
         running: 4,
         waiting: 0,
         kv_blocks_used: 1,
+        ..LoadReport::default()
     });
     wait_for(&reader, PROPAGATION, "a load report after restart", |d| {
         d.nodes(NodeRole::Decode)
@@ -412,6 +414,7 @@ async fn a_node_cut_off_longer_than_its_ttl_registers_again_when_back() {
         running: 2,
         waiting: 0,
         kv_blocks_used: 0,
+        ..LoadReport::default()
     });
 
     proxy.heal();

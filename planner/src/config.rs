@@ -23,7 +23,9 @@ pub enum Policy {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoleBounds {
-    /// At least 1: the planner never scales a role to zero.
+    /// Decode: at least 1. Prefill may be 0: with no prefill node the decode nodes prefill
+    /// every prompt themselves, and the planner removes the last one only when no prompt
+    /// tokens are queued anywhere (and adds one back when they are).
     pub min: u32,
     pub max: u32,
 }
@@ -190,7 +192,7 @@ impl Default for PlannerConfig {
 /// What is wrong with a [`PlannerConfig`]; one variant per cause.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{role:?} min must be at least 1: the planner does not scale to zero")]
+    #[error("{role:?} min must be at least 1: only the prefill role may go to zero")]
     ZeroMinimum { role: Role },
     #[error("{role:?} min ({min}) is above its max ({max})")]
     MinAboveMax { role: Role, min: u32, max: u32 },
@@ -241,7 +243,7 @@ impl PlannerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         for role in Role::ALL {
             let b = self.bounds(role);
-            if b.min == 0 {
+            if b.min == 0 && role == Role::Decode {
                 return Err(ConfigError::ZeroMinimum { role });
             }
             if b.min > b.max {
@@ -387,12 +389,15 @@ mod tests {
     }
 
     #[test]
-    fn scale_to_zero_is_refused() {
+    fn only_prefill_may_scale_to_zero() {
         let mut c = PlannerConfig::default();
         c.decode.min = 0;
         assert_eq!(
             c.validate(),
             Err(ConfigError::ZeroMinimum { role: Role::Decode })
         );
+        let mut c = PlannerConfig::default();
+        c.prefill.min = 0;
+        assert_eq!(c.validate(), Ok(()));
     }
 }

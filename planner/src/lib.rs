@@ -7,14 +7,15 @@
 //! `kvmesh sim --planner` are built on top (see the crate's README).
 //!
 //! Two policies ([`Policy`]):
-//! - `load`: Dynamo-style reactive thresholds (queued prefill tokens per node in context
+//! - `load`: Dynamo-style reactive thresholds (queued prompt tokens per engine in context
 //!   lengths, KV usage per decode node), one node per step, up when any node crosses, down
 //!   only when every node stayed low for a while.
 //! - `slo`: predicted demand ([`Predictor`]: constant, moving average, EWMA, Kalman) through
 //!   a [`PerfModel`] refitted online, sized against TTFT and ITL targets (see [`slo`]).
 //!
 //! Both pass every scale-down through a consolidation check (would the remaining nodes
-//! still carry the load?), respect per-role cooldowns, `min..=max` (never zero) and a node
+//! still carry the load?), respect per-role cooldowns, `min..=max` (decode never zero;
+//! prefill may go to zero, the decode nodes then prefilling every prompt) and a node
 //! budget that only ever cuts growth, turn opposite moves into role switches, and in
 //! advisory mode report without acting.
 //!

@@ -1,12 +1,16 @@
 //! The load policy: Dynamo-style reactive thresholds, one node at a time.
 //!
-//! - Prefill grows when ANY node's queued prompt tokens reach `prefill_queue_up` context
-//!   lengths, and shrinks when EVERY node's queue has stayed below `prefill_queue_down`
-//!   context lengths for `cooldown.down_stable_for`.
+//! - Prefill grows when ANY engine's queued prompt tokens reach `prefill_queue_up` context
+//!   lengths, and shrinks when EVERY engine's queue has stayed below `prefill_queue_down`
+//!   context lengths for `cooldown.down_stable_for`. The engines are the prefill nodes and
+//!   the decode nodes, whose local prefills (prompts that found every prefill node busy, or
+//!   every prompt while there is none) are prefill work waiting too.
 //! - Decode does the same on KV usage (`kv_usage_up`, `kv_usage_down`).
 //! - A scale-down passes the consolidation check only if the load of all nodes, spread over
 //!   one node fewer, stays below the up threshold (otherwise the next decision would undo
-//!   it).
+//!   it). The last prefill node goes (with `min = 0`) only if its queue and the decode
+//!   nodes', spread over the decode nodes, stay below the down threshold: no prefill work
+//!   is waiting.
 
 use crate::config::LoadConfig;
 use crate::decision::{Metric, Reason, Role};
@@ -117,7 +121,7 @@ impl LoadPolicy {
         to: u32,
         window: &[Observation],
     ) -> Result<(), Overload> {
-        let (up, _) = self.thresholds(role);
+        let (up, down) = self.thresholds(role);
         let metric = match role {
             Role::Prefill => Metric::QueuedPrefillTokens,
             Role::Decode => Metric::KvUsage,
@@ -126,25 +130,35 @@ impl LoadPolicy {
             .iter()
             .map(|o| per_node(role, o).iter().sum::<f64>())
             .fold(0.0, f64::max);
-        let projected = total / f64::from(to.max(1));
-        if projected < up {
+        let (spread_over, limit) = match (role, to) {
+            // No prefill node left: the decode nodes take every prompt.
+            (Role::Prefill, 0) => {
+                let decode = window.iter().map(|o| o.decode_nodes).min().unwrap_or(0);
+                (decode, down)
+            }
+            _ => (to, up),
+        };
+        let projected = total / f64::from(spread_over.max(1));
+        if projected < limit {
             Ok(())
         } else {
             Err(Overload {
                 metric,
                 projected,
-                limit: up,
+                limit,
             })
         }
     }
 }
 
-/// The per-node load the role's thresholds apply to.
+/// The per-engine load the role's thresholds apply to: for prefill, every prefill and
+/// decode node's queued prompt tokens.
 fn per_node(role: Role, obs: &Observation) -> Vec<f64> {
     match role {
         Role::Prefill => obs
             .prefill_queued_tokens
             .iter()
+            .chain(&obs.decode_queued_prompt_tokens)
             .map(|&q| q as f64)
             .collect(),
         Role::Decode => obs.decode_kv_usage.clone(),
@@ -208,6 +222,35 @@ mod tests {
         assert_eq!(p.propose(Role::Decode, at(16), stable, &low, 2).0, 1);
         p.changed(Role::Decode);
         assert_eq!(p.propose(Role::Decode, at(16), stable, &low, 2).0, 2);
+    }
+
+    #[test]
+    fn decode_nodes_queued_prompts_are_prefill_work() {
+        let p = policy();
+        // No prefill node: a decode node's queue alone grows the role from zero.
+        let o = Observation {
+            decode_queued_prompt_tokens: vec![0, 1200],
+            decode_kv_usage: vec![0.1, 0.1],
+            decode_nodes: 2,
+            ..Observation::default()
+        };
+        let (t, r) = p.propose(Role::Prefill, Duration::ZERO, Duration::ZERO, &o, 0);
+        assert_eq!(t, 1);
+        assert!(matches!(
+            r,
+            Reason::PrefillQueueHigh {
+                queued_tokens: 1200,
+                ..
+            }
+        ));
+        // With prefill nodes, prompts that overflowed onto a decode node count too.
+        let o = Observation {
+            prefill_queued_tokens: vec![400],
+            prefill_nodes: 1,
+            ..o
+        };
+        let (t, _) = p.propose(Role::Prefill, Duration::ZERO, Duration::ZERO, &o, 1);
+        assert_eq!(t, 2);
     }
 
     #[test]

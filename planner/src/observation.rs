@@ -40,6 +40,10 @@ pub struct Observation {
     pub prefix_hit_rate: f64,
     /// Prompt tokens waiting to be computed, one entry per prefill node.
     pub prefill_queued_tokens: Vec<u64>,
+    /// Prompt tokens waiting to be computed, one entry per decode node: its local prefills
+    /// (short prompts, prompts that found every prefill node busy, and every prompt while
+    /// there is no prefill node).
+    pub decode_queued_prompt_tokens: Vec<u64>,
     /// Sequences decoding, one entry per decode node.
     pub decode_running: Vec<u32>,
     /// Share of KV blocks in use, `0..=1`, one entry per decode node.
@@ -57,6 +61,12 @@ pub struct Observation {
 }
 
 impl Observation {
+    /// Prompt tokens queued on every node, prefill and decode.
+    pub fn queued_prompt_tokens(&self) -> u64 {
+        self.prefill_queued_tokens.iter().sum::<u64>()
+            + self.decode_queued_prompt_tokens.iter().sum::<u64>()
+    }
+
     /// The actual node count of a role.
     pub fn nodes(&self, role: crate::Role) -> u32 {
         match role {

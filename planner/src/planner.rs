@@ -40,6 +40,7 @@ impl Planner {
             Policy::Slo => PolicyState::Slo(Box::new(SloPolicy::new(
                 config.slo.clone(),
                 config.load.kv_usage_up,
+                (config.prefill.min == 0).then(|| config.load.prefill_down_tokens()),
             ))),
         };
         Ok(Planner {

@@ -21,6 +21,12 @@
 //! A scale-down goes at most to the largest count wanted over `cooldown.down_stable_for`
 //! (the Kubernetes HPA's stabilization window), and only to a count that passes the
 //! consolidation check against the load observed now.
+//!
+//! With a prefill minimum of 0 the prefill role may go to zero (the decode nodes prefill
+//! every prompt): when the predicted prompt tokens would keep one prefill node less than
+//! [`IDLE_PREFILL_UTILIZATION`] busy and no observation of the interval had prompt tokens
+//! queued (on any node) at the load policy's down threshold (`load.prefill_queue_down`
+//! context lengths). Either rising brings a prefill node back.
 
 use crate::config::SloConfig;
 use crate::decision::{Metric, Reason, Role};
@@ -33,6 +39,10 @@ use std::time::Duration;
 
 /// The highest prefix hit rate the sizing believes (the rest of a prompt is always computed).
 const MAX_HIT_RATE: f64 = 0.95;
+
+/// Below this share of one prefill node's throughput (and with nothing queued), the prefill
+/// role may go to zero when its minimum allows.
+pub const IDLE_PREFILL_UTILIZATION: f64 = 0.1;
 
 /// How one prefill node should run and what it then serves.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -151,6 +161,9 @@ struct Plan {
 pub(crate) struct SloPolicy {
     config: SloConfig,
     kv_usage_up: f64,
+    /// `Some(queued prompt tokens below which no prefill work waits)` when the prefill
+    /// role may go to zero.
+    idle_prefill_below: Option<f64>,
     perf: PerfModel,
     /// Rate, prompt, output, hit rate.
     predictors: [Box<dyn Predictor>; 4],
@@ -160,12 +173,14 @@ pub(crate) struct SloPolicy {
 }
 
 impl SloPolicy {
-    pub fn new(config: SloConfig, kv_usage_up: f64) -> SloPolicy {
+    /// `idle_prefill_below`: see the field.
+    pub fn new(config: SloConfig, kv_usage_up: f64, idle_prefill_below: Option<f64>) -> SloPolicy {
         SloPolicy {
             perf: PerfModel::new(config.perf, config.perf_window),
             predictors: std::array::from_fn(|_| config.predictor.build()),
             config,
             kv_usage_up,
+            idle_prefill_below,
             history: Default::default(),
             plan: None,
         }
@@ -211,7 +226,16 @@ impl SloPolicy {
         let pu = demand.prompt * (1.0 - demand.hit_rate);
         let p_demand = demand.rate * pu;
         let p_per_replica = prefill.tokens_per_s * self.config.prefill_utilization;
-        let p_replicas = replicas(p_demand / p_per_replica);
+        let p_needed = p_demand / p_per_replica;
+        let queued = window
+            .iter()
+            .map(Observation::queued_prompt_tokens)
+            .max()
+            .unwrap_or(0) as f64;
+        let p_replicas = match self.idle_prefill_below {
+            Some(below) if p_needed < IDLE_PREFILL_UTILIZATION && queued < below => 0,
+            _ => replicas(p_needed),
+        };
         let d_demand = demand.rate * demand.output * decode.step_s;
         let d_replicas = replicas(d_demand / decode.batch);
         let wanted = [
@@ -354,6 +378,9 @@ impl SloPolicy {
         let Some(plan) = &self.plan else {
             return Ok(());
         };
+        if role == Role::Prefill && to == 0 {
+            return self.consolidation_to_no_prefill(plan, latest);
+        }
         let to = f64::from(to.max(1));
         match role {
             Role::Prefill => {
@@ -403,6 +430,40 @@ impl SloPolicy {
                     });
                 }
             }
+        }
+        Ok(())
+    }
+}
+
+impl SloPolicy {
+    /// Would the decode nodes alone serve the prompts: one prefill node would be almost
+    /// idle, and nothing is queued?
+    fn consolidation_to_no_prefill(
+        &self,
+        plan: &Plan,
+        latest: &Observation,
+    ) -> Result<(), Overload> {
+        let Some(below) = self.idle_prefill_below else {
+            return Ok(());
+        };
+        let queued = latest.queued_prompt_tokens() as f64;
+        if queued >= below {
+            return Err(Overload {
+                metric: Metric::QueuedPrefillTokens,
+                projected: queued,
+                limit: below,
+            });
+        }
+        let demand = latest.arrival_rate
+            * latest.mean_prompt_tokens
+            * (1.0 - latest.prefix_hit_rate.clamp(0.0, MAX_HIT_RATE));
+        let utilization = demand / plan.prefill.tokens_per_s;
+        if utilization >= IDLE_PREFILL_UTILIZATION {
+            return Err(Overload {
+                metric: Metric::PrefillUtilization,
+                projected: utilization,
+                limit: IDLE_PREFILL_UTILIZATION,
+            });
         }
         Ok(())
     }

@@ -100,10 +100,8 @@ fn invalid(edit: impl FnOnce(&mut PlannerConfig)) -> ConfigError {
 #[test]
 fn validation_names_each_problem() {
     assert_eq!(
-        invalid(|c| c.prefill.min = 0),
-        ConfigError::ZeroMinimum {
-            role: Role::Prefill
-        }
+        invalid(|c| c.decode.min = 0),
+        ConfigError::ZeroMinimum { role: Role::Decode }
     );
     assert_eq!(
         invalid(|c| c.decode = kvmesh_planner::RoleBounds { min: 5, max: 3 }),
@@ -187,7 +185,7 @@ fn validation_names_each_problem() {
             value: -1.0
         }
     );
-    assert!(invalid(|c| c.prefill.min = 0)
+    assert!(invalid(|c| c.decode.min = 0)
         .to_string()
-        .contains("does not scale to zero"));
+        .contains("only the prefill role may go to zero"));
 }

@@ -348,3 +348,99 @@ fn decisions_are_due_once_per_interval_and_need_fresh_observations() {
         Reason::NoObservation
     );
 }
+
+/// The prefill role may go to zero: idle, the last prefill node goes; prompt tokens queued
+/// on the decode nodes (which prefill everything then) bring one back.
+#[test]
+fn prefill_goes_to_zero_when_idle_and_returns_when_decode_nodes_queue_prompts() {
+    let mut c = config();
+    c.prefill.min = 0;
+    c.decode.min = 2;
+    let mut planner = Planner::new(c).unwrap();
+    let mut mesh = Mesh {
+        prefill: 3,
+        decode: 2,
+    };
+    let idle = Load {
+        kv_nodes: 0.4,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 600, |_| idle);
+    assert_eq!(mesh.prefill, 0);
+    let last_prefill = decisions
+        .iter()
+        .rfind(|d| d.acted() && d.prefill.delta() != 0)
+        .unwrap();
+    assert_eq!(
+        (last_prefill.prefill.observed, last_prefill.prefill.target),
+        (1, 0)
+    );
+    assert!(matches!(
+        last_prefill.prefill.reason,
+        Reason::PrefillQueueLow { .. }
+    ));
+
+    // Three context lengths of prompts queued over two decode nodes: 1.5 each.
+    let busy = Load {
+        queued_tokens: 3.0 * CTX as f64,
+        kv_nodes: 0.4,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(600), 60, |_| busy);
+    let first = decisions.iter().find(|d| d.acted()).unwrap();
+    assert_eq!((first.prefill.observed, first.prefill.target), (0, 1));
+    assert!(matches!(
+        first.prefill.reason,
+        Reason::PrefillQueueHigh {
+            queued_tokens: 1500,
+            ..
+        }
+    ));
+    assert!(first.at <= secs(600 + 5), "first decision due at once");
+    assert!(mesh.prefill >= 1);
+}
+
+/// The last prefill node stays while prompt tokens wait anywhere: every engine's queue
+/// must be low, and the decode nodes must be able to take what the prefill node holds.
+#[test]
+fn the_last_prefill_node_stays_while_prompts_are_queued() {
+    let mut c = config();
+    c.prefill.min = 0;
+    let obs = |prefill: u64, decode: [u64; 2]| Observation {
+        prefill_queued_tokens: vec![prefill],
+        decode_queued_prompt_tokens: decode.to_vec(),
+        decode_kv_usage: vec![0.6, 0.6],
+        prefill_nodes: 1,
+        decode_nodes: 2,
+        ..Observation::default()
+    };
+    let decide_after = |o: Observation| {
+        let mut planner = Planner::new(c.clone()).unwrap();
+        for s in (0..=60).step_by(5) {
+            planner.observe(secs(s), o.clone());
+        }
+        planner.decide(secs(60)).prefill
+    };
+    // A decode node's local queue above the down threshold (0.1 context lengths): not idle.
+    let held = decide_after(obs(0, [300, 0]));
+    assert_eq!(held.target, 1);
+    assert_eq!(held.reason, Reason::Hold);
+    // Every queue below it, but together more than the decode nodes would hold below it.
+    let refused = decide_after(obs(90, [90, 90]));
+    assert_eq!(refused.target, 1);
+    match refused.reason {
+        Reason::ConsolidationRefused {
+            wanted: 0,
+            metric: Metric::QueuedPrefillTokens,
+            projected,
+            limit,
+            ..
+        } => {
+            assert_eq!(projected, 135.0);
+            assert_eq!(limit, 100.0);
+        }
+        r => panic!("{r:?}"),
+    }
+    let removed = decide_after(obs(60, [50, 50]));
+    assert_eq!(removed.target, 0);
+}

@@ -377,3 +377,80 @@ fn a_fast_observed_latency_does_not_shrink_the_sizing_by_default() {
     };
     assert_eq!((correction, replicas), (1.0, 3));
 }
+
+/// With a prefill minimum of 0, idle takes the prefill role to zero (the decode nodes
+/// prefill what comes), and demand brings it back: predicted, or queued on decode nodes.
+#[test]
+fn prefill_goes_to_zero_at_idle_and_returns_with_demand() {
+    let mut c = config(PredictorConfig::Constant);
+    c.prefill.min = 0;
+    let mut planner = Planner::new(c.clone()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(0), 300, idle);
+    assert_eq!((mesh.prefill, mesh.decode), (0, 1));
+    assert!(decisions.iter().any(|d| d.acted() && d.prefill.target == 0));
+    // The busy load brings prefill back at the next decision (its window mostly idle),
+    // and to its 3 nodes at the one after.
+    let decisions = run(&mut planner, &mut mesh, secs(300), 60, busy);
+    let first = decisions.iter().find(|d| d.acted()).unwrap();
+    assert_eq!(first.prefill.observed, 0);
+    assert!(first.prefill.target >= 1);
+    assert!(first.at <= secs(300));
+    assert_eq!(mesh.prefill, 3);
+
+    // No arrivals predicted, but prompts queued on the decode node (a context length of
+    // the default 8,192): one prefill node.
+    let mut planner = Planner::new(c.clone()).unwrap();
+    let queued = Observation {
+        mean_prompt_tokens: 2000.0,
+        mean_output_tokens: 200.0,
+        decode_queued_prompt_tokens: vec![1000],
+        decode_running: vec![1],
+        decode_kv_usage: vec![0.1],
+        decode_nodes: 1,
+        ..Observation::default()
+    };
+    planner.observe(secs(0), queued.clone());
+    let d = planner.decide(secs(0));
+    assert_eq!((d.prefill.observed, d.prefill.target), (0, 1));
+    // Below the load policy's down threshold (819 tokens), it stays at zero.
+    let mut planner = Planner::new(c).unwrap();
+    planner.observe(
+        secs(0),
+        Observation {
+            decode_queued_prompt_tokens: vec![500],
+            ..queued
+        },
+    );
+    assert_eq!(planner.decide(secs(0)).prefill.target, 0);
+}
+
+/// The last prefill node stays while its own queue holds prompt tokens, though no arrivals
+/// are predicted.
+#[test]
+fn the_last_prefill_node_stays_while_prompts_are_queued() {
+    let mut c = config(PredictorConfig::Constant);
+    c.prefill.min = 0;
+    c.cooldown.down_stable_for = secs(0);
+    let mut planner = Planner::new(c).unwrap();
+    let obs = |queued: u64| Observation {
+        mean_prompt_tokens: 2000.0,
+        mean_output_tokens: 200.0,
+        prefill_queued_tokens: vec![queued],
+        decode_running: vec![1],
+        decode_kv_usage: vec![0.1],
+        prefill_nodes: 1,
+        decode_nodes: 1,
+        ..Observation::default()
+    };
+    planner.observe(secs(0), obs(0));
+    let d = planner.decide(secs(0));
+    assert_eq!(d.prefill.target, 0, "{:?}", d.prefill.reason);
+    let mut planner = Planner::new(planner.config().clone()).unwrap();
+    planner.observe(secs(0), obs(900));
+    let d = planner.decide(secs(0));
+    assert_eq!(d.prefill.target, 1);
+}

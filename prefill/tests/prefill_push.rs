@@ -145,13 +145,15 @@ fn a_prompt_shows_in_the_load_while_its_one_step_runs() {
     let request = push_request(&prompt(480), SamplingParams::greedy(1), 0, DEST);
     worker.handle().prefill(request, reply_tx).unwrap();
     // Sample what the worker publishes until the prompt is done.
-    let mut busiest = 0;
+    let (mut busiest, mut queued) = (0, 0);
     while reply_rx.try_recv().is_err() {
         let load = worker.handle().load();
         busiest = busiest.max(load.running + load.waiting);
+        queued = queued.max(load.queued_prompt_tokens);
         std::thread::yield_now();
     }
     assert_eq!(busiest, 1, "the prompt never showed in the published load");
+    assert_eq!(queued, 480, "its tokens never showed as queued");
 }
 
 fn drain(rx: &Receiver<KvChunk>) -> Vec<KvChunk> {

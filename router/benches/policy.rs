@@ -64,6 +64,7 @@ fn mesh() -> Mesh {
                 running: rng.gen_range(0..32),
                 waiting: rng.gen_range(0..8),
                 kv_blocks_used: rng.gen_range(0..4096),
+                ..LoadReport::default()
             },
         });
         if rng.gen_bool(0.2) {

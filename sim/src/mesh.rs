@@ -49,7 +49,7 @@ use crate::events::EventQueue;
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
 use crate::gaps::GapHistogram;
 use crate::link::{Link, LinkClass};
-use crate::node::{Finished, NodeConfig, NodeError, SimNode};
+use crate::node::{Finished, NodeConfig, NodeError, SimNode, Started};
 use crate::stats::{mesh_stats, NodeTotals};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::report::{MeshStats, Point};
@@ -148,6 +148,16 @@ impl From<Vec<TokenId>> for SimPrompt {
     }
 }
 
+impl From<&[TokenId]> for SimPrompt {
+    /// One copy, straight into the shared buffer.
+    fn from(tokens: &[TokenId]) -> SimPrompt {
+        SimPrompt {
+            shared: tokens.into(),
+            first: tokens.first().copied().unwrap_or_default(),
+        }
+    }
+}
+
 impl FromIterator<TokenId> for SimPrompt {
     fn from_iter<I: IntoIterator<Item = TokenId>>(iter: I) -> SimPrompt {
         iter.into_iter().collect::<Vec<_>>().into()
@@ -181,7 +191,7 @@ impl SimRequest {
     pub fn from_scaled(r: &ScaledRequest) -> SimRequest {
         SimRequest {
             at: r.at,
-            prompt: r.prompt_tokens.clone().into(),
+            prompt: SimPrompt::from(&r.prompt_tokens[..]),
             max_tokens: r.max_tokens as usize,
             after: r.previous_turn,
         }
@@ -193,7 +203,7 @@ impl SimRequest {
         match &item.prompt {
             Prompt::Tokens(ids) => Ok(SimRequest {
                 at,
-                prompt: ids.clone().into(),
+                prompt: SimPrompt::from(&ids[..]),
                 max_tokens: item.max_tokens as usize,
                 after: item.previous_turn,
             }),
@@ -241,6 +251,10 @@ pub struct MeshConfig {
     /// run, many times faster. Off with [`MeshConfig::cpu`], where other nodes' steps move
     /// a step's end.
     pub quiet_runs: bool,
+    /// How long an idle node woken by a request waits for others before its first step, as
+    /// a real worker's engine thread does ([`kvmesh_worker::GATHER_WINDOW`], the default);
+    /// zero: it steps at once.
+    pub gather_window: Duration,
 }
 
 impl MeshConfig {
@@ -263,6 +277,7 @@ impl MeshConfig {
             switch_delay: autoscale::DEFAULT_SWITCH_DELAY,
             every_gap: true,
             quiet_runs: true,
+            gather_window: kvmesh_worker::GATHER_WINDOW,
         }
     }
 }
@@ -367,6 +382,8 @@ enum Event {
     Plan,
     /// `changes[.0]` happens.
     Change(usize),
+    /// Node `.0`'s gather window ends: its first step starts.
+    Gathered(usize),
 }
 
 /// A request from arrival to its end.
@@ -540,6 +557,7 @@ struct Mesh<'a> {
     cpu: Option<Hosts>,
     every_gap: bool,
     quiet_runs: bool,
+    gather_window: Duration,
     itl: GapHistogram,
 }
 
@@ -645,6 +663,7 @@ fn run(
         node.set_record_kv_events(node_config.scheduler.enable_prefix_caching);
         // A node sharing its host's cores has its steps' ends moved by the others' steps.
         node.set_coalesce(config.quiet_runs && config.cpu.is_none());
+        node.set_gather_window(config.gather_window);
         if scaler.is_some() {
             node.set_record_steps(scaler::STEPS_KEPT);
         }
@@ -697,6 +716,7 @@ fn run(
         cpu,
         every_gap: config.every_gap,
         quiet_runs: config.quiet_runs,
+        gather_window: config.gather_window,
         itl: GapHistogram::default(),
         roles: entries.iter().map(|e| e.info.role).collect(),
         nodes,
@@ -736,6 +756,7 @@ fn run(
             Event::Drained(n) => mesh.settle(n, now),
             Event::Plan => mesh.plan(now),
             Event::Change(k) => mesh.change(k, now),
+            Event::Gathered(n) => mesh.kick(n, now),
         }
     }
     let mut run = mesh.finish();
@@ -855,11 +876,13 @@ impl Mesh<'_> {
         }
     }
 
-    /// Starts a step on `n` if it is idle and has work; starts the prefills of the remote
-    /// sequences it admitted.
+    /// Starts a step on `n` if it is idle and has work (or its gather window, when a request
+    /// has just woken it); starts the prefills of the remote sequences it admitted.
     fn kick(&mut self, n: usize, now: Duration) {
-        if let Some(end) = self.nodes[n].start_step(now) {
-            match self.cpu.as_mut() {
+        match self.nodes[n].start_step(now) {
+            None => {}
+            Some(Started::Gather(until)) => self.queue.push_at(until, Event::Gathered(n)),
+            Some(Started::Step(end)) => match self.cpu.as_mut() {
                 None => self.step_ends(n, end),
                 Some(hosts) => {
                     for (m, end) in hosts.start(n, end - now, now) {
@@ -867,7 +890,7 @@ impl Mesh<'_> {
                         self.step_ends(m, end);
                     }
                 }
-            }
+            },
         }
         self.publish(n);
         for a in self.nodes[n].take_remote_admissions() {

@@ -19,6 +19,10 @@
 //!
 //! A node can die ([`SimNode::die`]): its step in flight never ends and it takes nothing more.
 //!
+//! An idle node woken by a request gathers first, as a real worker's engine thread does
+//! ([`SimNode::set_gather_window`], [`kvmesh_worker::GATHER_WINDOW`]): its first step starts a
+//! window later and takes what arrived meanwhile. A busy node never waits.
+//!
 //! With [`SimNode::set_coalesce`], a node plans runs of quiet decode steps at once
 //! ([`Scheduler::quiet_decode_steps`]: the same batch decoding one token a step, no admission,
 //! no block allocated or filled, no sequence finishing). Nothing outside the node can tell
@@ -29,7 +33,7 @@
 
 use crate::stats::{KvUsage, NodeTotals, PrefixTally};
 use crate::timing::{StepShape, TimingProfile};
-use kvmesh_common::fast_hash::U64Set;
+use kvmesh_common::fast_hash::{U64Map, U64Set};
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{LoadReport, PromptHashes, TokenId};
 use kvmesh_engine::block_pool::BlockPool;
@@ -38,7 +42,7 @@ use kvmesh_engine::runner::SeqId;
 use kvmesh_engine::scheduler::{
     RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput,
 };
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -111,6 +115,16 @@ struct Tracking {
     prefilled: usize,
 }
 
+/// What [`SimNode::start_step`] started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Started {
+    /// A step (or a run of quiet steps) that ends then.
+    Step(Duration),
+    /// The node's gather window, which ends then: call [`SimNode::start_step`] again at that
+    /// instant for its first step.
+    Gather(Duration),
+}
+
 #[derive(Debug)]
 struct InFlight {
     output: SchedulerOutput,
@@ -129,8 +143,8 @@ pub struct SimNode {
     run: Option<DecodeRun>,
     /// Whether `start_step` may plan quiet decode steps at once.
     coalesce: bool,
-    /// Ordered, so nothing about a run depends on hash iteration order.
-    requests: BTreeMap<SeqId, Tracking>,
+    /// Looked up by id alone (and summed, in any order), so a fast unordered map.
+    requests: U64Map<SeqId, Tracking>,
     /// Remote prefills admitted (blocks reserved) whose transfer the driver must start.
     remote_admitted: Vec<RemoteAdmission>,
     busy: Duration,
@@ -145,6 +159,12 @@ pub struct SimNode {
     /// performance model, as a real node's step metrics feed it).
     recent_steps: VecDeque<(StepShape, Duration)>,
     keep_steps: usize,
+    /// How long an idle node woken by a request waits for more before its first step.
+    gather_window: Duration,
+    /// A request reached the node while it had no work: its next step waits for the window.
+    woken: bool,
+    /// In its gather window until then: no step starts before.
+    gathering_until: Option<Duration>,
 }
 
 impl SimNode {
@@ -161,7 +181,7 @@ impl SimNode {
             in_flight: None,
             run: None,
             coalesce: false,
-            requests: BTreeMap::new(),
+            requests: U64Map::default(),
             remote_admitted: Vec::new(),
             busy: Duration::ZERO,
             steps: 0,
@@ -171,6 +191,9 @@ impl SimNode {
             died_at: None,
             recent_steps: VecDeque::new(),
             keep_steps: 0,
+            gather_window: Duration::ZERO,
+            woken: false,
+            gathering_until: None,
         })
     }
 
@@ -257,7 +280,9 @@ impl SimNode {
         if max_tokens <= generated {
             return Err(NodeError::NoTokensWanted);
         }
+        let idle = !self.has_work();
         add(&mut self.scheduler)?;
+        self.woken |= idle;
         self.requests.insert(
             seq_id,
             Tracking {
@@ -361,12 +386,21 @@ impl SimNode {
         }))
     }
 
+    /// An idle node woken by a request waits `window` for others before its first step, as
+    /// a real worker's engine thread does (its `gather_window`, by default
+    /// [`kvmesh_worker::GATHER_WINDOW`]); zero (the default here): it steps at once.
+    pub fn set_gather_window(&mut self, window: Duration) {
+        self.gather_window = window;
+    }
+
     /// Plans a step at `now` when the node is idle and has work, and returns when it ends;
-    /// `None` when it is busy or nothing can run (the node then waits for a submission).
+    /// or, when a request has just woken the idle node, starts its gather window
+    /// ([`Self::set_gather_window`]) and returns when that ends. `None` when it is busy,
+    /// gathering, or nothing can run (the node then waits for a submission).
     ///
     /// The driver calls it after every change to the node (a submission, a step's end, a
     /// transfer's arrival), so it also observes the KV blocks in use.
-    pub fn start_step(&mut self, now: Duration) -> Option<Duration> {
+    pub fn start_step(&mut self, now: Duration) -> Option<Started> {
         if self.died_at.is_some() {
             return None;
         }
@@ -374,9 +408,19 @@ impl SimNode {
         if self.in_flight.is_some() || self.run.is_some() || !self.scheduler.has_work() {
             return None;
         }
+        if std::mem::take(&mut self.woken) && !self.gather_window.is_zero() {
+            let until = now + self.gather_window;
+            self.gathering_until = Some(until);
+            return Some(Started::Gather(until));
+        }
+        match self.gathering_until {
+            Some(until) if now < until => return None,
+            Some(_) => self.gathering_until = None,
+            None => {}
+        }
         if self.coalesce {
             if let Some(end) = self.start_run(now) {
-                return Some(end);
+                return Some(Started::Step(end));
             }
         }
         let promoted = |s: &Scheduler| {
@@ -407,7 +451,7 @@ impl SimNode {
             self.scheduler.abort_step(output);
             return None;
         }
-        Some(self.begin(output, now))
+        Some(Started::Step(self.begin(output, now)))
     }
 
     /// Puts the planned step `output` in flight from `now`; returns when it ends.
@@ -588,12 +632,16 @@ impl SimNode {
         self.recent_steps.drain(..).collect()
     }
 
-    /// The load report a real node would send.
+    /// The load report a real node would send, but for its queued prompt tokens (left at
+    /// 0): routing does not read them, summing them costs a pass over the node's requests
+    /// at every step, and the planner's observation reads [`Self::queued_prefill_tokens`]
+    /// at its tick instead.
     pub fn load(&self) -> LoadReport {
         LoadReport {
             running: self.scheduler.num_running(),
             waiting: self.scheduler.num_waiting(),
             kv_blocks_used: self.scheduler.pool().num_used(),
+            queued_prompt_tokens: 0,
         }
     }
 
@@ -676,7 +724,7 @@ pub(crate) mod tests {
     fn drain(node: &mut SimNode) -> Vec<(Duration, StepReport)> {
         let mut now = Duration::ZERO;
         let mut out = Vec::new();
-        while let Some(end) = node.start_step(now) {
+        while let Some(Started::Step(end)) = node.start_step(now) {
             now = end;
             out.push((now, node.finish_step().unwrap()));
         }
@@ -748,7 +796,7 @@ pub(crate) mod tests {
     fn a_sequence_aborted_mid_step_gets_no_token_from_it_even_when_resubmitted() {
         let mut node = SimNode::new(config(TimingProfile::fixed(MS))).unwrap();
         node.submit(1, (1..=10).collect(), 1).unwrap();
-        assert_eq!(node.start_step(Duration::ZERO), Some(MS));
+        assert_eq!(node.start_step(Duration::ZERO), Some(Started::Step(MS)));
         assert!(node.abort(1));
         node.submit(1, (1..=10).collect(), 1).unwrap();
         let report = node.finish_step().unwrap();
@@ -775,7 +823,7 @@ pub(crate) mod tests {
             Err(NodeError::NoTokensWanted)
         ));
         node.submit(5, (1..=10).collect(), 3).unwrap();
-        assert_eq!(node.start_step(10 * MS), Some(11 * MS));
+        assert_eq!(node.start_step(10 * MS), Some(Started::Step(11 * MS)));
         node.die(10 * MS + MS / 2);
         assert_eq!(
             node.busy_time(),
@@ -787,6 +835,37 @@ pub(crate) mod tests {
             node.submit(6, Arc::new([1]), 1),
             Err(NodeError::Dead)
         ));
+    }
+
+    #[test]
+    fn an_idle_node_gathers_for_its_window_and_a_busy_one_does_not() {
+        let window = kvmesh_worker::GATHER_WINDOW;
+        let mut node = SimNode::new(config(TimingProfile::fixed(10 * MS))).unwrap();
+        node.set_gather_window(window);
+        node.submit(1, (1..=8).collect(), 2).unwrap();
+        assert_eq!(
+            node.start_step(Duration::ZERO),
+            Some(Started::Gather(window))
+        );
+        // A request within the window waits with the first; nothing steps before it ends.
+        node.submit(2, (11..=18).collect(), 1).unwrap();
+        assert_eq!(node.start_step(window / 2), None);
+        let first = node.start_step(window).unwrap();
+        assert_eq!(first, Started::Step(window + 10 * MS));
+        let report = node.finish_step().unwrap();
+        assert_eq!(report.tokens, [(1, 0), (2, 0)], "both in the first step");
+        // Busy (sequence 1 still decodes): a new request joins the next step at once.
+        node.submit(3, (21..=28).collect(), 1).unwrap();
+        let at = window + 10 * MS;
+        assert_eq!(node.start_step(at), Some(Started::Step(at + 10 * MS)));
+        node.finish_step().unwrap();
+        assert!(!node.has_work());
+        // Idle again: the next request gathers again.
+        node.submit(4, (31..=38).collect(), 1).unwrap();
+        assert_eq!(
+            node.start_step(100 * MS),
+            Some(Started::Gather(100 * MS + window))
+        );
     }
 
     #[test]

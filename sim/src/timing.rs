@@ -309,6 +309,41 @@ impl TimingProfile {
         Duration::from_nanos(round_to_u64(us * 1e3))
     }
 
+    /// The times of steps that decode `batch` sequences and nothing else, the first at
+    /// `context` tokens of context and each later one `batch` tokens more (a run of quiet
+    /// decode steps): each exactly [`Self::step_time`] of its shape, summed in the same
+    /// order, with the terms the steps share summed once.
+    pub fn decode_step_times(
+        &self,
+        batch: u64,
+        context: u64,
+    ) -> impl Iterator<Item = Duration> + '_ {
+        const CONTEXT: usize = 4;
+        let first = StepShape {
+            decode_seqs: batch,
+            decode_context_tokens: context,
+            ..StepShape::default()
+        };
+        let (c, x) = (self.coefficients(), first.terms());
+        let products = |r: std::ops::Range<usize>| {
+            let c = c[r.clone()].iter();
+            c.zip(&x[r]).map(|(c, x)| c * x)
+        };
+        // `micros` sums left to right: the terms before the context's, it, those after.
+        let before: f64 = products(0..CONTEXT).sum();
+        let after: Vec<f64> = products(CONTEXT + 1..NUM_TERMS).collect();
+        (0u64..).map(move |step| {
+            if batch == 0 {
+                return Duration::ZERO;
+            }
+            let context = (context + step * batch) as f64;
+            let us = after
+                .iter()
+                .fold(before + c[CONTEXT] * context, |sum, t| sum + t);
+            Duration::from_nanos(round_to_u64(us * 1e3))
+        })
+    }
+
     /// A step's time in microseconds, unrounded (the model itself, also for an empty step).
     pub fn micros(&self, shape: &StepShape) -> f64 {
         let terms = shape.terms();
@@ -339,6 +374,36 @@ fn round_to_u64(x: f64) -> u64 {
 mod tests {
     use super::*;
     use kvmesh_engine::runner::SeqChunk;
+
+    #[test]
+    fn decode_step_times_are_each_steps_own_time() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut profiles: Vec<TimingProfile> = ["h200-llama8b", "h200-llama8b-fp8"]
+            .iter()
+            .map(|n| TimingProfile::named(n).unwrap())
+            .collect();
+        for _ in 0..20 {
+            let c = std::array::from_fn(|_| rng.gen_range(-50.0..500.0) / rng.gen_range(1.0..1e4));
+            profiles.push(TimingProfile::with_coefficients("random", "test", c));
+        }
+        for profile in &profiles {
+            for _ in 0..50 {
+                let batch = rng.gen_range(0..300u64);
+                let context = rng.gen_range(0..3_000_000u64);
+                let times: Vec<Duration> =
+                    profile.decode_step_times(batch, context).take(40).collect();
+                for (step, time) in times.into_iter().enumerate() {
+                    let shape = StepShape {
+                        decode_seqs: batch,
+                        decode_context_tokens: context + step as u64 * batch,
+                        ..StepShape::default()
+                    };
+                    assert_eq!(time, profile.step_time(&shape), "{profile:?} {shape:?}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn rounds_as_the_library_does() {

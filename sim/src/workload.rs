@@ -61,7 +61,7 @@ pub fn requests_sharing(
 /// Each item's token prompt in a buffer its requests share ([`requests_sharing`]).
 pub fn prompts(items: &[WorkItem]) -> Result<Vec<SimPrompt>, WorkloadError> {
     let prompt = |(item, w): (usize, &WorkItem)| match &w.prompt {
-        Prompt::Tokens(ids) => Ok(SimPrompt::from(ids.clone())),
+        Prompt::Tokens(ids) => Ok(SimPrompt::from(&ids[..])),
         _ => Err(WorkloadError::Item {
             item,
             source: MeshError::TextPrompt,

@@ -366,3 +366,45 @@ fn bad_changes_are_refused() {
         Err(MeshError::Planner(_))
     ));
 }
+
+#[test]
+fn prefill_goes_to_zero_at_light_load_and_returns_when_decode_nodes_queue_prompts() {
+    // 2 requests a second for 80 s: a prefill node is idle and goes; the decode nodes
+    // prefill every prompt. Then 40 a second, more than they carry: prompts queue on them
+    // and a prefill node comes back.
+    let reqs = requests(&[(2.0, 80), (40.0, 40), (2.0, 60)]);
+    let mut planner = load_planner();
+    planner.prefill.min = 0;
+    let config = MeshConfig {
+        planner: Some(planner),
+        ..mesh(2, 1)
+    };
+    let run = simulate(&config, &reqs).unwrap();
+    assert_all_complete(&run, &reqs);
+    let r = ledger(&run);
+    let gone = r
+        .timeline
+        .iter()
+        .position(|c| c.prefill_serving == 0 && c.prefill_billed == 0)
+        .unwrap_or_else(|| panic!("prefill never went to zero: {:?}", r.timeline));
+    assert!(r.timeline[gone].at_s < 80.0, "{:?}", r.timeline[gone]);
+    assert!(
+        r.timeline[gone..].iter().any(|c| c.prefill_serving >= 1),
+        "prefill never came back: {:?}",
+        r.timeline
+    );
+    let back = r
+        .changes
+        .iter()
+        .find(|d| d.acted() && d.prefill.observed == 0 && d.prefill.target >= 1)
+        .unwrap_or_else(|| panic!("no decision brought prefill back: {:?}", r.changes));
+    assert!(back.at >= 80 * SEC, "{back:?}");
+    assert!(
+        matches!(
+            back.prefill.reason,
+            kvmesh_sim::planner::Reason::PrefillQueueHigh { .. }
+        ),
+        "{back:?}"
+    );
+    assert_billed_as_timeline(&run);
+}

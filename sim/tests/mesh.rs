@@ -2,7 +2,9 @@
 
 mod common;
 
-use common::{assert_all_complete, disaggregated, mesh, scheduler, shape, slo, workload};
+use common::{
+    assert_all_complete, disaggregated, fixed, mesh, scheduler, shape, slo, workload, MS,
+};
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_router::policy::RoutingConfig;
 use kvmesh_sim::link::LinkClass;
@@ -201,8 +203,70 @@ fn one_fixed_node(service: Duration) -> MeshConfig {
     };
     MeshConfig {
         seed: 1,
+        // A queueing model's server starts serving at once.
+        gather_window: Duration::ZERO,
         ..MeshConfig::new(1, node, "round_robin".parse().unwrap())
     }
+}
+
+/// An idle node woken by a request waits the real worker's gather window before its first
+/// step, so requests sent a moment apart share that step; a busy node never waits.
+#[test]
+fn an_idle_node_gathers_what_arrives_within_the_workers_window() {
+    let service = 10 * MS;
+    let window = kvmesh_worker::GATHER_WINDOW;
+    assert_eq!(
+        mesh(1, "kv_aware", 1).gather_window,
+        window,
+        "the worker's default"
+    );
+    let config = MeshConfig {
+        gather_window: window,
+        ..fixed(1, service)
+    };
+    let at = |t: Duration, first: u32| SimRequest {
+        at: t,
+        prompt: vec![first, 2, 3].into(),
+        max_tokens: 2,
+        after: None,
+    };
+    // Two within the window, a third while the first step runs.
+    let requests = [
+        at(Duration::ZERO, 1),
+        at(window / 2, 4),
+        at(window + service / 2, 7),
+    ];
+    let ttfts = |config: &MeshConfig| {
+        let run = simulate(config, &requests).unwrap();
+        assert_all_complete(&run, &requests);
+        run.outcomes
+            .iter()
+            .map(|o| o.ttft.unwrap())
+            .collect::<Vec<_>>()
+    };
+    // The first two prefill in one step after the window; the third joins the next step
+    // (the first two's decodes) as soon as the first ends.
+    assert_eq!(
+        ttfts(&config),
+        [
+            window + service,
+            window / 2 + service,
+            2 * service - service / 2
+        ]
+    );
+    // Without the window the second waits for the first's whole step.
+    let at_once = MeshConfig {
+        gather_window: Duration::ZERO,
+        ..config
+    };
+    assert_eq!(
+        ttfts(&at_once),
+        [
+            service,
+            2 * service - window / 2,
+            2 * service - window - service / 2
+        ]
+    );
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! A worker's live load, published by its engine thread and read by routers without locks.
 
 use kvmesh_common::LoadReport;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// Where the engine thread publishes its load (the [`LoadReport`] the node reports to
 /// discovery); each field is read atomically, the snapshot as a whole may mix two
@@ -11,6 +11,7 @@ pub struct LoadCell {
     running: AtomicUsize,
     waiting: AtomicUsize,
     kv_blocks_used: AtomicUsize,
+    queued_prompt_tokens: AtomicU64,
 }
 
 impl LoadCell {
@@ -19,6 +20,8 @@ impl LoadCell {
         self.waiting.store(load.waiting, Ordering::Relaxed);
         self.kv_blocks_used
             .store(load.kv_blocks_used, Ordering::Relaxed);
+        self.queued_prompt_tokens
+            .store(load.queued_prompt_tokens, Ordering::Relaxed);
     }
 
     pub fn get(&self) -> LoadReport {
@@ -26,6 +29,7 @@ impl LoadCell {
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
+            queued_prompt_tokens: self.queued_prompt_tokens.load(Ordering::Relaxed),
         }
     }
 }

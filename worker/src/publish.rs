@@ -87,6 +87,7 @@ impl LoadPublisher {
             running: s.num_running() + s.num_awaiting_kv(),
             waiting: s.num_waiting() + pulling,
             kv_blocks_used: s.pool().num_used(),
+            queued_prompt_tokens: s.queued_prompt_tokens(),
         };
         cell.publish(load);
         self.metrics.running.set(load.running as f64);

@@ -2,10 +2,10 @@
 //! and their load reports (etcd discovery), and the routers' Prometheus counters and
 //! histograms, read twice and differenced over the interval between.
 //!
-//! Approximations, stated: a load report counts waiting requests, not their tokens, so a
-//! prefill node's queued tokens are its waiting and running requests times the mean prompt
-//! length the routers saw; engine step samples are not published, so the SLO policy's
-//! performance model stays at its seed (`kvmesh profile`).
+//! Each node's queued prompt tokens are its load report's (prefill and decode nodes: a
+//! decode node's local prefills are prefill work waiting too). Approximation, stated: engine
+//! step samples are not published, so the SLO policy's performance model stays at its seed
+//! (`kvmesh profile`).
 
 use kvmesh_common::metrics as names;
 use kvmesh_kvstore::NodeEntry;
@@ -159,8 +159,8 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
 /// of their [`RouterTotals::since`]), with the nodes as discovery lists them now.
 ///
 /// `earlier` is the previous observation: when no request ended in this window (long
-/// prompts, a short interval), its mean prompt and output lengths stand, so the prefill
-/// nodes' queues are not read as empty while they work.
+/// prompts, a short interval), its mean prompt and output lengths stand, so the SLO
+/// policy's demand is not read as prompts of no length while the nodes work.
 pub fn observation(
     prefill: &[NodeEntry],
     decode: &[NodeEntry],
@@ -195,8 +195,9 @@ pub fn observation(
         prefix_hit_rate: 0.0,
         prefill_queued_tokens: prefill
             .iter()
-            .map(|n| ((n.load.waiting + n.load.running) as f64 * mean_prompt_tokens) as u64)
+            .map(|n| n.load.queued_prompt_tokens)
             .collect(),
+        decode_queued_prompt_tokens: decode.iter().map(|n| n.load.queued_prompt_tokens).collect(),
         decode_running: decode.iter().map(|n| n.load.running as u32).collect(),
         decode_kv_usage: decode
             .iter()
@@ -237,9 +238,11 @@ mod tests {
         s
     }
 
-    fn node(role: NodeRole, running: usize, waiting: usize, used: usize) -> NodeEntry {
+    fn node(role: NodeRole, running: usize, waiting: usize, used: usize, queued: u64) -> NodeEntry {
         let id = running as u64 * 100 + waiting as u64;
-        crate::planner::testing::node(id, role, running, waiting, used)
+        let mut n = crate::planner::testing::node(id, role, running, waiting, used);
+        n.load.queued_prompt_tokens = queued;
+        n
     }
 
     #[test]
@@ -260,10 +263,10 @@ mod tests {
             700.0,
             &[("0.1", 15.0), ("1", 30.0), ("+Inf", 30.0)],
         ));
-        let prefill = [node(NodeRole::Prefill, 1, 3, 0)];
+        let prefill = [node(NodeRole::Prefill, 1, 3, 0, 950)];
         let decode = [
-            node(NodeRole::Decode, 7, 0, 25),
-            node(NodeRole::Decode, 2, 0, 50),
+            node(NodeRole::Decode, 7, 0, 25, 0),
+            node(NodeRole::Decode, 2, 0, 50, 120),
         ];
         let o = observation(
             &prefill,
@@ -275,7 +278,9 @@ mod tests {
         assert_eq!(o.arrival_rate, 2.0);
         assert_eq!(o.mean_prompt_tokens, 200.0);
         assert_eq!(o.mean_output_tokens, 30.0);
-        assert_eq!(o.prefill_queued_tokens, vec![800]);
+        // Each node's queued prompt tokens as it reports them, whatever the mean prompt.
+        assert_eq!(o.prefill_queued_tokens, vec![950]);
+        assert_eq!(o.decode_queued_prompt_tokens, vec![0, 120]);
         assert_eq!(o.decode_running, vec![7, 2]);
         assert_eq!(o.decode_kv_usage, vec![0.25, 0.5]);
         assert_eq!((o.prefill_nodes, o.decode_nodes), (1, 2));
@@ -286,8 +291,7 @@ mod tests {
         assert!((ttft.p99.as_secs_f64() - (0.1 + 0.9 * 0.98)).abs() < 1e-9);
         assert!(o.itl.is_none(), "no ITL samples: no quantiles");
 
-        // A window in which no request ended keeps the lengths seen before: the queue of
-        // the busy prefill node is not read as empty.
+        // A window in which no request ended keeps the lengths seen before.
         let quiet = observation(
             &prefill,
             &decode,
@@ -297,7 +301,8 @@ mod tests {
         );
         assert_eq!(quiet.arrival_rate, 0.0);
         assert_eq!(quiet.mean_prompt_tokens, 200.0);
-        assert_eq!(quiet.prefill_queued_tokens, vec![800]);
+        assert_eq!(quiet.mean_output_tokens, 30.0);
+        assert_eq!(quiet.prefill_queued_tokens, vec![950]);
     }
 
     #[test]

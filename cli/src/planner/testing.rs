@@ -21,7 +21,8 @@ pub fn decision(prefill: (u32, u32), decode: (u32, u32), switches: RoleSwitches)
     }
 }
 
-/// A registered node `id` of `role` at 127.0.0.1:`id`, with 100 KV blocks and this load.
+/// A registered node `id` of `role` at 127.0.0.1:`id`, with 100 KV blocks and this load
+/// (no prompt tokens queued).
 pub fn node(id: u64, role: NodeRole, running: usize, waiting: usize, used: usize) -> NodeEntry {
     NodeEntry {
         info: NodeInfo {
@@ -37,6 +38,7 @@ pub fn node(id: u64, role: NodeRole, running: usize, waiting: usize, used: usize
             running,
             waiting,
             kv_blocks_used: used,
+            queued_prompt_tokens: 0,
         },
     }
 }

@@ -1,7 +1,7 @@
 //! `kvmesh serve --autoscale`: the planner core inside the serving process.
 //!
 //! Every `observe_every` it reads the in-process workers (running and waiting requests, KV
-//! blocks in use, as their threads publish them) and the router's own counters and histograms
+//! blocks in use, prompt tokens queued, as their threads publish them) and the router's own counters and histograms
 //! (rendered in-process, differenced over the interval), as `kvmesh planner` reads a mesh
 //! through etcd and `/metrics`; when the policy's interval is due it decides, logs one line
 //! and exports `kvmesh_planner_*`. The [`InProcessActuator`] carries decisions out on the
@@ -37,7 +37,8 @@ pub fn starting_workers(configured: [usize; 2], planner: &PlannerConfig) -> [usi
 }
 
 /// Brings the worker counts of `mesh` within the planner's bounds, saying so when it changes
-/// them (below 8 cores serve starts no prefill worker, and the planner keeps at least one).
+/// them (below 8 cores serve starts no prefill worker, and a prefill minimum of 1 starts
+/// one).
 pub fn fit_workers(mesh: &mut LocalMeshConfig, planner: &PlannerConfig) {
     let configured = [mesh.prefill_workers, mesh.decode_workers];
     let [prefill, decode] = starting_workers(configured, planner);
@@ -210,9 +211,15 @@ mod tests {
             decode: RoleBounds { min: 2, max: 3 },
             ..PlannerConfig::default()
         };
-        // Below 8 cores serve starts no prefill worker; the planner keeps at least one.
+        // Below 8 cores serve starts no prefill worker; a minimum of 1 starts one.
         assert_eq!(starting_workers([0, 1], &planner), [1, 2]);
         assert_eq!(starting_workers([4, 5], &planner), [2, 3]);
         assert_eq!(starting_workers([2, 2], &planner), [2, 2]);
+        // A prefill role that may go to zero starts as configured.
+        let planner = PlannerConfig {
+            prefill: RoleBounds { min: 0, max: 2 },
+            ..planner
+        };
+        assert_eq!(starting_workers([0, 1], &planner), [0, 2]);
     }
 }

@@ -111,6 +111,40 @@ fn a_mid_prefill_chunk_takes_no_token() {
 }
 
 #[test]
+fn queued_prompt_tokens_are_the_local_prefill_left() {
+    let mut s = Scheduler::new(config(16, 4));
+    s.add_sequence(1, prompt(10)).unwrap();
+    s.add_remote_sequence(2, prompt(8)).unwrap();
+    s.add_sequence(3, prompt(5)).unwrap();
+    // The remote prompt's KV comes from elsewhere: 10 + 5.
+    assert_eq!(s.queued_prompt_tokens(), 15);
+    let out = s.schedule();
+    assert_eq!(out.step.chunks[0].tokens.len(), 4);
+    let _ = s.update_from_output(out, &[]).unwrap();
+    assert_eq!(s.queued_prompt_tokens(), 11);
+    // Prefilled to the end, every sequence decodes: nothing is left to prefill.
+    let mut steps = 0;
+    while s.queued_prompt_tokens() > 0 {
+        let out = s.schedule();
+        let tokens: Vec<_> = out
+            .step
+            .chunks
+            .iter()
+            .filter(|c| c.want_logits)
+            .map(|c| (c.seq_id, 7))
+            .collect();
+        let _ = s.update_from_output(out, &tokens).unwrap();
+        steps += 1;
+        assert!(steps < 10, "prefill never ended");
+    }
+    assert!(s.sequence_tokens(1).is_some_and(|t| !t.output.is_empty()));
+    assert!(s.sequence_tokens(3).is_some_and(|t| !t.output.is_empty()));
+    // A remote prefill that falls back to a local one queues its prompt here.
+    assert!(s.fail_remote_prefill(2));
+    assert_eq!(s.queued_prompt_tokens(), 8);
+}
+
+#[test]
 fn an_aborted_step_is_planned_again() {
     let mut s = Scheduler::new(config(8, 32));
     s.add_sequence(1, prompt(6)).unwrap();

@@ -10,11 +10,14 @@
 //! nodes by a merge instead of hashing every node at every step, and counts tiers with a table
 //! (both halved lookup time). Each holder is packed into 4 bytes: a dense slot number the
 //! index gives each node, and the tier bits. A second map, node -> its blocks, makes a node's
-//! removal and snapshot replacement cost that node's blocks, not the whole index.
+//! removal and snapshot replacement cost that node's blocks, not the whole index. Most blocks
+//! have one holder, kept in the map's own entry rather than a vector of its own ([`Holders`]),
+//! so publishing a block allocates nothing.
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::sync::RwLock;
 use tokio::sync::watch;
@@ -64,10 +67,70 @@ impl Holder {
 /// Leading blocks by fastest tier (device, host, disk), during a lookup.
 type Counts = [u32; 4];
 
+/// One block's holders, sorted by slot: one in place, more in a vector.
+#[derive(Debug)]
+enum Holders {
+    One(Holder),
+    Many(Vec<Holder>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[Holder] {
+        match self {
+            Holders::One(h) => std::slice::from_ref(h),
+            Holders::Many(v) => v,
+        }
+    }
+
+    /// Inserts `holder`, or replaces the one of its slot; true if it was not there.
+    fn put(&mut self, holder: Holder) -> bool {
+        let slot = holder.slot();
+        match self {
+            Holders::One(h) if h.slot() == slot => {
+                *h = holder;
+                false
+            }
+            Holders::One(h) => {
+                let pair = if h.slot() < slot {
+                    vec![*h, holder]
+                } else {
+                    vec![holder, *h]
+                };
+                *self = Holders::Many(pair);
+                true
+            }
+            Holders::Many(v) => match v.binary_search_by_key(&slot, |h| h.slot()) {
+                Ok(i) => {
+                    v[i] = holder;
+                    false
+                }
+                Err(i) => {
+                    v.insert(i, holder);
+                    true
+                }
+            },
+        }
+    }
+
+    /// Removes the holder of `slot`: whether it was there, and whether none is left.
+    fn take(&mut self, slot: u32) -> (bool, bool) {
+        match self {
+            Holders::One(h) => (h.slot() == slot, h.slot() == slot),
+            Holders::Many(v) => match v.binary_search_by_key(&slot, |h| h.slot()) {
+                Ok(i) => {
+                    v.remove(i);
+                    (true, v.is_empty())
+                }
+                Err(_) => (false, false),
+            },
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     /// Block -> holders sorted by slot.
-    holders: SeqMap<Vec<Holder>>,
+    holders: SeqMap<Holders>,
     /// Node -> its slot, while it holds at least one block.
     slots: U64Map<NodeId, u32>,
     /// Slot -> its node and the blocks it holds.
@@ -105,11 +168,7 @@ impl InMemoryPrefixIndex {
         let slot = state.claim(node);
         let mut changed = false;
         for &event in events {
-            let event = event.into();
-            let hash = event.hash();
-            let old = state.nodes[slot as usize].blocks.get(&hash);
-            let tiers = old.copied().unwrap_or_default().after(event);
-            changed |= state.set(slot, hash, tiers);
+            changed |= state.apply(slot, event.into());
         }
         state.release_if_empty(slot);
         drop(state);
@@ -262,29 +321,67 @@ impl State {
         true
     }
 
+    /// Applies one event of a claimed slot ([`Self::set`] with the tiers after it, one lookup
+    /// of the node's own entry); returns whether it changed anything.
+    fn apply(&mut self, slot: u32, event: TieredKvEvent) -> bool {
+        let hash = event.hash();
+        let (old, tiers) = match self.nodes[slot as usize].blocks.entry(hash) {
+            Entry::Occupied(mut e) => {
+                let old = *e.get();
+                let tiers = old.after(event);
+                if tiers.is_empty() {
+                    e.remove();
+                } else {
+                    e.insert(tiers);
+                }
+                (old, tiers)
+            }
+            Entry::Vacant(e) => {
+                let tiers = TierSet::default().after(event);
+                if !tiers.is_empty() {
+                    e.insert(tiers);
+                }
+                (TierSet::default(), tiers)
+            }
+        };
+        if old == tiers {
+            return false;
+        }
+        if tiers.is_empty() {
+            self.unhold(slot, hash);
+        } else {
+            self.hold(slot, hash, tiers);
+        }
+        true
+    }
+
     /// Inserts or updates a holder of the block (the holders side only).
     fn hold(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) {
-        let holders = self.holders.entry(hash).or_default();
-        match holders.binary_search_by_key(&slot, |h| h.slot()) {
-            Ok(i) => holders[i] = Holder::new(slot, tiers),
-            Err(i) => {
-                holders.insert(i, Holder::new(slot, tiers));
+        let holder = Holder::new(slot, tiers);
+        match self.holders.entry(hash) {
+            Entry::Vacant(e) => {
+                e.insert(Holders::One(holder));
                 self.entries += 1;
+            }
+            Entry::Occupied(mut e) => {
+                if e.get_mut().put(holder) {
+                    self.entries += 1;
+                }
             }
         }
     }
 
     /// Removes a holder of the block (the holders side only).
     fn unhold(&mut self, slot: u32, hash: SequenceHash) {
-        let Some(holders) = self.holders.get_mut(&hash) else {
+        let Entry::Occupied(mut e) = self.holders.entry(hash) else {
             return;
         };
-        if let Ok(i) = holders.binary_search_by_key(&slot, |h| h.slot()) {
-            holders.remove(i);
+        let (removed, none_left) = e.get_mut().take(slot);
+        if removed {
             self.entries -= 1;
-            if holders.is_empty() {
-                self.holders.remove(&hash);
-            }
+        }
+        if none_left {
+            e.remove();
         }
     }
 }
@@ -297,7 +394,7 @@ impl InMemoryPrefixIndex {
         let Some((first, rest)) = hashes.split_first() else {
             return result;
         };
-        let Some(holders) = state.holders.get(first) else {
+        let Some(holders) = state.holders.get(first).map(Holders::as_slice) else {
             return result;
         };
         // Slots of the nodes that hold every block so far, in slot order like every holders
@@ -312,7 +409,7 @@ impl InMemoryPrefixIndex {
             .collect();
         let node = |slot: u32| state.nodes[slot as usize].node;
         for hash in rest {
-            let Some(holders) = state.holders.get(hash) else {
+            let Some(holders) = state.holders.get(hash).map(Holders::as_slice) else {
                 break;
             };
             let mut at = 0;

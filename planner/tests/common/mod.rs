@@ -8,7 +8,8 @@ use std::time::Duration;
 /// What the mesh carries at one instant, whatever its size.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Load {
-    /// Prompt tokens queued across all prefill nodes.
+    /// Prompt tokens queued across all prefill nodes (across the decode nodes when there is
+    /// no prefill node: they prefill every prompt then).
     pub queued_tokens: f64,
     /// KV in use across all decode nodes, in units of one node's capacity.
     pub kv_nodes: f64,
@@ -28,6 +29,11 @@ impl Mesh {
     pub fn observe(&self, load: &Load) -> Observation {
         let p = self.prefill.max(1);
         let d = self.decode.max(1);
+        let local = if self.prefill == 0 {
+            (load.queued_tokens / f64::from(d)) as u64
+        } else {
+            0
+        };
         Observation {
             arrival_rate: load.arrival_rate,
             mean_prompt_tokens: load.prompt,
@@ -36,6 +42,7 @@ impl Mesh {
                 (load.queued_tokens / f64::from(p)) as u64;
                 self.prefill as usize
             ],
+            decode_queued_prompt_tokens: vec![local; self.decode as usize],
             decode_kv_usage: vec![(load.kv_nodes / f64::from(d)).min(1.0); self.decode as usize],
             decode_running: vec![
                 (load.running / f64::from(d)).round() as u32;

@@ -21,6 +21,7 @@ pub fn node(id: u64, running: usize, waiting: usize, used: usize) -> NodeEntry {
             running,
             waiting,
             kv_blocks_used: used,
+            ..LoadReport::default()
         },
     }
 }

@@ -96,6 +96,7 @@ impl Mesh<'_> {
         node.set_record_kv_events(config.scheduler.enable_prefix_caching);
         // Nodes that come and go never share hosts' cores (refused at the start).
         node.set_coalesce(self.quiet_runs);
+        node.set_gather_window(self.gather_window);
         if self.scaler.is_some() {
             node.set_record_steps(super::scaler::STEPS_KEPT);
         }

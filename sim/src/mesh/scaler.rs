@@ -132,6 +132,8 @@ impl Mesh<'_> {
                     obs.decode_nodes += 1;
                     obs.decode_running.push(node.load().running as u32);
                     obs.decode_kv_usage.push(node.pool().usage());
+                    obs.decode_queued_prompt_tokens
+                        .push(node.queued_prefill_tokens());
                 }
                 _ => {
                     obs.prefill_nodes += 1;

@@ -68,8 +68,12 @@ impl SimNode {
             context,
         };
         let mut end = now;
-        for i in 0..steps {
-            end += self.timing.step_time(&run.shape(i));
+        for time in self
+            .timing
+            .decode_step_times(run.batch, run.context)
+            .take(steps)
+        {
+            end += time;
             run.ends.push(end);
         }
         self.run = Some(run);
@@ -152,6 +156,7 @@ impl SimNode {
 mod tests {
     use super::*;
     use crate::node::tests::config;
+    use crate::node::Started;
     use crate::timing::TimingProfile;
     use std::collections::BTreeMap;
 
@@ -165,7 +170,7 @@ mod tests {
         let mut now = Duration::ZERO;
         let mut times: BTreeMap<SeqId, Vec<Duration>> = BTreeMap::new();
         let mut runs = 0;
-        while let Some(end) = node.start_step(now) {
+        while let Some(Started::Step(end)) = node.start_step(now) {
             let mut deliver = |t: RunTokens| {
                 for seq in t.seqs {
                     times.entry(seq).or_default().extend(&t.ends);

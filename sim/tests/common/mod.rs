@@ -75,14 +75,18 @@ pub fn disaggregated(decode: usize, prefill: usize, link: LinkClass, seed: u64) 
     config
 }
 
-/// Nodes that take `service` for every step, whatever it holds.
+/// Nodes that take `service` for every step, whatever it holds, and step as soon as a
+/// request reaches them (no gather window), so their runs can be worked by hand.
 pub fn fixed(nodes: usize, service: Duration) -> MeshConfig {
     let node = NodeConfig {
         scheduler: scheduler(64, 8, true),
         timing: TimingProfile::fixed(service),
         vocab_size: 100,
     };
-    MeshConfig::new(nodes, node, "round_robin".parse().unwrap())
+    MeshConfig {
+        gather_window: Duration::ZERO,
+        ..MeshConfig::new(nodes, node, "round_robin".parse().unwrap())
+    }
 }
 
 /// Poisson arrivals at `rate`; each prompt is one of `prefixes` shared system prompts (four
