@@ -310,15 +310,7 @@ impl State {
         } else {
             blocks.insert(hash, tiers)
         };
-        if old.unwrap_or_default() == tiers {
-            return false;
-        }
-        if tiers.is_empty() {
-            self.unhold(slot, hash);
-        } else {
-            self.hold(slot, hash, tiers);
-        }
-        true
+        self.update_holders(slot, hash, old.unwrap_or_default(), tiers)
     }
 
     /// Applies one event of a claimed slot ([`Self::set`] with the tiers after it, one lookup
@@ -344,6 +336,17 @@ impl State {
                 (TierSet::default(), tiers)
             }
         };
+        self.update_holders(slot, hash, old, tiers)
+    }
+
+    /// The holders side of a node's block going from `old` to `tiers`; whether it changed.
+    fn update_holders(
+        &mut self,
+        slot: u32,
+        hash: SequenceHash,
+        old: TierSet,
+        tiers: TierSet,
+    ) -> bool {
         if old == tiers {
             return false;
         }
