@@ -17,11 +17,12 @@ pub struct EngineConfig {
     /// 1024 blocks (16k tokens) take 360 MiB.
     pub num_blocks: usize,
     /// Token budget of one step (prefill chunks and decodes together). Every decode waits for
-    /// the step to end, so the default is sized for a CPU: a 128-token chunk keeps a
-    /// co-running stream's gaps near 50 ms on two cores, under the 100 ms an inter-token
-    /// objective commonly allows (256 tokens came to about 100 ms), and CPU prefill is as fast
-    /// in such chunks as in long ones (`kvmesh bench engine`: TTFT within a few percent from
-    /// 64 to 2,048 tokens). A GPU wants 2048 or more.
+    /// the step to end, so the default is sized for a CPU, where a prompt's chunks set the
+    /// gaps of every stream decoding beside it: 128 tokens halves the longest gap of 256
+    /// (`kvmesh bench engine`: 0.52x with a 1,000-token prompt arriving among 2 decodes)
+    /// and CPU prefill is as fast in such chunks as in long ones (that prompt's TTFT 0.96x).
+    /// Lower it where a per-token latency objective is tight for the CPU; a GPU wants 2048
+    /// or more.
     pub max_num_batched_tokens: usize,
     /// Most sequences holding KV at once.
     pub max_num_seqs: usize,
