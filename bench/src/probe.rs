@@ -85,12 +85,17 @@ impl Bench {
         RunPlan {
             shape: shape.clone(),
             seed: self.seed,
-            max_requests: self.requests.map(|n| n.saturating_mul(length as usize)),
+            max_requests: self.planned(length),
             duration: self.duration.map(|d| d * length),
             max_in_flight: self.max_in_flight,
             follow_turns: self.follow_turns,
             first_item,
         }
+    }
+
+    /// The requests a point `length` times the configured length sends, if bounded by them.
+    fn planned(&self, length: u32) -> Option<usize> {
+        self.requests.map(|n| n.saturating_mul(length as usize))
     }
 
     /// Point `index`, its first request the workload's item `first_item` (the requests sent
@@ -190,8 +195,9 @@ impl Bench {
                     observer,
                 )
                 .await?;
-            let planned = self.plan(&shape, request.length, 0).max_requests;
-            let stopped_short_of = planned.filter(|_| measured.run.stopped);
+            let stopped_short_of = self
+                .planned(request.length)
+                .filter(|_| measured.run.stopped);
             let probe = Probe::judged(request, &measured.point.slo, &criteria, stopped_short_of);
             points.push(measured);
             search.record(probe)?;
