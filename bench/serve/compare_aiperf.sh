@@ -101,13 +101,6 @@ while [[ $# -gt 0 ]]; do
 done
 
 log() { echo "[compare_aiperf] $*" >&2; }
-# pinned LIST CMD... &: CMD on the CPUs in LIST (all of them when LIST is empty). Only in the
-# background: it execs, so that $! is CMD's own pid (which stop_server signals), not a
-# subshell's that would leave CMD running.
-pinned() {
-  local cpus="$1"; shift
-  if [[ -n "$cpus" ]]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
-}
 
 [[ -f "$MODEL" ]] || { log "model not found: $MODEL (kvmesh fetch-model downloads it)"; exit 1; }
 MODEL="$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL")"

@@ -22,6 +22,10 @@
 #   --only NAME          run just `kvmesh` or `llama-server`
 #   --out DIR            logs and per-server reports (default: target/bench-serve)
 #   --wait-idle S        first wait up to S s for the 1-min load average to drop below 0.5
+#   --server-cpus L      run each server on these CPUs (taskset list, e.g. 1), with one compute
+#                        thread per CPU (llama-server's -t, kvmesh's own count)
+#   --client-cpus L      run the load generator on these CPUs (e.g. 0): on a small machine it
+#                        then takes no CPU from the server it measures
 #   -h, --help
 # Environment:
 #   KVMESH_BIN           kvmesh binary (default target/release/kvmesh; built when missing)
@@ -31,7 +35,8 @@
 #   KVMESH_BENCH         the measuring command, word-split (default: "$KVMESH_BIN bench")
 #
 # Each server runs alone on a free loopback port: llama-server as
-#   llama-server -m GGUF -t 2 -np 32 -cb -c 32*ctx --host 127.0.0.1 --port P
+#   llama-server -m GGUF -t T -np 32 -cb -c 32*ctx --host 127.0.0.1 --port P
+# (T: the server's CPUs, this machine's unless --server-cpus says)
 # and kvmesh as `kvmesh serve --model GGUF --listen 127.0.0.1:P`, then is measured with
 #   kvmesh bench serve --url http://127.0.0.1:P --model NAME --workload SPEC --ignore-eos \
 #     --max-goodput --slo SPEC --attainment F --requests N --duration D --out OUT/NAME
@@ -40,7 +45,8 @@
 # bisects; a load passes when its attainment's 95% interval lies at or above the target.
 # `kvmesh bench compare` then sets the two reports side by side, and the last lines give
 # each server's max goodput (req/s meeting the SLO) and their ratio. The load generator
-# shares the CPUs with the server: read the load averages printed before and after.
+# shares the CPUs with the server unless --client-cpus keeps it apart: read the load
+# averages printed before and after.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -60,8 +66,10 @@ WAIT_IDLE=0
 OUT="$ROOT/target/bench-serve"
 SERVED_NAME="SmolLM2-135M-Instruct"
 READY_TIMEOUT=180
+SERVER_CPUS=""
+CLIENT_CPUS=""
 
-usage() { sed -n '2,43p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,49p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --model) MODEL="$2"; shift 2 ;;
@@ -74,6 +82,8 @@ while [[ $# -gt 0 ]]; do
     --only) ONLY="$2"; shift 2 ;;
     --wait-idle) WAIT_IDLE="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
+    --server-cpus) SERVER_CPUS="$2"; shift 2 ;;
+    --client-cpus) CLIENT_CPUS="$2"; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -115,12 +125,15 @@ bench() {
       # shellcheck disable=SC2206
       [[ -n "${KVMESH_SERVE_ARGS:-}" ]] && extra=(${KVMESH_SERVE_ARGS})
       log "starting kvmesh serve on 127.0.0.1:$port (log: $log)"
-      "$KVMESH" serve --model "$MODEL" --listen "127.0.0.1:$port" "${extra[@]}" >"$log" 2>&1 &
+      pinned "$SERVER_CPUS" "$KVMESH" serve --model "$MODEL" --listen "127.0.0.1:$port" \
+        "${extra[@]}" >"$log" 2>&1 &
       ;;
     llama-server)
-      log "starting llama-server -t 2 -np 32 -cb -c $((32 * CTX)) on 127.0.0.1:$port (log: $log)"
-      LD_LIBRARY_PATH="$LLAMA_DIR/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
-        "$LLAMA_SERVER" -m "$MODEL" --alias "$SERVED_NAME" -t 2 -np 32 -cb -c $((32 * CTX)) \
+      local threads
+      threads="$(cpu_count "$SERVER_CPUS")"
+      log "starting llama-server -t $threads -np 32 -cb -c $((32 * CTX)) on 127.0.0.1:$port (log: $log)"
+      LD_LIBRARY_PATH="$LLAMA_DIR/build/bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" pinned "$SERVER_CPUS" \
+        "$LLAMA_SERVER" -m "$MODEL" --alias "$SERVED_NAME" -t "$threads" -np 32 -cb -c $((32 * CTX)) \
         --host 127.0.0.1 --port "$port" >"$log" 2>&1 &
       ;;
   esac
@@ -128,7 +141,7 @@ bench() {
   wait_ready "http://127.0.0.1:$port/health" "$log"
   warm_up "http://127.0.0.1:$port" "$SERVED_NAME"
   log "$name: load average $(loadavg); measuring (progress: $OUT/$name.bench.log)"
-  "${BENCH[@]}" "${SERVE_CMD[@]}" --url "http://127.0.0.1:$port" --model "$SERVED_NAME" \
+  pinned "$CLIENT_CPUS" "${BENCH[@]}" "${SERVE_CMD[@]}" --url "http://127.0.0.1:$port" --model "$SERVED_NAME" \
     --workload "$WORKLOAD" --ignore-eos --max-goodput --slo "$SLO" --attainment "$ATTAINMENT" \
     --requests "$REQUESTS" --duration "$DURATION" --out "$OUT/$name" \
     >"$OUT/$name.txt" 2>"$OUT/$name.bench.log" &

@@ -21,6 +21,27 @@ stop_server() {
   SERVER_PID=""
 }
 
+# pinned LIST CMD... &: CMD on the CPUs in LIST (all of them when LIST is empty). Only in the
+# background: it execs, so that $! is CMD's own pid (which stop_server signals), not a
+# subshell's that would leave CMD running.
+pinned() {
+  local cpus="$1"; shift
+  if [[ -n "$cpus" ]]; then exec taskset -c "$cpus" "$@"; else exec "$@"; fi
+}
+
+# cpu_count LIST: how many CPUs a taskset list names ("1", "0-3", "0,2-3"); all of this
+# machine's when LIST is empty.
+cpu_count() {
+  [[ -n "$1" ]] || { nproc; return; }
+  python3 -c '
+import sys
+n = 0
+for part in sys.argv[1].split(","):
+    lo, _, hi = part.partition("-")
+    n += int(hi or lo) - int(lo) + 1
+print(n)' "$1"
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # wait_ready URL LOG: poll GET URL until 200 (bounded by READY_TIMEOUT, default 180 s),

@@ -27,6 +27,7 @@ const OVERRIDING_ENV: &[&str] = &[
     env_vars::DECODE_WORKERS,
     env_vars::TTFT_TARGET,
     env_vars::MAX_BATCHED_TOKENS,
+    env_vars::MAX_STEP_TIME,
     env_vars::ROUTING_POLICY,
     env_vars::LOCAL_PREFILL_MAX_TOKENS,
 ];

@@ -49,11 +49,7 @@ fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner:
         max_num_batched_tokens: 256,
         max_num_seqs: 8,
         max_model_len: Some(1024),
-        enable_prefix_caching: true,
-        host_tier_blocks: 0,
-        disk_tier_blocks: 0,
-        disk_tier_dir: None,
-        grammar_fast_forward: true,
+        ..EngineConfig::default()
     }
     .llama_engine(loaded())
     .unwrap()

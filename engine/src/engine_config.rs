@@ -6,6 +6,7 @@ use crate::scheduler::{SchedulerConfig, SchedulerError};
 use crate::Loaded;
 use kvmesh_common::{BlockHasher, ModelFingerprint};
 use serde::{Deserialize, Serialize};
+use std::time::Duration;
 
 /// KV pool and batching limits of one engine.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,9 +22,18 @@ pub struct EngineConfig {
     /// gaps of every stream decoding beside it: 128 tokens halves the longest gap of 256
     /// (`kvmesh bench engine`: 0.52x with a 1,000-token prompt arriving among 2 decodes)
     /// and CPU prefill is as fast in such chunks as in long ones (that prompt's TTFT 0.96x).
-    /// Lower it where a per-token latency objective is tight for the CPU; a GPU wants 2048
-    /// or more.
+    /// Where a per-token latency objective is tight for the machine, set `max_step_time`
+    /// rather than lowering this; a GPU wants 2048 or more.
     pub max_num_batched_tokens: usize,
+    /// A target for one step's time (e.g. `"80ms"`): each step's prefill chunks get only the
+    /// tokens that keep it within the target, as this engine's own recent steps predict
+    /// (`max_num_batched_tokens` still caps them). A chunk's cost grows with the context it
+    /// attends and with the machine's load, which a token budget cannot see. Set it below
+    /// the per-token latency objective: each chunk is a gap in every stream decoding beside
+    /// the prompt. A step's first chunk gets at least `block_size` tokens, so prompts
+    /// progress when decodes alone fill the target. Unset: the token budget alone.
+    #[serde(with = "humantime_serde")]
+    pub max_step_time: Option<Duration>,
     /// Most sequences holding KV at once.
     pub max_num_seqs: usize,
     /// Longest sequence (prompt plus output); `None` = the model's context length.
@@ -50,6 +60,7 @@ impl Default for EngineConfig {
             block_size: 16,
             num_blocks: 1024,
             max_num_batched_tokens: 128,
+            max_step_time: None,
             max_num_seqs: 64,
             max_model_len: None,
             enable_prefix_caching: true,
@@ -88,6 +99,7 @@ impl EngineConfig {
         let runner = LlamaRunner::new(loaded.model.clone(), self.num_blocks, self.block_size);
         let mut engine = LlmEngine::new(config, runner, loaded.tokenizer.clone());
         engine.set_fast_forward(self.grammar_fast_forward);
+        engine.set_max_step_time(self.max_step_time);
         match (&self.disk_tier_dir, self.disk_tier_blocks) {
             (_, 0) => Ok(engine),
             (None, _) => Err(SchedulerError::InvalidConfig(

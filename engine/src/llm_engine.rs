@@ -21,7 +21,7 @@ use crate::block_pool::Held;
 use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
 use crate::sampler::{Sampled, Sampler};
 use crate::scheduler::{
-    Admission, Import, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError,
+    Admission, Import, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, StepShape,
 };
 use crate::tier_store::{TierError, TierStore};
 use kvmesh_common::{
@@ -34,6 +34,7 @@ use kvmesh_prompt::tokenizer::Tokenizer;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -342,6 +343,11 @@ impl<R: ModelRunner> LlmEngine<R> {
     /// migrated request must resume on an engine with the same setting to continue exactly.
     pub fn set_fast_forward(&mut self, on: bool) {
         self.fast_forward = on;
+    }
+
+    /// See [`crate::engine_config::EngineConfig::max_step_time`].
+    pub fn set_max_step_time(&mut self, target: Option<Duration>) {
+        self.scheduler.set_max_step_time(target);
     }
 
     /// Whether the masks of a step's constrained sequences are computed while the model
@@ -703,6 +709,8 @@ impl<R: ModelRunner> LlmEngine<R> {
         &mut self,
         on_layer: &mut (dyn FnMut(usize, &StepInput, &dyn KvSource) + Send),
     ) -> Result<Vec<SeqOutput>, EngineError> {
+        // The whole step, planning and sampling too, is the gap its decoding streams see.
+        let started = Instant::now();
         self.admitted.clear();
         self.remote_admitted.clear();
         let plan = loop {
@@ -744,6 +752,7 @@ impl<R: ModelRunner> LlmEngine<R> {
             return Ok(Vec::new());
         }
         let step = &plan.step;
+        let shape = StepShape::of(step);
         // The constrained sequences that draw this step: their grammar state is final, so what
         // they may draw is computed while the model runs.
         let drawing: Vec<SeqId> = step
@@ -828,6 +837,7 @@ impl<R: ModelRunner> LlmEngine<R> {
         let outcome = self.scheduler.update_from_output(plan, &sampled)?;
         let context_full = self.append_forced(&mut runs, outcome.context_full);
         let outputs = self.finish_outputs(runs, &context_full);
+        self.scheduler.observe_step_time(shape, started.elapsed());
         self.steps_run += 1;
         self.tokens_generated += outputs.len() as u64;
         Ok(outputs)

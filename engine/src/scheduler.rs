@@ -57,6 +57,7 @@ mod discard;
 mod import;
 mod quiet;
 mod sequence;
+mod step_time;
 
 use crate::block_pool::{BlockPool, TierMove};
 use crate::runner::{SeqChunk, SeqId, StepInput};
@@ -66,8 +67,11 @@ use kvmesh_common::{BlockHasher, BlockId, PromptHashes, SequenceHash, TokenId};
 use sequence::{blocks_for, RemotePrefill, Sequence};
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub use import::Import;
+use step_time::TimeBudget;
+pub use step_time::{StepCost, StepShape, StepTimeModel};
 
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
@@ -227,6 +231,10 @@ pub struct Scheduler {
     next_step_id: u64,
     next_generation: u64,
     num_preemptions: u64,
+    /// What steps cost on this engine, learned from the steps run; with a target, it sizes
+    /// prefill chunks (see `step_time`).
+    step_time: StepTimeModel,
+    max_step_time: Option<f64>,
 }
 
 impl Scheduler {
@@ -251,7 +259,40 @@ impl Scheduler {
             next_step_id: 0,
             next_generation: 0,
             num_preemptions: 0,
+            step_time: StepTimeModel::default(),
+            max_step_time: None,
         }
+    }
+
+    /// Sizes each step's prefill chunks so that the step is predicted to take at most
+    /// `target` (`None`: the token budget alone). The prediction learns from
+    /// [`Scheduler::observe_step_time`]; until it can say, the token budget alone decides.
+    pub fn set_max_step_time(&mut self, target: Option<Duration>) {
+        self.max_step_time = target.map(|t| t.as_secs_f64());
+    }
+
+    /// How long a step of this shape took, from its planning to its tokens: what the
+    /// step-time target's predictions learn from.
+    pub fn observe_step_time(&mut self, shape: StepShape, took: Duration) {
+        self.step_time.observe(shape, took.as_secs_f64());
+    }
+
+    /// The time budget of the step being planned, when there is a target.
+    fn time_budget(&self) -> Option<TimeBudget> {
+        let target = self.max_step_time?;
+        let decodes = self
+            .running
+            .iter()
+            .map(|id| &self.seqs[id])
+            .filter(|s| s.num_uncomputed() == 1)
+            .map(|s| StepShape::chunk(s.num_computed, 1))
+            .fold(StepShape::default(), StepShape::plus);
+        Some(TimeBudget::new(
+            self.step_time.cost(),
+            target,
+            decodes,
+            self.config.block_size,
+        ))
     }
 
     /// Queues a sequence; it is admitted by a later `schedule`. The prompt is kept as given
@@ -382,12 +423,19 @@ impl Scheduler {
             scheduled: Vec::new(),
         };
         let mut budget = self.config.max_num_batched_tokens;
+        let mut time = self.time_budget();
 
         // Running sequences first, in admission order; only they can preempt.
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
-            let n = self.seqs[&id].num_uncomputed().min(budget);
+            let seq = &self.seqs[&id];
+            let (start, mut n) = (seq.num_computed, seq.num_uncomputed().min(budget));
+            // A decode is in the time budget already; a prefill chunk gets what is left.
+            if let Some(time) = time.as_mut().filter(|_| seq.num_uncomputed() > 1) {
+                n = time.limit(start, n);
+                time.add(start, n);
+            }
             if n == 0 {
                 i += 1;
                 continue;
@@ -417,7 +465,7 @@ impl Scheduler {
                 if budget == 0 {
                     break;
                 }
-                let Some((n, admission)) = self.try_admit(id, budget) else {
+                let Some((n, admission)) = self.try_admit(id, budget, time.as_mut()) else {
                     break;
                 };
                 self.push_chunk(id, n, &mut out);
@@ -782,17 +830,32 @@ impl Scheduler {
 
     /// Admits the head of the queue if blocks allow: takes its cached prefix, allocates the
     /// rest of its first chunk and moves it to running. Returns the chunk length.
-    fn try_admit(&mut self, id: SeqId, budget: usize) -> Option<(usize, Admission)> {
+    fn try_admit(
+        &mut self,
+        id: SeqId,
+        budget: usize,
+        time: Option<&mut TimeBudget>,
+    ) -> Option<(usize, Admission)> {
         let bs = self.config.block_size;
         let seq = &self.seqs[&id];
         let (hits, host) = self.cached_prefix(&seq.hashes, seq.len());
         let num_cached = (hits.len() + host) * bs;
-        let n = (seq.len() - num_cached).min(budget);
+        let mut n = (seq.len() - num_cached).min(budget);
+        let time = time.filter(|_| n > 1);
+        if let Some(time) = &time {
+            n = time.limit(num_cached, n);
+            if n == 0 {
+                return None;
+            }
+        }
         let new_blocks = blocks_for(num_cached + n, bs) - hits.len();
         if new_blocks + self.revived(&hits) > self.pool.num_free() {
             return None;
         }
         let fresh = self.take_blocks(id, &hits, host, new_blocks);
+        if let Some(time) = time {
+            time.add(num_cached, n);
+        }
 
         let seq = self.seqs.get_mut(&id).unwrap();
         seq.num_cached_blocks = hits.len() + host;

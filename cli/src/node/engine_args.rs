@@ -3,7 +3,9 @@
 
 use crate::config::env_vars;
 use clap::Args;
+use humantime_serde::re::humantime;
 use serde::Serialize;
+use std::time::Duration;
 
 #[derive(Args, Clone, Debug, Serialize)]
 pub struct EngineArgs {
@@ -25,6 +27,12 @@ pub struct EngineArgs {
     /// 2048 or more.
     #[arg(long, env = env_vars::MAX_BATCHED_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_batched_tokens: Option<u32>,
+    /// A target for one engine step's time (e.g. 70ms): prefill chunks get only the tokens
+    /// that keep a step within it, as the engine's recent steps predict. Set it below the
+    /// per-token latency objective; unset, the token budget alone sizes chunks.
+    #[arg(long, env = env_vars::MAX_STEP_TIME, value_parser = humantime::parse_duration)]
+    #[serde(with = "humantime_serde")]
+    pub max_step_time: Option<Duration>,
 }
 
 /// Where the `EngineArgs` flags go in the TOML.
@@ -34,4 +42,5 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kv_disk_blocks", "engine.disk_tier_blocks"),
     ("kv_disk_dir", "engine.disk_tier_dir"),
     ("max_batched_tokens", "engine.max_num_batched_tokens"),
+    ("max_step_time", "engine.max_step_time"),
 ];

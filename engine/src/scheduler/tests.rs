@@ -508,3 +508,77 @@ fn appending_stops_at_the_token_that_fills_the_context() {
     assert_eq!(s.pool().num_used(), 0);
     assert_eq!(s.append_tokens(1, &[1]), Appended::default());
 }
+
+/// Runs `s` for `steps` steps on a machine whose step takes exactly `1 ms + 1 ms per token +
+/// 10 µs per position attended`, each step's time given back to the scheduler. Returns each
+/// step's (seconds, tokens of sequence `watch` before position `upto`).
+fn run_timed(s: &mut Scheduler, steps: usize, watch: SeqId, upto: usize) -> Vec<(f64, usize)> {
+    let cost =
+        |shape: StepShape| 0.001 + 0.001 * shape.tokens as f64 + 1e-5 * shape.attended as f64;
+    let mut seen = Vec::new();
+    for _ in 0..steps {
+        let out = s.schedule();
+        let shape = StepShape::of(&out.step);
+        let seconds = cost(shape);
+        s.observe_step_time(shape, Duration::from_secs_f64(seconds));
+        let watched = out
+            .step
+            .chunks
+            .iter()
+            .filter(|c| c.seq_id == watch && c.start_pos < upto)
+            .map(|c| c.tokens.len())
+            .sum();
+        seen.push((seconds, watched));
+        let sampled: Vec<_> = out
+            .step
+            .chunks
+            .iter()
+            .filter(|c| c.want_logits)
+            .map(|c| (c.seq_id, 7))
+            .collect();
+        let _ = s.update_from_output(out, &sampled).unwrap();
+    }
+    seen
+}
+
+#[test]
+fn a_step_time_target_sizes_prefill_chunks_by_their_cost() {
+    let timed = |target: Option<Duration>| {
+        let mut c = config(256, 64);
+        c.max_model_len = 512;
+        let mut s = Scheduler::new(c);
+        s.set_max_step_time(target);
+        // Two streams decode; the step times teach the model; then a long prompt arrives.
+        s.add_sequence(1, prompt(8)).unwrap();
+        s.add_sequence(2, prompt(12)).unwrap();
+        run_timed(&mut s, 20, 3, 0);
+        s.add_sequence(3, (1000..1300).collect::<Vec<_>>()).unwrap();
+        run_timed(&mut s, 60, 3, 300)
+    };
+
+    let target = 0.03;
+    let steps = timed(Some(Duration::from_secs_f64(target)));
+    let chunks: Vec<usize> = steps.iter().map(|&(_, n)| n).filter(|&n| n > 0).collect();
+    assert_eq!(
+        chunks.iter().sum::<usize>(),
+        300,
+        "the prompt is prefilled: {chunks:?}"
+    );
+    // The decodes and the first prompts' steps taught the model what tokens and attention
+    // cost: every step of the long prompt keeps to the target, and its chunks shrink as the
+    // context they attend grows.
+    for (i, &(seconds, n)) in steps.iter().enumerate() {
+        assert!(
+            seconds <= target * 1.02,
+            "step {i}: {seconds} s with a chunk of {n}"
+        );
+    }
+    let full = &chunks[..chunks.len() - 1];
+    assert!(full.windows(2).all(|w| w[1] <= w[0]), "{chunks:?}");
+    assert!(full.last() < full.first(), "{chunks:?}");
+
+    // Without a target the token budget alone sizes chunks: steps far over 30 ms.
+    let untimed = timed(None);
+    let longest = untimed.iter().map(|&(s, _)| s).fold(0.0, f64::max);
+    assert!(longest > 2.0 * target, "{longest}");
+}

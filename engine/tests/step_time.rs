@@ -1,0 +1,48 @@
+//! The step-time target on the real model: the engine times its own steps, and once it has
+//! seen what a chunk costs, a prompt that arrives beside a decoding stream is prefilled in
+//! chunks that keep each step within the target.
+
+mod common;
+
+use kvmesh_common::SamplingParams;
+use kvmesh_engine::engine_config::EngineConfig;
+use std::time::Duration;
+
+/// The tokens of each step after a long prompt arrives beside a stream that is decoding.
+fn steps_beside_a_decode(max_step_time: Option<Duration>) -> Vec<usize> {
+    let mut e = common::engine(EngineConfig {
+        max_step_time,
+        ..EngineConfig::default()
+    });
+    let short = common::note_prompt("rivers")[..40].to_vec();
+    e.add_request(1, short, SamplingParams::greedy(64), 0)
+        .unwrap();
+    // Its prefill chunk and a few decodes: what the engine learns steps cost from.
+    for _ in 0..6 {
+        e.step().unwrap();
+    }
+    e.add_request(
+        2,
+        common::note_prompt("mountains"),
+        SamplingParams::greedy(4),
+        0,
+    )
+    .unwrap();
+    (0..4)
+        .map(|_| {
+            e.step().unwrap();
+            e.last_step_tokens()
+        })
+        .collect()
+}
+
+#[test]
+fn a_target_no_step_can_meet_leaves_each_step_one_block_of_prompt() {
+    // No step of a real model takes a microsecond: every step gets the floor, one block
+    // (16 tokens) of the prompt beside the one decode.
+    let tight = steps_beside_a_decode(Some(Duration::from_micros(1)));
+    assert_eq!(tight, vec![17; 4]);
+    // Without a target the token budget (128) sizes the chunks.
+    let untimed = steps_beside_a_decode(None);
+    assert_eq!(untimed[0], 128, "{untimed:?}");
+}
