@@ -6,7 +6,8 @@
 //!
 //! The pure cores:
 //! - [`space`]: the candidates: prefill:decode splits of a node budget and the in-process
-//!   `serve`, the engine's step budget (`engine.max_num_batched_tokens`), the local-prefill
+//!   `serve`, the engine's step budget (`engine.max_num_batched_tokens`) and step-time
+//!   target (`engine.max_step_time`), the local-prefill
 //!   threshold (`local_prefill_max_tokens`), the routing policy (`routing`) and admission
 //!   control's TTFT target (`router.ttft_target`).
 //! - [`halving`]: successive halving within a total time budget, fed max-goodput scores.
@@ -29,7 +30,7 @@ use kvmesh_bench::arrivals::Arrivals;
 use kvmesh_bench::plot::{self, PlotFormat};
 use kvmesh_bench::probe::{Bench, Progress};
 use kvmesh_bench::search::{Axis, Criteria, SearchConfig, Verdict};
-use kvmesh_bench::slo::SloSpec;
+use kvmesh_bench::slo::{Objective, SloSpec};
 use kvmesh_bench::workload::{WorkloadOptions, WorkloadSpec};
 use kvmesh_bench::{Api, Target};
 use kvmesh_router::policy::RoutingConfig;
@@ -80,6 +81,10 @@ pub struct TuneArgs {
     /// `engine.max_num_batched_tokens` values to try [default: 128,256,512].
     #[arg(long, value_delimiter = ',')]
     pub step_budgets: Option<Vec<usize>>,
+    /// `engine.max_step_time` values to try (`off` or a duration) [default: off, and 60% of
+    /// the --slo's itl objective when it has one].
+    #[arg(long, value_delimiter = ',', value_parser = parse_target)]
+    pub step_times: Option<Vec<Duration>>,
     /// `local_prefill_max_tokens` values to try [default: 0,256,1024].
     #[arg(long, value_delimiter = ',')]
     pub local_prefill: Option<Vec<usize>>,
@@ -106,12 +111,22 @@ pub struct TuneArgs {
     pub model: Option<PathBuf>,
 }
 
-/// `off` (or 0) disables admission control; otherwise a duration.
+/// `off` (or 0) disables the target (admission control's, a step's); otherwise a duration.
 fn parse_target(s: &str) -> Result<Duration, String> {
     match s.trim() {
         "off" | "0" => Ok(Duration::ZERO),
         t => humantime::parse_duration(t).map_err(|e| format!("`{t}`: {e} (or `off`)")),
     }
+}
+
+/// No step-time target, and one at 60% of the SLO's longest-gap objective if it has one: the
+/// gaps follow the target with what the rest of the serving path adds on top
+/// (docs/benchmarks.md, "A step-time target").
+fn default_step_times(slo: &SloSpec) -> Vec<Duration> {
+    let itl = slo.targets().find(|&(o, _)| o == Objective::Itl);
+    std::iter::once(Duration::ZERO)
+        .chain(itl.map(|(_, t)| t.mul_f64(0.6)))
+        .collect()
 }
 
 /// How many load probes make the shortest measurement.
@@ -129,6 +144,10 @@ impl TuneArgs {
         if let Some(s) = &self.step_budgets {
             space.step_budgets = s.clone();
         }
+        space.step_times = match &self.step_times {
+            Some(t) => t.clone(),
+            None => default_step_times(&self.slo),
+        };
         if let Some(l) = &self.local_prefill {
             space.local_prefill_thresholds = l.clone();
         }
@@ -159,6 +178,7 @@ impl TuneArgs {
         for (name, empty) in [
             ("--topologies", space.topologies.is_empty()),
             ("--step-budgets", space.step_budgets.is_empty()),
+            ("--step-times", space.step_times.is_empty()),
             ("--local-prefill", space.local_prefill_thresholds.is_empty()),
             ("--policies", space.policies.is_empty()),
             ("--ttft-targets", space.ttft_targets.is_empty()),
@@ -645,6 +665,16 @@ fn against_baseline(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_times_default_to_off_and_under_the_itl_objective() {
+        let slo = |s: &str| s.parse::<SloSpec>().unwrap();
+        assert_eq!(
+            default_step_times(&slo("ttft=2s,itl=100ms")),
+            [Duration::ZERO, Duration::from_millis(60)]
+        );
+        assert_eq!(default_step_times(&slo("ttft=2s")), [Duration::ZERO]);
+    }
 
     #[test]
     fn probes_share_what_is_left() {

@@ -32,6 +32,8 @@ const SMALL_SPACE: &[&str] = &[
     "serve:0+1,serve:1+1,mesh:1+1",
     "--step-budgets",
     "128",
+    "--step-times",
+    "off",
     "--local-prefill",
     "0",
     "--policies",

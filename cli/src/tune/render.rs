@@ -15,6 +15,7 @@ const SERVE_KEYS: &[&str] = &[
     "decode_workers",
     "local_prefill_max_tokens",
     "engine.max_num_batched_tokens",
+    "engine.max_step_time",
     "routing",
     "router.ttft_target",
 ];
@@ -23,8 +24,12 @@ const ROUTER_KEYS: &[&str] = &[
     "routing",
     "router.ttft_target",
 ];
-const PREFILL_KEYS: &[&str] = &["engine.max_num_batched_tokens"];
-const DECODE_KEYS: &[&str] = &["local_prefill_max_tokens", "engine.max_num_batched_tokens"];
+const PREFILL_KEYS: &[&str] = &["engine.max_num_batched_tokens", "engine.max_step_time"];
+const DECODE_KEYS: &[&str] = &[
+    "local_prefill_max_tokens",
+    "engine.max_num_batched_tokens",
+    "engine.max_step_time",
+];
 
 /// The files of one candidate.
 #[derive(Clone, Debug, PartialEq)]
@@ -60,7 +65,7 @@ pub fn serve_config(c: &Candidate) -> Option<ServeConfig> {
         routing: c.routing.clone(),
         ..ServeConfig::default()
     };
-    config.engine.max_num_batched_tokens = c.max_num_batched_tokens;
+    c.set_engine(&mut config.engine);
     config.router.ttft_target = c.ttft_target;
     Some(config)
 }
@@ -80,7 +85,7 @@ pub fn router_config(c: &Candidate) -> RouterNodeConfig {
 /// A prefill node's configuration for a mesh candidate.
 pub fn prefill_config(c: &Candidate) -> PrefillNodeConfig {
     let mut config = PrefillNodeConfig::default();
-    config.engine.max_num_batched_tokens = c.max_num_batched_tokens;
+    c.set_engine(&mut config.engine);
     config
 }
 
@@ -90,7 +95,7 @@ pub fn decode_config(c: &Candidate) -> DecodeNodeConfig {
         local_prefill_max_tokens: c.local_prefill_max_tokens,
         ..DecodeNodeConfig::default()
     };
-    config.engine.max_num_batched_tokens = c.max_num_batched_tokens;
+    c.set_engine(&mut config.engine);
     config
 }
 
@@ -146,6 +151,7 @@ mod tests {
         Candidate {
             topology,
             max_num_batched_tokens: 512,
+            max_step_time: Duration::from_millis(60),
             local_prefill_max_tokens: 1024,
             routing: RoutingConfig::LeastLoaded {},
             ttft_target: Duration::from_millis(1500),
@@ -173,6 +179,7 @@ mod tests {
         assert_eq!(read, serve_config(&c).unwrap());
         assert_eq!((read.prefill_workers, read.decode_workers), (1, 2));
         assert_eq!(read.engine.max_num_batched_tokens, 512);
+        assert_eq!(read.engine.max_step_time, Some(Duration::from_millis(60)));
         assert_eq!(read.local_prefill_max_tokens, 1024);
         assert_eq!(read.disaggregation().local_prefill_max_tokens, 1024);
         assert_eq!(read.routing, RoutingConfig::LeastLoaded {});
@@ -210,6 +217,7 @@ mod tests {
         let p: PrefillNodeConfig = load(&prefill);
         assert_eq!(p, prefill_config(&c));
         assert_eq!(p.engine.max_num_batched_tokens, 512);
+        assert_eq!(p.engine.max_step_time, Some(Duration::from_millis(60)));
         let d: DecodeNodeConfig = load(&decode);
         assert_eq!(d, decode_config(&c));
         assert_eq!(
@@ -221,6 +229,20 @@ mod tests {
             "{decode}"
         );
         assert!(!prefill.contains("routing"), "{prefill}");
+        assert_eq!(d.engine.max_step_time, Some(Duration::from_millis(60)));
+        // No target: the key is left out and the engines keep the token budget alone.
+        let Rendered::Mesh { decode, .. } = render(
+            &Candidate {
+                max_step_time: Duration::ZERO,
+                ..c
+            },
+            "",
+        )
+        .unwrap() else {
+            panic!("a mesh");
+        };
+        assert!(!decode.contains("max_step_time"), "{decode}");
+        assert_eq!(load::<DecodeNodeConfig>(&decode).engine.max_step_time, None);
     }
 
     #[test]

@@ -103,6 +103,9 @@ pub struct Candidate {
     pub topology: Topology,
     /// `engine.max_num_batched_tokens` of every engine: the token budget of one step.
     pub max_num_batched_tokens: usize,
+    /// `engine.max_step_time` of every engine: the step-time target that sizes prefill
+    /// chunks; zero leaves it unset.
+    pub max_step_time: Duration,
     /// `local_prefill_max_tokens` (and the router's `disaggregation.local_prefill_max_tokens`,
     /// kept in step): prompts with fewer uncached tokens prefill on the decode engine.
     pub local_prefill_max_tokens: usize,
@@ -133,6 +136,7 @@ impl Candidate {
             topology,
             max_num_batched_tokens: kvmesh_engine::engine_config::EngineConfig::default()
                 .max_num_batched_tokens,
+            max_step_time: Duration::ZERO,
             local_prefill_max_tokens: decode.local_prefill_max_tokens,
             routing: RoutingConfig::default(),
             ttft_target: kvmesh_router::RouterConfig::default().ttft_target,
@@ -140,12 +144,28 @@ impl Candidate {
     }
 }
 
+impl Candidate {
+    /// Sets the engine keys this candidate chooses.
+    pub fn set_engine(&self, engine: &mut kvmesh_engine::engine_config::EngineConfig) {
+        engine.max_num_batched_tokens = self.max_num_batched_tokens;
+        engine.max_step_time = (!self.max_step_time.is_zero()).then_some(self.max_step_time);
+    }
+}
+
 impl fmt::Display for Candidate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{}, step {} tokens, local-prefill threshold {}, {}, ttft target ",
-            self.topology, self.max_num_batched_tokens, self.local_prefill_max_tokens, self.routing
+            "{}, step {} tokens",
+            self.topology, self.max_num_batched_tokens
+        )?;
+        if !self.max_step_time.is_zero() {
+            write!(f, " within {:?}", self.max_step_time)?;
+        }
+        write!(
+            f,
+            ", local-prefill threshold {}, {}, ttft target ",
+            self.local_prefill_max_tokens, self.routing
         )?;
         if self.ttft_target.is_zero() {
             f.write_str("off")
@@ -160,6 +180,8 @@ impl fmt::Display for Candidate {
 pub struct SearchSpace {
     pub topologies: Vec<Topology>,
     pub step_budgets: Vec<usize>,
+    /// Zero: no step-time target.
+    pub step_times: Vec<Duration>,
     pub local_prefill_thresholds: Vec<usize>,
     pub policies: Vec<RoutingConfig>,
     pub ttft_targets: Vec<Duration>,
@@ -185,6 +207,7 @@ impl SearchSpace {
         SearchSpace {
             topologies,
             step_budgets: vec![128, 256, 512],
+            step_times: vec![Duration::ZERO],
             local_prefill_thresholds: vec![0, 256, 1024],
             policies: vec![RoutingConfig::default(), RoutingConfig::LeastLoaded {}],
             ttft_targets: vec![Duration::ZERO, Duration::from_secs(2)],
@@ -209,13 +232,18 @@ impl SearchSpace {
             } else {
                 &self.policies[..]
             };
-            for &step in &self.step_budgets {
+            let steps = self
+                .step_budgets
+                .iter()
+                .flat_map(|&b| self.step_times.iter().map(move |&t| (b, t)));
+            for (step, step_time) in steps {
                 for &threshold in thresholds {
                     for routing in policies {
                         for &ttft_target in &self.ttft_targets {
                             let c = Candidate {
                                 topology,
                                 max_num_batched_tokens: step,
+                                max_step_time: step_time,
                                 local_prefill_max_tokens: threshold,
                                 routing: routing.clone(),
                                 ttft_target,
@@ -339,6 +367,30 @@ mod tests {
         let with_target = &all[1];
         assert_eq!(with_target.ttft_target, Duration::from_secs(2));
         assert!(with_target.to_string().ends_with("ttft target 2s"));
+    }
+
+    #[test]
+    fn step_times_multiply_the_step_budgets() {
+        let mut space = SearchSpace::for_nodes(1);
+        space.topologies.truncate(1);
+        space.step_times = vec![Duration::ZERO, Duration::from_millis(60)];
+        let all = space.candidates();
+        // 3 step budgets × 2 step times × 2 ttft targets.
+        assert_eq!(all.len(), 12);
+        let timed: Vec<_> = all.iter().filter(|c| !c.max_step_time.is_zero()).collect();
+        assert_eq!(timed.len(), 6);
+        assert!(
+            timed[0]
+                .to_string()
+                .contains("step 128 tokens within 60ms,"),
+            "{}",
+            timed[0]
+        );
+        let mut engine = kvmesh_engine::engine_config::EngineConfig::default();
+        timed[0].set_engine(&mut engine);
+        assert_eq!(engine.max_step_time, Some(Duration::from_millis(60)));
+        all[0].set_engine(&mut engine);
+        assert_eq!(engine.max_step_time, None);
     }
 
     #[test]
