@@ -31,3 +31,14 @@ if ((${#need[@]})); then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+
+# NVRTC for the CUDA kernels' compile test (kernels/tests/cuda_nvrtc.rs; no driver or GPU
+# needed): the wheel's libnvrtc in its own venv, where kvmesh-kernels looks for it. 13.0
+# matches the CUDA 13.0 driver we run on (its PTX must not be newer than the driver).
+NVRTC_VENV="$HOME/.cache/kvmesh/nvrtc"
+NVRTC_VERSION="13.0.88"
+if ! "$NVRTC_VENV/bin/python" -m pip show nvidia-cuda-nvrtc 2>/dev/null | grep -x "Version: $NVRTC_VERSION" >/dev/null; then
+  echo "setup: installing NVRTC $NVRTC_VERSION into $NVRTC_VENV" >&2
+  python3 -m venv "$NVRTC_VENV"
+  "$NVRTC_VENV/bin/python" -m pip install -q --disable-pip-version-check "nvidia-cuda-nvrtc==$NVRTC_VERSION"
+fi
