@@ -131,7 +131,7 @@ pub struct SloConfig {
     /// Prompt tokens queued on the nodes now (prefill nodes' queues and decode nodes' local
     /// prefills) are prefill demand too, to be served within this on top of the predicted
     /// arrivals: a backlog the prediction did not foresee is worked off instead of only
-    /// kept from growing. Zero: the queue is not read.
+    /// kept from growing. Zero (the default): the queue is not read.
     #[serde(with = "humantime_serde")]
     pub queue_drain: Duration,
     /// Decode replicas cover at least the sequences running now at the planned batch
@@ -159,7 +159,7 @@ impl Default for SloConfig {
             max_decode_batch: 256,
             kv_capacity_tokens: None,
             prefill_utilization: 0.8,
-            queue_drain: Duration::from_secs(2),
+            queue_drain: Duration::ZERO,
             running_floor: true,
             correction_min: 1.0,
             correction_max: 2.0,

@@ -545,7 +545,7 @@ fn a_role_keeps_the_nodes_its_running_sequences_need() {
 }
 
 /// Prompt tokens queued now are demand on top of the predicted arrivals: 20,000 tokens to
-/// serve within the default 2 s add 10,000 tokens/s to the 40,000 arriving, 4 nodes at
+/// serve within 2 s add 10,000 tokens/s to the 40,000 arriving, 4 nodes at
 /// 15,255 a node where the arrivals alone need 3.
 #[test]
 fn a_backlog_adds_prefill_nodes_to_work_it_off() {
