@@ -54,6 +54,7 @@ fn engine() -> kvmesh_engine::llm_engine::LlmEngine<kvmesh_engine::llama_runner:
         disk_tier_blocks: 0,
         disk_tier_dir: None,
         grammar_fast_forward: true,
+        device: kvmesh_engine::device::Device::Cpu,
     }
     .llama_engine(loaded())
     .unwrap()

@@ -89,6 +89,8 @@ env_vars! {
     KV_DISK_DIR = "KVMESH_KV_DISK_DIR";
     /// Token budget of one engine step (`--max-batched-tokens`).
     MAX_BATCHED_TOKENS = "KVMESH_MAX_BATCHED_TOKENS";
+    /// Where a node's engine computes: `cpu`, `cuda` or `cuda:N` (`--device`).
+    DEVICE = "KVMESH_DEVICE";
     /// The router's node-picking policy (`--routing-policy`).
     ROUTING_POLICY = "KVMESH_ROUTING_POLICY";
     /// Prompts with fewer uncached tokens than this prefill on the decode node (`--local-prefill-max-tokens`).

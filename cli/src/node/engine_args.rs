@@ -25,6 +25,10 @@ pub struct EngineArgs {
     /// 2048 or more.
     #[arg(long, env = env_vars::MAX_BATCHED_TOKENS, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_batched_tokens: Option<u32>,
+    /// Where the engine computes: `cpu` (default), `cuda` or `cuda:N` (a build with the
+    /// `cuda` feature and a CUDA device; otherwise the node does not start, and says why).
+    #[arg(long, env = env_vars::DEVICE)]
+    pub device: Option<kvmesh_engine::device::Device>,
 }
 
 /// Where the `EngineArgs` flags go in the TOML.
@@ -34,4 +38,5 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kv_disk_blocks", "engine.disk_tier_blocks"),
     ("kv_disk_dir", "engine.disk_tier_dir"),
     ("max_batched_tokens", "engine.max_num_batched_tokens"),
+    ("device", "engine.device"),
 ];
