@@ -39,6 +39,8 @@ struct Scratch {
     bf16: CudaSlice<u16>,
     /// Tokens handled by the buffers above.
     tokens: usize,
+    /// Logits rows `logits` holds (grown apart: a long prefill asks for one row).
+    logits_rows: usize,
 }
 
 pub struct CudaBackend {
@@ -117,15 +119,11 @@ impl CudaBackend {
         let c = &self.model.config;
         let n = n.next_power_of_two();
         let qkv_dim = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim;
-        let widest = [
-            c.hidden_size,
-            qkv_dim,
-            2 * c.intermediate_size,
-            c.vocab_size,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0);
+        // The bf16 copy of a GEMM's activations: its widest input.
+        let widest = [c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size]
+            .into_iter()
+            .max()
+            .unwrap_or(0);
         let d = &self.dev;
         Ok(Scratch {
             x: d.zeros(n * c.hidden_size)?,
@@ -135,9 +133,10 @@ impl CudaBackend {
             proj: d.zeros(n * c.hidden_size)?,
             gate_up: d.zeros(n * 2 * c.intermediate_size)?,
             act: d.zeros(n * c.intermediate_size)?,
-            logits: d.zeros(n * c.vocab_size)?,
+            logits: d.zeros(c.vocab_size)?,
             bf16: d.zeros(n * widest)?,
             tokens: n,
+            logits_rows: 1,
         })
     }
 
@@ -312,6 +311,10 @@ impl CudaBackend {
             m,
             &mut s.h.slice_mut(..),
         )?;
+        if s.logits_rows < m {
+            s.logits = d.zeros(m * c.vocab_size)?;
+            s.logits_rows = m;
+        }
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         d.matmul(
             head,

@@ -105,6 +105,10 @@ impl CudaDevice {
             return Err(CudaError::NoDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(driver)?;
+        // All work goes to one stream in order, so cudarc's per-buffer events (recorded at
+        // every launch, for use across streams) would only add latency to each op.
+        // SAFETY: every buffer is allocated, used and freed on `stream` alone.
+        unsafe { ctx.disable_event_tracking() };
         let capability = ctx.compute_capability().map_err(driver)?;
         let name = ctx.name().map_err(driver)?;
         let arch = format!("compute_{}{}", capability.0, capability.1);
