@@ -9,6 +9,8 @@ command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 dpkg -s libprotobuf-dev >/dev/null 2>&1 || need+=(libprotobuf-dev)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 command -v python3 >/dev/null 2>&1 || need+=(python3 python3-pip python3-venv)
+# Venvs (NVRTC's below, the e2e tests') need ensurepip, which Debian ships apart from python3.
+command -v python3 >/dev/null 2>&1 && ! python3 -c 'import ensurepip' 2>/dev/null && need+=(python3-venv)
 command -v unzip >/dev/null 2>&1 || need+=(unzip)
 # The slow-link test: network namespaces, veth pairs, a token bucket (tc), and iptables for
 # random loss and a queue that delays packets.
