@@ -9,9 +9,13 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --release -- -D warnings
 # The RDMA transport must build (no device here: at run time it reports that and falls back).
 cargo clippy -p kvmesh-transfer --all-targets --release --features rdma -- -D warnings
+# The CUDA backend must build (cudarc loads the driver at run time: none is needed here), and
+# every kernel source must compile with NVRTC (installed by setup.sh; the test fails without it).
+cargo clippy -p kvmesh-kernels -p kvmesh-engine --all-targets --release --features cuda -- -D warnings
 cargo build --release -p kvmesh
 target/release/kvmesh fetch-model
 cargo test --workspace --release "$@"
+cargo test -p kvmesh-kernels --release --features cuda "$@"
 # End to end through real HTTP with the official openai client (its own venv, its own server).
 tests/e2e/run.sh
 # The Compose cluster under real Docker, Prometheus, the dashboards' and alerts' queries,

@@ -6,6 +6,7 @@
 #   peak       a static allocation sized for the peak
 #   mean       a static allocation sized for the mean
 #   slo-fixed  the `slo` planner with allow_role_switch = false
+#   load-fixed the `load` planner with allow_role_switch = false
 # and a table of SLO attainment and node-hours (docs/sim.md, "Planner").
 #
 # The load: requests with the Azure 2023 conversation trace's prompt and output lengths
@@ -18,8 +19,8 @@
 #
 # Usage: bench/sim/planner.sh [--quick | --trace-order]   (--quick: a smaller day in 20
 # minutes, about a minute in all; the others take 5-10 minutes and 9 GB of memory)
-# Environment: KVMESH (the binary, default target/release/kvmesh), OUT (default
-# target/bench-sim/planner).
+# Environment: KVMESH (the binary, default target/release/kvmesh), SEED (default 1), OUT
+# (default target/bench-sim/planner[-MODE]-seedSEED).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -35,7 +36,8 @@ esac
 kvmesh=${KVMESH:-target/release/kvmesh}
 suffix=${mode#--}
 [[ $mode == full ]] && suffix="" || suffix="-$suffix"
-out=${OUT:-target/bench-sim/planner$suffix}
+seed=${SEED:-1}
+out=${OUT:-target/bench-sim/planner$suffix-seed$seed}
 if [[ ! -x $kvmesh ]]; then
 	cargo build --release --bin kvmesh
 fi
@@ -72,13 +74,15 @@ common=(
 	--block-size 64
 	--slo ttft=2s,itl=100ms
 	--startup-delay 30s --switch-delay 5s
-	--seed 1 --plots none
+	--seed "$seed" --plots none
 )
 
 mkdir -p "$out"
-no_switch="$out/planner-slo-no-switch.toml"
-sed 's/^allow_role_switch = true$/allow_role_switch = false/' bench/sim/planner-slo.toml >"$no_switch"
-grep -q '^allow_role_switch = false$' "$no_switch"
+for policy in slo load; do
+	sed 's/^allow_role_switch = true$/allow_role_switch = false/' "bench/sim/planner-$policy.toml" \
+		>"$out/planner-$policy-no-switch.toml"
+	grep -q '^allow_role_switch = false$' "$out/planner-$policy-no-switch.toml"
+done
 
 run() {
 	local name=$1
@@ -92,7 +96,10 @@ run slo --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench
 run load --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench/sim/planner-load.toml
 run peak --prefill-nodes "${peak[0]}" --decode-nodes "${peak[1]}"
 run mean --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}"
-run slo-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner "$no_switch"
+run slo-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" \
+	--planner "$out/planner-slo-no-switch.toml"
+run load-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" \
+	--planner "$out/planner-load-no-switch.toml"
 
 # One row per configuration: a static run's node-hours are its nodes over the run.
 row() {
@@ -114,11 +121,11 @@ row() {
 }
 peak_hours=$(jq '.points[0] | (.mesh.nodes | length) * .slo.duration_s / 3600' "$out/peak/report.json")
 {
-	echo "${workload[*]} --load $load, $requests requests, SLO ttft=2s,itl=100ms"
+	echo "${workload[*]} --load $load, $requests requests, SLO ttft=2s,itl=100ms, seed $seed"
 	echo
 	echo "| configuration | prefill + decode nodes | SLO attainment | TTFT | ITL | node-hours | of peak | role switches |"
 	echo "|---|---|---|---|---|---|---|---|"
-	for name in slo load peak mean slo-fixed; do
+	for name in slo load peak mean slo-fixed load-fixed; do
 		row "$name" "$peak_hours"
 	done
 } | tee "$out/table.md"

@@ -10,6 +10,7 @@ mod bench_ttft;
 mod certs;
 mod config;
 mod generate;
+mod gpu_check;
 mod health;
 mod local_cluster;
 mod measure_args;
@@ -70,6 +71,9 @@ enum Command {
     Tune(tune::TuneArgs),
     /// Measure this machine's engine step times and fit a timing profile for `kvmesh sim`.
     Profile(profile::ProfileArgs),
+    /// Check the CUDA backend on this machine's GPU against the CPU one and measure it (random
+    /// weights in real models' shapes; writes one JSON; see docs/gpu.md).
+    GpuCheck(gpu_check::GpuCheckArgs),
     /// Simulate the mesh in virtual time (any size, real policies, bench serve's workloads
     /// and reports).
     Sim(Box<sim::SimArgs>),
@@ -132,6 +136,7 @@ fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Tune(args) => tune::run(&args),
         Command::Profile(args) => profile::run(&args),
+        Command::GpuCheck(args) => gpu_check::run(&args),
         Command::Sim(args) => sim::run(&args),
         Command::Planner(args) => planner::run(&args),
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_serve(&args),

@@ -41,6 +41,10 @@ pub struct ServeArgs {
     /// Compute threads shared by all workers (default: all cores).
     #[arg(long, env = env_vars::THREADS)]
     pub threads: Option<usize>,
+    /// Where every worker's engine computes: `cpu` (default), `cuda` or `cuda:N` (a build
+    /// with the `cuda` feature and a CUDA device; otherwise serve does not start, and says why).
+    #[arg(long, env = env_vars::DEVICE)]
+    pub device: Option<kvmesh_engine::device::Device>,
     /// Comma-separated API keys; requests must send one as a bearer token.
     #[arg(
         long,

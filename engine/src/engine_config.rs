@@ -1,5 +1,7 @@
 //! The engine part of a worker's configuration, and building an engine from it.
 
+use crate::backend::BackendError;
+use crate::device::Device;
 use crate::llama_runner::LlamaRunner;
 use crate::llm_engine::LlmEngine;
 use crate::scheduler::{SchedulerConfig, SchedulerError};
@@ -52,6 +54,18 @@ pub struct EngineConfig {
     /// follow the drawn token without a step and a draw each. Off only to compare; the nodes
     /// of a mesh must agree for a moved request to continue exactly.
     pub grammar_fast_forward: bool,
+    /// Where the forward pass runs: `cpu`, or `cuda[:N]` (a build with the `cuda` feature
+    /// and a CUDA device; otherwise the engine does not start, and says why).
+    pub device: Device,
+}
+
+/// Why an engine could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineBuildError {
+    #[error("invalid engine config: {0}")]
+    Scheduler(#[from] SchedulerError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
 }
 
 impl Default for EngineConfig {
@@ -68,6 +82,7 @@ impl Default for EngineConfig {
             disk_tier_blocks: 0,
             disk_tier_dir: None,
             grammar_fast_forward: true,
+            device: Device::Cpu,
         }
     }
 }
@@ -93,20 +108,28 @@ impl EngineConfig {
     }
 
     /// An engine over the real model with its own KV pool.
-    pub fn llama_engine(&self, loaded: &Loaded) -> Result<LlmEngine<LlamaRunner>, SchedulerError> {
+    pub fn llama_engine(
+        &self,
+        loaded: &Loaded,
+    ) -> Result<LlmEngine<LlamaRunner>, EngineBuildError> {
         let config = self.scheduler_config(loaded.fingerprint, loaded.model.config.max_context);
         config.validate()?;
-        let runner = LlamaRunner::new(loaded.model.clone(), self.num_blocks, self.block_size);
+        let runner = LlamaRunner::on_device(
+            self.device,
+            loaded.model.clone(),
+            self.num_blocks,
+            self.block_size,
+        )?;
         let mut engine = LlmEngine::new(config, runner, loaded.tokenizer.clone());
         engine.set_fast_forward(self.grammar_fast_forward);
         engine.set_max_step_time(self.max_step_time);
         match (&self.disk_tier_dir, self.disk_tier_blocks) {
             (_, 0) => Ok(engine),
-            (None, _) => Err(SchedulerError::InvalidConfig(
-                "disk_tier_blocks needs disk_tier_dir",
-            )),
+            (None, _) => {
+                Err(SchedulerError::InvalidConfig("disk_tier_blocks needs disk_tier_dir").into())
+            }
             (Some(dir), _) => engine.with_disk_tier(dir.clone()).map_err(|e| {
-                SchedulerError::DiskTier(format!("cannot use {}: {e}", dir.display()))
+                SchedulerError::DiskTier(format!("cannot use {}: {e}", dir.display())).into()
             }),
         }
     }

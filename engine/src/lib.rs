@@ -3,7 +3,11 @@
 //! backend, the paged KV BlockPool, the sans-IO Scheduler, the Sampler, and the ModelRunner
 //! trait with the real runner and the MockRunner.
 
+pub mod backend;
 pub mod block_pool;
+#[cfg(feature = "cuda")]
+mod cuda_backend;
+pub mod device;
 pub mod engine_config;
 pub mod gguf;
 pub mod kv_blocks;
@@ -12,6 +16,7 @@ pub mod llm_engine;
 pub mod mock_runner;
 pub mod model;
 pub mod model_config;
+pub mod random_model;
 pub mod runner;
 pub mod safetensors_loader;
 pub mod sampler;

@@ -1,7 +1,9 @@
-//! The real `ModelRunner`: the Llama forward pass over this runner's own paged KV cache.
+//! The real `ModelRunner`: the Llama forward pass over this runner's own paged KV cache, on
+//! the backend of its device (see `backend`).
 
-use crate::kv_blocks;
-use crate::model::{Forward, KvCache, LlamaModel};
+use crate::backend::{self, Backend, BackendError};
+use crate::device::Device;
+use crate::model::LlamaModel;
 use crate::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput};
 use kvmesh_common::BlockId;
 use std::ops::Range;
@@ -9,18 +11,25 @@ use std::sync::Arc;
 
 pub struct LlamaRunner {
     model: Arc<LlamaModel>,
-    kv: KvCache,
-    forward: Forward,
-    /// This runner's compute threads. A step runs inside it, so each op forks to the other
-    /// pool threads directly instead of a hand-off from the worker's thread per op (about a
-    /// quarter of batch-1 decode time); a pool per runner keeps the prefill and decode
-    /// workers of one process from blocking inside each other's steps.
-    pool: rayon::ThreadPool,
+    shape: KvShape,
+    backend: Box<dyn Backend>,
 }
 
 impl LlamaRunner {
-    /// A runner with `num_blocks` KV blocks of `block_size` tokens.
+    /// A CPU runner with `num_blocks` KV blocks of `block_size` tokens.
     pub fn new(model: Arc<LlamaModel>, num_blocks: usize, block_size: usize) -> Self {
+        Self::on_device(Device::Cpu, model, num_blocks, block_size)
+            .unwrap_or_else(|e| unreachable!("the CPU backend cannot fail to open: {e}"))
+    }
+
+    /// A runner on `device`; an error (no CUDA support, driver or device) when it cannot run
+    /// there.
+    pub fn on_device(
+        device: Device,
+        model: Arc<LlamaModel>,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, BackendError> {
         let c = &model.config;
         let shape = KvShape {
             num_layers: c.num_layers,
@@ -29,29 +38,19 @@ impl LlamaRunner {
             block_size,
             num_blocks,
         };
-        LlamaRunner {
-            kv: KvCache::new(shape),
-            forward: Forward::new(),
+        Ok(LlamaRunner {
+            backend: backend::open(device, model.clone(), shape)?,
             model,
-            pool: compute_pool(),
-        }
+            shape,
+        })
     }
 
     pub fn model(&self) -> &Arc<LlamaModel> {
         &self.model
     }
 
-    /// The KV storage, for transfer (pack/unpack of blocks) and tests.
-    pub fn kv_cache(&self) -> &KvCache {
-        &self.kv
-    }
-
-    pub fn kv_cache_mut(&mut self) -> &mut KvCache {
-        &mut self.kv
-    }
-
     fn validate(&self, input: &StepInput) -> Result<(), RunnerError> {
-        let shape = self.kv.shape;
+        let shape = self.shape;
         let vocab = self.model.config.vocab_size;
         let max = self.model.config.max_context;
         for ch in &input.chunks {
@@ -92,13 +91,13 @@ impl KvSource for LlamaRunner {
         blocks: &[BlockId],
         out: &mut Vec<u8>,
     ) -> Result<(), RunnerError> {
-        self.kv.read_kv_blocks(layer, blocks, out)
+        self.backend.read_kv_blocks(layer, blocks, out)
     }
 }
 
 impl ModelRunner for LlamaRunner {
     fn kv_shape(&self) -> KvShape {
-        self.kv.shape
+        self.shape
     }
 
     fn vocab_size(&self) -> usize {
@@ -121,12 +120,7 @@ impl ModelRunner for LlamaRunner {
             .filter(|c| !c.tokens.is_empty())
             .cloned()
             .collect();
-        let (forward, model, kv) = (&mut self.forward, &self.model, &mut self.kv);
-        let logits = self.pool.install(|| {
-            forward.run(model, kv, &chunks, &mut |layer, kv: &KvCache| {
-                on_layer(layer, kv)
-            })
-        })?;
+        let logits = self.backend.run(&chunks, on_layer)?;
         let ids = chunks.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
         Ok(StepOutput {
             logits: ids.zip(logits).collect(),
@@ -139,16 +133,6 @@ impl ModelRunner for LlamaRunner {
         blocks: &[BlockId],
         payload: &[u8],
     ) -> Result<(), RunnerError> {
-        kv_blocks::write_kv_blocks(&mut self.kv, layers, blocks, payload)
+        self.backend.write_kv_blocks(layers, blocks, payload)
     }
-}
-
-/// As many threads as the global pool (which the binary sizes with `--threads`).
-fn compute_pool() -> rayon::ThreadPool {
-    let threads = rayon::current_num_threads();
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .thread_name(|i| format!("kvmesh-compute-{i}"))
-        .build()
-        .unwrap_or_else(|e| panic!("cannot start {threads} compute threads: {e}"))
 }

@@ -1,5 +1,6 @@
 //! The Llama-family forward pass (Llama, Qwen2: GQA, RoPE, SwiGLU, optional QKV bias, tied
-//! embeddings) over a paged f16 KV cache, on the kernels CPU backend.
+//! embeddings) over a paged f16 KV cache, on the kernels CPU backend (the CUDA one is
+//! `cuda_backend`; both behind `backend::Backend`).
 
 use crate::gguf::{LoadError, Weights};
 use crate::model_config::{ModelConfig, RopeStyle};
@@ -8,26 +9,26 @@ use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
 use kvmesh_kernels::QMatrix;
 
-struct Layer {
-    attn_norm: Vec<f32>,
+pub(crate) struct Layer {
+    pub(crate) attn_norm: Vec<f32>,
     /// q | k | v projections fused into one matrix: one pass over the activations.
-    wqkv: QMatrix,
-    qkv_bias: Option<Vec<f32>>,
-    wo: QMatrix,
-    ffn_norm: Vec<f32>,
+    pub(crate) wqkv: QMatrix,
+    pub(crate) qkv_bias: Option<Vec<f32>>,
+    pub(crate) wo: QMatrix,
+    pub(crate) ffn_norm: Vec<f32>,
     /// gate | up fused.
-    w_gate_up: QMatrix,
-    w_down: QMatrix,
+    pub(crate) w_gate_up: QMatrix,
+    pub(crate) w_down: QMatrix,
 }
 
 /// Immutable weights; shared by every runner of a process.
 pub struct LlamaModel {
     pub config: ModelConfig,
-    embed: QMatrix,
-    layers: Vec<Layer>,
-    output_norm: Vec<f32>,
+    pub(crate) embed: QMatrix,
+    pub(crate) layers: Vec<Layer>,
+    pub(crate) output_norm: Vec<f32>,
     /// `None` when tied to the embedding.
-    lm_head: Option<QMatrix>,
+    pub(crate) lm_head: Option<QMatrix>,
 }
 
 fn concat(name: &str, parts: &[QMatrix]) -> Result<QMatrix, LoadError> {
@@ -90,7 +91,7 @@ impl LlamaModel {
         })
     }
 
-    fn lm_head(&self) -> &QMatrix {
+    pub(crate) fn lm_head(&self) -> &QMatrix {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 

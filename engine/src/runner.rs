@@ -75,6 +75,8 @@ pub enum RunnerError {
     LayerOutOfRange { layer: usize, num_layers: usize },
     #[error("a KV payload of {got} bytes does not match the {expected} bytes its layers and blocks need")]
     KvPayloadSize { expected: usize, got: usize },
+    #[error("device: {0}")]
+    Device(String),
 }
 
 /// Read access to a runner's KV blocks, for pushing them to another node.

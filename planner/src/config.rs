@@ -128,6 +128,16 @@ pub struct SloConfig {
     pub kv_capacity_tokens: Option<u64>,
     /// The share of a prefill node's modelled throughput to plan for (queues explode at 1).
     pub prefill_utilization: f64,
+    /// Prompt tokens queued on the nodes now (prefill nodes' queues and decode nodes' local
+    /// prefills) are prefill demand too, to be served within this on top of the predicted
+    /// arrivals: a backlog the prediction did not foresee is worked off instead of only
+    /// kept from growing. Zero (the default): the queue is not read.
+    #[serde(with = "humantime_serde")]
+    pub queue_drain: Duration,
+    /// Decode replicas cover at least the sequences running now at the planned batch
+    /// (Little's law measured, not predicted): the predicted output length is learned from
+    /// completed requests and lags a turn of the mix towards longer answers.
+    pub running_floor: bool,
     /// Bounds of the observed/predicted latency correction. The correction scales the step
     /// time the sizing uses, so below 1 it credits nodes with throughput the measured steps
     /// do not show (at light load the observed latency lacks the queueing the model
@@ -149,6 +159,8 @@ impl Default for SloConfig {
             max_decode_batch: 256,
             kv_capacity_tokens: None,
             prefill_utilization: 0.8,
+            queue_drain: Duration::ZERO,
+            running_floor: true,
             correction_min: 1.0,
             correction_max: 2.0,
         }

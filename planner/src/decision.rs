@@ -103,6 +103,11 @@ pub enum Reason {
         limit: u32,
         because: Box<Reason>,
     },
+    /// The other role grows, and `nodes` of this role's switch over to it now: its policy
+    /// would remove them (`because` says so, held back by a cooldown or the stabilization
+    /// window, or not) and the consolidation check lets them go. A switched node serves in
+    /// seconds where a new one takes its start-up, and this role's bill ends at once.
+    Lent { nodes: u32, because: Box<Reason> },
     /// The policy wanted `wanted`, but prefill + decode may not exceed `budget`.
     BudgetClamp {
         wanted: u32,
@@ -129,6 +134,7 @@ impl Reason {
             Reason::ConsolidationRefused { .. } => "consolidation_refused",
             Reason::Cooldown { .. } => "cooldown",
             Reason::RoleLimit { .. } => "role_limit",
+            Reason::Lent { .. } => "lent",
             Reason::BudgetClamp { .. } => "budget_clamp",
         }
     }

@@ -113,6 +113,14 @@ impl LoadPolicy {
         }
     }
 
+    /// Whether the thresholds are taking the role to `to`: one node fewer, every node below
+    /// the down threshold now (the stable time not yet waited out, perhaps).
+    pub fn would_remove(&self, role: Role, to: u32, observed: u32, latest: &Observation) -> bool {
+        let (_, down) = self.thresholds(role);
+        let loads = per_node(role, latest);
+        to + 1 >= observed && !loads.is_empty() && loads.iter().all(|&l| l < down)
+    }
+
     /// Would `to` nodes carry the load every observation of `window` showed, below the up
     /// threshold?
     pub fn consolidation(

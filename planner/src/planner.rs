@@ -30,6 +30,8 @@ pub struct Planner {
     last_decision: Option<Duration>,
     /// Per role: when its count last changed by a decision acted on.
     last_change: [Option<Duration>; 2],
+    /// Per role: when its count last grew by a decision acted on.
+    last_growth: [Option<Duration>; 2],
 }
 
 impl Planner {
@@ -50,6 +52,7 @@ impl Planner {
             latest: None,
             last_decision: None,
             last_change: [None; 2],
+            last_growth: [None; 2],
         })
     }
 
@@ -107,6 +110,11 @@ impl Planner {
         }
         let (mut prefill, p_exempt) = self.decide_role(Role::Prefill, now, &latest);
         let (mut decode, d_exempt) = self.decide_role(Role::Decode, now, &latest);
+        if self.config.allow_role_switch {
+            // Before the budget: a lender's nodes free headroom for the role they join.
+            self.lend(&prefill, &mut decode, Role::Decode, now, &latest);
+            self.lend(&decode, &mut prefill, Role::Prefill, now, &latest);
+        }
         clamp_to_budget(
             [&mut prefill, &mut decode],
             self.config.budget,
@@ -126,6 +134,9 @@ impl Planner {
         };
         if !advisory {
             for role in Role::ALL {
+                if decision.role(role).delta() > 0 {
+                    self.last_growth[role.index()] = Some(now);
+                }
                 if decision.role(role).delta() != 0 {
                     self.last_change[role.index()] = Some(now);
                     if let PolicyState::Load(p) = &mut self.policy {
@@ -228,6 +239,57 @@ impl Planner {
             because: Box::new(reason),
         };
         (RoleDecision::hold(observed, reason), false)
+    }
+
+    /// When the other role grows, `lender`'s nodes that its policy would remove and the
+    /// consolidation check lets go switch over now, up to that growth: the growth is served
+    /// after a switch instead of a start-up, and the lender stops paying for them at once
+    /// instead of after its cooldown and stabilization window. A role that grew less than
+    /// `cooldown.down` ago lends nothing, so two roles near their boundaries do not pass a
+    /// node back and forth.
+    fn lend(
+        &self,
+        grower: &RoleDecision,
+        lender: &mut RoleDecision,
+        role: Role,
+        now: Duration,
+        latest: &Observation,
+    ) {
+        let growth = grower.delta();
+        if growth <= 0 || lender.delta() > 0 {
+            return;
+        }
+        let grew = self.last_growth[role.index()];
+        if grew.is_some_and(|t| now < t + self.config.cooldown.down) {
+            return;
+        }
+        let observed = lender.observed;
+        let min = self.config.bounds(role).min;
+        let mut to = lender.target;
+        while i64::from(observed - to) < growth && to > min {
+            let fewer = to - 1;
+            let spare = self.would_remove(role, fewer, observed, latest)
+                && self.consolidation(role, fewer, latest).is_ok();
+            if !spare {
+                break;
+            }
+            to = fewer;
+        }
+        if to < lender.target {
+            let because = std::mem::replace(&mut lender.reason, Reason::Hold);
+            lender.reason = Reason::Lent {
+                nodes: lender.target - to,
+                because: Box::new(because),
+            };
+            lender.target = to;
+        }
+    }
+
+    fn would_remove(&self, role: Role, to: u32, observed: u32, latest: &Observation) -> bool {
+        match &self.policy {
+            PolicyState::Load(p) => p.would_remove(role, to, observed, latest),
+            PolicyState::Slo(p) => p.would_remove(role, to),
+        }
     }
 
     fn consolidation(&self, role: Role, to: u32, latest: &Observation) -> Result<(), Overload> {

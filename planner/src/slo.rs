@@ -8,10 +8,12 @@
 //! prefill step     C* = the step size (new tokens) of highest throughput C / t(C) whose
 //!                       TTFT estimate  k * t(C) * (1 + ceil(Pu / C))  meets the TTFT target
 //!                       (a request waits out the step in progress, then its own steps)
-//! prefill replicas = ceil(rate * Pu / (u * C* / (k * t(C*))))        u: prefill_utilization
+//! prefill replicas = ceil((rate * Pu + Q / queue_drain) / (u * C* / (k * t(C*))))
+//!                       u: prefill_utilization, Q: prompt tokens queued on every node now
 //! decode batch     B* = the largest batch with  k * t_dec(B, B * (P + O/2)) <= ITL target,
 //!                       and B * (P + O) within the node's KV capacity
-//! decode replicas  = ceil(rate * O * k * t_dec(B*) / B*)              (Little's law)
+//! decode replicas  = ceil(max(rate * O * k * t_dec(B*), running) / B*)  (Little's law;
+//!                       running: the sequences decoding now, with `running_floor`)
 //! ```
 //!
 //! `k` is the correction: observed p50 latency over the model's prediction for the load
@@ -224,7 +226,13 @@ impl SloPolicy {
         let (decode, d_corr) = self.size_decode_corrected(&demand, latest);
 
         let pu = demand.prompt * (1.0 - demand.hit_rate);
-        let p_demand = demand.rate * pu;
+        let drain = self.config.queue_drain.as_secs_f64();
+        let backlog = if drain > 0.0 {
+            latest.queued_prompt_tokens() as f64 / drain
+        } else {
+            0.0
+        };
+        let p_demand = demand.rate * pu + backlog;
         let p_per_replica = prefill.tokens_per_s * self.config.prefill_utilization;
         let p_needed = p_demand / p_per_replica;
         let queued = window
@@ -236,7 +244,13 @@ impl SloPolicy {
             Some(below) if p_needed < IDLE_PREFILL_UTILIZATION && queued < below => 0,
             _ => replicas(p_needed),
         };
-        let d_demand = demand.rate * demand.output * decode.step_s;
+        let predicted_in_flight = demand.rate * demand.output * decode.step_s;
+        let d_demand = if self.config.running_floor {
+            let running = latest.decode_running.iter().map(|&r| f64::from(r)).sum();
+            predicted_in_flight.max(running)
+        } else {
+            predicted_in_flight
+        };
         let d_replicas = replicas(d_demand / decode.batch);
         let wanted = [
             (
@@ -371,6 +385,14 @@ impl SloPolicy {
             meets_target,
         };
         (target, reason)
+    }
+
+    /// Whether the last plan wants at most `to` replicas, before the stabilization window
+    /// holds a scale-down back.
+    pub fn would_remove(&self, role: Role, to: u32) -> bool {
+        self.plan
+            .as_ref()
+            .is_some_and(|p| p.wanted[role.index()].0 <= to)
     }
 
     /// Would `to` nodes serve the load observed now within the targets?

@@ -279,24 +279,20 @@ fn a_role_switch_is_chosen_when_prefill_is_over_and_decode_under_at_full_budget(
         ..Load::default()
     };
     let decisions = run(&mut planner, &mut mesh, secs(0), 60, load);
-    // Until decode has been low long enough, prefill growth is cut by the budget.
+    // Decode's nodes are below the down threshold and one carries both's KV: it lends one
+    // at once, though it has not been low for the stable time, and the budget holds.
     let first = &decisions[0];
+    assert_eq!(first.switches.decode_to_prefill, 1);
+    assert_eq!(first.switches.prefill_to_decode, 0);
+    assert_eq!((first.prefill.target, first.decode.target), (3, 1));
     assert!(matches!(
-        first.prefill.reason,
-        Reason::BudgetClamp {
-            wanted: 3,
-            budget: 4,
-            ..
-        }
+        first.decode.reason,
+        Reason::Lent { nodes: 1, ref because } if **because == Reason::Hold
     ));
-    assert_eq!(first.prefill.direction(), Direction::Hold);
-    let switch = decisions.iter().find(|d| d.acted()).expect("a switch");
-    assert_eq!(switch.switches.decode_to_prefill, 1);
-    assert_eq!(switch.switches.prefill_to_decode, 0);
-    assert_eq!((switch.prefill.target, switch.decode.target), (3, 1));
     assert_eq!((mesh.prefill, mesh.decode), (3, 1));
 
-    // Without role switching the counts are the same, reached by a stop and a start.
+    // Without role switching, prefill's growth is cut by the budget until decode has been
+    // low long enough, then reached by a stop and a start.
     c.allow_role_switch = false;
     let mut planner = Planner::new(c).unwrap();
     let mut mesh = Mesh {
@@ -304,9 +300,106 @@ fn a_role_switch_is_chosen_when_prefill_is_over_and_decode_under_at_full_budget(
         decode: 2,
     };
     let decisions = run(&mut planner, &mut mesh, secs(0), 60, load);
+    assert!(matches!(
+        decisions[0].prefill.reason,
+        Reason::BudgetClamp {
+            wanted: 3,
+            budget: 4,
+            ..
+        }
+    ));
+    assert_eq!(decisions[0].prefill.direction(), Direction::Hold);
     let change = decisions.iter().find(|d| d.acted()).unwrap();
     assert_eq!(change.switches, Default::default());
+    assert!(change.at >= secs(30), "{change:?}");
     assert_eq!((mesh.prefill, mesh.decode), (3, 1));
+}
+
+/// Below the budget, a role that grows takes a node the other would remove instead of
+/// starting one: fewer node-seconds than a start now and a removal after the stable time.
+#[test]
+fn a_growing_role_takes_a_node_the_other_would_remove() {
+    let load = |_| Load {
+        queued_tokens: 2.5 * CTX as f64,
+        // 0.4 a node on 3, below the down threshold; 0.6 on 2, above it.
+        kv_nodes: 1.2,
+        ..Load::default()
+    };
+    let node_seconds = |allow_role_switch: bool| {
+        let mut c = config();
+        c.allow_role_switch = allow_role_switch;
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh {
+            prefill: 2,
+            decode: 3,
+        };
+        let mut seconds = 0;
+        let mut decisions = Vec::new();
+        for s in 0..60 {
+            decisions.extend(run(&mut planner, &mut mesh, secs(s), 1, load));
+            seconds += mesh.prefill + mesh.decode;
+        }
+        (seconds, decisions, mesh.prefill, mesh.decode)
+    };
+    let (switched, decisions, p, d) = node_seconds(true);
+    let first = &decisions[0];
+    assert_eq!(first.switches.decode_to_prefill, 1);
+    assert!(matches!(first.decode.reason, Reason::Lent { nodes: 1, .. }));
+    assert_eq!((p, d), (3, 2));
+    let (fixed, decisions, p, d) = node_seconds(false);
+    assert_eq!(decisions[0].switches, Default::default());
+    assert_eq!(
+        (decisions[0].prefill.target, decisions[0].decode.target),
+        (3, 3)
+    );
+    assert_eq!((p, d), (3, 2));
+    assert!(switched < fixed, "{switched} node-seconds against {fixed}");
+}
+
+/// A role lends nothing its policy would keep, or that the consolidation check refuses.
+#[test]
+fn a_role_lends_only_nodes_it_can_spare() {
+    let planner_with = |kv_nodes: f64| {
+        let mut planner = Planner::new(config()).unwrap();
+        let mesh = Mesh {
+            prefill: 2,
+            decode: 2,
+        };
+        let load = Load {
+            queued_tokens: 2.5 * CTX as f64,
+            kv_nodes,
+            ..Load::default()
+        };
+        planner.observe(secs(0), mesh.observe(&load));
+        planner.decide(secs(0))
+    };
+    // Decode nodes at 0.6 each: above the down threshold (0.5), the policy keeps them.
+    let d = planner_with(1.2);
+    assert_eq!(d.switches, Default::default());
+    assert_eq!((d.prefill.target, d.decode.target), (3, 2));
+    // Below it, a lone node would be at the up threshold (0.45 + 0.45): refused.
+    let d = planner_with(0.9);
+    assert_eq!(d.switches, Default::default());
+    assert_eq!((d.prefill.target, d.decode.target), (3, 2));
+    // At the decode minimum nothing is lent.
+    let mut c = config();
+    c.decode.min = 2;
+    let mut planner = Planner::new(c).unwrap();
+    let mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    planner.observe(
+        secs(0),
+        mesh.observe(&Load {
+            queued_tokens: 2.5 * CTX as f64,
+            kv_nodes: 0.2,
+            ..Load::default()
+        }),
+    );
+    let d = planner.decide(secs(0));
+    assert_eq!(d.switches, Default::default());
+    assert_eq!(d.decode.target, 2);
 }
 
 #[test]
@@ -443,4 +536,42 @@ fn the_last_prefill_node_stays_while_prompts_are_queued() {
     }
     let removed = decide_after(obs(60, [50, 50]));
     assert_eq!(removed.target, 0);
+}
+
+/// A role that grew lends nothing for `cooldown.down`: two roles near their thresholds do
+/// not pass a node back and forth.
+#[test]
+fn a_role_that_just_grew_lends_nothing() {
+    let mut planner = Planner::new(config()).unwrap();
+    let mut mesh = Mesh {
+        prefill: 2,
+        decode: 2,
+    };
+    // Decode's KV high: it grows to 3 (prefill's queue between its thresholds: it lends
+    // nothing).
+    let high = |_| Load {
+        queued_tokens: 0.5 * CTX as f64,
+        kv_nodes: 1.9,
+        ..Load::default()
+    };
+    let d = run(&mut planner, &mut mesh, secs(0), 1, high);
+    assert_eq!((d[0].decode.target, mesh.decode), (3, 3));
+    // Then the KV falls below the down threshold and prefill's queue rises: prefill starts
+    // a node while decode's growth is less than 30 s old, and takes one of decode's after.
+    let turned = |_| Load {
+        queued_tokens: 4.0 * CTX as f64,
+        kv_nodes: 0.9,
+        ..Load::default()
+    };
+    let decisions = run(&mut planner, &mut mesh, secs(10), 30, turned);
+    let acted: Vec<_> = decisions.iter().filter(|d| d.acted()).collect();
+    assert_eq!(acted[0].at, secs(10));
+    assert_eq!(acted[0].switches, Default::default());
+    assert_eq!((acted[0].prefill.target, acted[0].decode.target), (3, 3));
+    let lent = acted
+        .iter()
+        .find(|d| d.switches.decode_to_prefill > 0)
+        .expect("a lend once the cooldown has passed");
+    assert!(lent.at >= secs(30), "{lent:?}");
+    assert!(matches!(lent.decode.reason, Reason::Lent { nodes: 1, .. }));
 }

@@ -159,6 +159,8 @@ fn idle_scales_down_to_the_minimum_and_never_below_one() {
 fn a_scale_down_goes_only_as_far_as_the_running_load_allows() {
     let mut c = config(PredictorConfig::Constant);
     c.cooldown.down_stable_for = Duration::ZERO;
+    // The consolidation check alone (the running floor would want the same 3 nodes).
+    c.slo.running_floor = false;
     let mut planner = Planner::new(c).unwrap();
     // Arrivals stopped, but 400 sequences still decode on 4 nodes: 1 node would hold 400,
     // 2 would hold 200, both above the 145 a node decodes within ITL; 3 hold 133.
@@ -183,6 +185,7 @@ fn a_scale_down_goes_only_as_far_as_the_running_load_allows() {
     // On 2 nodes with 300 running, no smaller count is safe: refused.
     let mut c = config(PredictorConfig::Constant);
     c.cooldown.down_stable_for = Duration::ZERO;
+    c.slo.running_floor = false;
     let mut planner = Planner::new(c).unwrap();
     let mesh = Mesh {
         prefill: 1,
@@ -453,4 +456,143 @@ fn the_last_prefill_node_stays_while_prompts_are_queued() {
     planner.observe(secs(0), obs(900));
     let d = planner.decide(secs(0));
     assert_eq!(d.prefill.target, 1);
+}
+
+/// The mix turns from 20 req/s with 200-token answers to 28 req/s with 70-token answers
+/// (2,000-token prompts): prefill needs 4 nodes (56,000 tokens/s over 15,255 a node), decode
+/// 1 (28 * 70 * 49.9 ms = 97.8 sequences in flight, 148 a node). Decode lends its node at
+/// once instead of holding it through the stabilization window while prefill starts one.
+#[test]
+fn a_turn_of_the_mix_switches_a_node_instead_of_starting_one() {
+    let turned = |now: Duration| {
+        if now < secs(60) {
+            Load {
+                running: 200.0,
+                kv_nodes: 0.4,
+                ..busy(now)
+            }
+        } else {
+            Load {
+                arrival_rate: 28.0,
+                prompt: 2000.0,
+                output: 70.0,
+                running: 100.0,
+                kv_nodes: 0.3,
+                ..Load::default()
+            }
+        }
+    };
+    let node_seconds = |allow_role_switch: bool| {
+        let mut c = config(PredictorConfig::Constant);
+        c.allow_role_switch = allow_role_switch;
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        let mut seconds = 0;
+        let mut decisions = Vec::new();
+        for s in 0..180 {
+            decisions.extend(run(&mut planner, &mut mesh, secs(s), 1, turned));
+            seconds += mesh.prefill + mesh.decode;
+        }
+        assert_eq!((mesh.prefill, mesh.decode), (4, 1), "{decisions:#?}");
+        let changes: Vec<_> = decisions.into_iter().filter(|d| d.acted()).collect();
+        (seconds, changes)
+    };
+    let (switched, changes) = node_seconds(true);
+    assert_eq!(changes.len(), 1, "{changes:#?}");
+    let turn = &changes[0];
+    assert_eq!(turn.at, secs(70), "the first decision after the turn");
+    assert_eq!(turn.switches.decode_to_prefill, 1);
+    assert!(matches!(
+        turn.decode.reason,
+        Reason::Lent { nodes: 1, ref because } if matches!(**because, Reason::PredictedDemand { replicas: 1, .. })
+    ));
+    let (fixed, changes) = node_seconds(false);
+    assert!(changes.iter().all(|d| d.switches == Default::default()));
+    assert!(
+        changes[0].at == secs(70) && changes[0].decode.direction() == Direction::Hold,
+        "{changes:#?}"
+    );
+    assert!(switched < fixed, "{switched} node-seconds against {fixed}");
+}
+
+/// A decode role that would drop below its running sequences' batch lends nothing.
+#[test]
+fn a_role_keeps_the_nodes_its_running_sequences_need() {
+    let mut planner = Planner::new(config(PredictorConfig::Constant)).unwrap();
+    let mesh = Mesh {
+        prefill: 3,
+        decode: 2,
+    };
+    // The turned mix wants 1 decode node, but 200 sequences still run: 1 node would hold
+    // 200 against a batch of 148.
+    planner.observe(
+        secs(0),
+        mesh.observe(&Load {
+            arrival_rate: 28.0,
+            prompt: 2000.0,
+            output: 70.0,
+            running: 200.0,
+            kv_nodes: 0.3,
+            ..Load::default()
+        }),
+    );
+    let d = planner.decide(secs(0));
+    assert_eq!((d.prefill.target, d.decode.target), (4, 2));
+    assert_eq!(d.switches, Default::default());
+}
+
+/// Prompt tokens queued now are demand on top of the predicted arrivals: 20,000 tokens to
+/// serve within 2 s add 10,000 tokens/s to the 40,000 arriving, 4 nodes at
+/// 15,255 a node where the arrivals alone need 3.
+#[test]
+fn a_backlog_adds_prefill_nodes_to_work_it_off() {
+    let prefill_target = |queue_drain: Duration| {
+        let mut c = config(PredictorConfig::Constant);
+        c.slo.queue_drain = queue_drain;
+        let mut planner = Planner::new(c).unwrap();
+        let mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        planner.observe(
+            secs(0),
+            mesh.observe(&Load {
+                queued_tokens: 20_000.0,
+                ..busy(secs(0))
+            }),
+        );
+        planner.decide(secs(0)).prefill.target
+    };
+    assert_eq!(prefill_target(Duration::from_secs(2)), 4);
+    assert_eq!(prefill_target(Duration::ZERO), 3);
+}
+
+/// The sequences running now are a floor under the predicted ones: answers longer than the
+/// completed requests showed so far keep 400 sequences on the nodes where the prediction
+/// says 199.8, and 400 need 3 nodes of 145.
+#[test]
+fn running_sequences_are_a_floor_under_the_decode_sizing() {
+    let decode_target = |running_floor: bool| {
+        let mut c = config(PredictorConfig::Constant);
+        c.slo.running_floor = running_floor;
+        let mut planner = Planner::new(c).unwrap();
+        let mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        planner.observe(
+            secs(0),
+            mesh.observe(&Load {
+                running: 400.0,
+                kv_nodes: 0.5,
+                ..busy(secs(0))
+            }),
+        );
+        planner.decide(secs(0)).decode.target
+    };
+    assert_eq!(decode_target(true), 3);
+    assert_eq!(decode_target(false), 2);
 }

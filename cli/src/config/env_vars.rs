@@ -33,6 +33,10 @@ env_vars! {
     MODEL_DIR = kvmesh_prompt::model_fetch::ENV_MODEL_DIR;
     /// Caps the CPU kernels' instruction set (e.g. `avx2`) below what the CPU supports.
     CPU_ISA = kvmesh_kernels::cpu::ISA_ENV;
+    /// The NVRTC library for compiling the CUDA kernels (a path to `libnvrtc.so.13`); default: the venv `scripts/setup.sh` fills, then the library path.
+    NVRTC_LIB = kvmesh_kernels::cuda::NVRTC_LIB_ENV;
+    /// Where compiled CUDA kernels are cached, per source hash and architecture; default `~/.cache/kvmesh/kernels`.
+    KERNEL_CACHE = kvmesh_kernels::cuda::KERNEL_CACHE_ENV;
     /// The etcd binary that `kvmesh bench trace` and the cluster tests start (default: `etcd` on the PATH).
     ETCD_BIN = kvmesh_kvstore::etcd_server::ETCD_BIN_ENV;
     /// Compute threads (`--threads`).
@@ -91,6 +95,8 @@ env_vars! {
     MAX_BATCHED_TOKENS = "KVMESH_MAX_BATCHED_TOKENS";
     /// A target for one engine step's time (`--max-step-time`).
     MAX_STEP_TIME = "KVMESH_MAX_STEP_TIME";
+    /// Where a node's engine computes: `cpu`, `cuda` or `cuda:N` (`--device`).
+    DEVICE = "KVMESH_DEVICE";
     /// The router's node-picking policy (`--routing-policy`).
     ROUTING_POLICY = "KVMESH_ROUTING_POLICY";
     /// Prompts with fewer uncached tokens than this prefill on the decode node (`--local-prefill-max-tokens`).

@@ -33,6 +33,10 @@ pub struct EngineArgs {
     #[arg(long, env = env_vars::MAX_STEP_TIME, value_parser = humantime::parse_duration)]
     #[serde(with = "humantime_serde")]
     pub max_step_time: Option<Duration>,
+    /// Where the engine computes: `cpu` (default), `cuda` or `cuda:N` (a build with the
+    /// `cuda` feature and a CUDA device; otherwise the node does not start, and says why).
+    #[arg(long, env = env_vars::DEVICE)]
+    pub device: Option<kvmesh_engine::device::Device>,
 }
 
 /// Where the `EngineArgs` flags go in the TOML.
@@ -43,4 +47,5 @@ pub const KEYS: &[(&str, &str)] = &[
     ("kv_disk_dir", "engine.disk_tier_dir"),
     ("max_batched_tokens", "engine.max_num_batched_tokens"),
     ("max_step_time", "engine.max_step_time"),
+    ("device", "engine.device"),
 ];

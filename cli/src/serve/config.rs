@@ -68,7 +68,7 @@ impl Layered for ServeConfig {
     const ROLE: &'static str = "serve";
     const KEYS: &'static [&'static [(&'static str, &'static str)]] = &[
         admission_args::ROUTER_KEYS,
-        &[("listen", "router.listen")],
+        &[("listen", "router.listen"), ("device", "engine.device")],
         autoscale::KEYS,
     ];
     const MACHINE_DEFAULTS: &'static [(&'static str, &'static str)] =

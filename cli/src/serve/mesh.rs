@@ -124,8 +124,8 @@ pub struct LocalMesh {
 /// Why a mesh could not start, or a worker could not be added, switched or removed.
 #[derive(Debug, thiserror::Error)]
 pub enum MeshError {
-    #[error("invalid engine config: {0}")]
-    Engine(#[from] kvmesh_engine::scheduler::SchedulerError),
+    #[error(transparent)]
+    Engine(#[from] kvmesh_engine::engine_config::EngineBuildError),
     #[error(transparent)]
     Decode(#[from] DecodeError),
     #[error("starting a prefill thread: {0}")]

@@ -1,0 +1,349 @@
+//! Every CUDA op against the CPU backend's on the same random inputs: the largest absolute
+//! error and that error relative to the reference's largest magnitude, against a bound per op.
+
+use anyhow::Result;
+use half::f16;
+use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
+use kvmesh_kernels::cuda::{CudaDevice, KvGeometry};
+use kvmesh_kernels::{QMatrix, WeightFormat};
+use serde_json::{json, Value};
+
+struct Rng(u64);
+
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| (self.f() * 127.0) as i8 as u8).collect()
+    }
+}
+
+/// (max abs error, max abs error / max |reference|).
+fn errors(want: &[f32], got: &[f32]) -> (f32, f32) {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
+    let abs = want
+        .iter()
+        .zip(got)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    (abs, abs / scale)
+}
+
+struct Checks<'a> {
+    out: serde_json::Map<String, Value>,
+    failures: &'a mut Vec<String>,
+}
+
+impl Checks<'_> {
+    fn compare(&mut self, name: &str, want: &[f32], got: &[f32], bound: f32) {
+        let (abs, rel) = errors(want, got);
+        let pass = want.len() == got.len() && rel <= bound;
+        if !pass {
+            self.failures
+                .push(format!("op {name}: relative error {rel} > {bound}"));
+        }
+        self.out.insert(
+            name.into(),
+            json!({"max_abs_error": abs, "max_rel_error": rel, "bound": bound, "pass": pass}),
+        );
+    }
+
+    fn exact(&mut self, name: &str, equal: bool) {
+        if !equal {
+            self.failures.push(format!("op {name}: not exact"));
+        }
+        self.out
+            .insert(name.into(), json!({"exact": true, "pass": equal}));
+    }
+}
+
+/// A Q8_0 or Q4_1 matrix with random quants and sane scales.
+fn qmatrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) -> QMatrix {
+    let mut data = rng.bytes(rows * format.row_bytes(cols).unwrap_or(0));
+    let d = f16::from_f32(0.01).to_le_bytes();
+    for b in data.chunks_exact_mut(format.block_bytes()) {
+        b[..2].copy_from_slice(&d);
+        if format == WeightFormat::Q4_1 {
+            b[2..4].copy_from_slice(&f16::from_f32(-0.07).to_le_bytes());
+        }
+    }
+    QMatrix::new(format, rows, cols, data).unwrap_or_else(|e| panic!("{e}"))
+}
+
+pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
+    let dev = CudaDevice::open(ordinal)?;
+    let mut rng = Rng(7);
+    let mut c = Checks {
+        out: serde_json::Map::new(),
+        failures,
+    };
+    c.out.insert("device_name".into(), json!(dev.name()));
+    c.out.insert("capability".into(), json!(dev.capability()));
+
+    // RMSNorm and SiLU·mul over [64, 4096].
+    let (rows, d) = (64, 4096);
+    let (x, w) = (rng.vec(rows * d), rng.vec(d));
+    let mut want = vec![0.0; rows * d];
+    cpu::rmsnorm(&x, &w, 1e-5, &mut want);
+    let (xd, wd) = (dev.upload(&x)?, dev.upload(&w)?);
+    let mut out = dev.zeros::<f32>(rows * d)?;
+    dev.rmsnorm(&xd.slice(..), &wd, 1e-5, rows, &mut out.slice_mut(..))?;
+    let mut got = Vec::new();
+    dev.download(&out.slice(..), &mut got)?;
+    c.compare("rmsnorm", &want, &got, 1e-5);
+
+    let inter = d / 2;
+    let mut want = vec![0.0; rows * inter];
+    cpu::silu_mul(&x, inter, &mut want);
+    let mut out = dev.zeros::<f32>(rows * inter)?;
+    dev.silu_mul(&xd.slice(..), inter, rows, &mut out.slice_mut(..))?;
+    dev.download(&out.slice(..), &mut got)?;
+    c.compare("silu_mul", &want, &got, 1e-5);
+
+    // RoPE, both pairings, positions up to 100k.
+    for interleaved in [true, false] {
+        let (n, heads, hd) = (16, 8, 128);
+        let positions: Vec<usize> = (0..n).map(|i| i * 6151).collect();
+        let x = rng.vec(n * heads * hd);
+        let mut want = x.clone();
+        cpu::rope(&mut want, &positions, heads, hd, 500000.0, interleaved);
+        let mut xd = dev.upload(&x)?;
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let pd = dev.upload(&pos)?;
+        dev.rope(
+            &mut xd.slice_mut(..),
+            &pd.slice(..),
+            n,
+            heads * hd,
+            heads,
+            hd,
+            500000.0,
+            interleaved,
+        )?;
+        dev.download(&xd.slice(..), &mut got)?;
+        let name = if interleaved {
+            "rope_interleaved"
+        } else {
+            "rope_neox"
+        };
+        c.compare(name, &want, &got, 1e-5);
+    }
+
+    // Matmuls: the fused GEMV (m <= 8) and cuBLAS (m = 64), against the CPU's (which rounds
+    // activations to 8 bits, so the bound is loose).
+    for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+        let (n_out, k) = (1024, 2048);
+        let w = qmatrix(&mut rng, format, n_out, k);
+        let wd = dev.upload_matrix(&w)?;
+        let mut bf = dev.zeros::<u16>(64 * k)?;
+        for m in [1usize, 8, 64] {
+            let x = rng.vec(m * k);
+            let mut want = vec![0.0; m * n_out];
+            cpu::matmul(&w, &x, m, &mut want);
+            let xd = dev.upload(&x)?;
+            let mut out = dev.zeros::<f32>(m * n_out)?;
+            dev.matmul(&wd, &xd.slice(..), m, &mut out.slice_mut(..), &mut bf)?;
+            dev.download(&out.slice(..), &mut got)?;
+            c.compare(&format!("matmul_{format:?}_m{m}"), &want, &got, 2e-2);
+        }
+    }
+
+    // Embedding gather of Q8_0 rows: exact (the same dequantization).
+    let table = qmatrix(&mut rng, WeightFormat::Q8_0, 512, 256);
+    let td = dev.upload_matrix(&table)?;
+    let tokens: Vec<i32> = vec![0, 511, 17, 17, 300];
+    let mut want = vec![0.0; tokens.len() * 256];
+    for (row, &t) in want.chunks_exact_mut(256).zip(&tokens) {
+        table.dequantize_row(t as usize, row);
+    }
+    let tk = dev.upload(&tokens)?;
+    let mut out = dev.zeros::<f32>(tokens.len() * 256)?;
+    dev.embed(&td, &tk.slice(..), tokens.len(), &mut out.slice_mut(..))?;
+    dev.download(&out.slice(..), &mut got)?;
+    c.exact("embed_q8_0", want == got);
+
+    // Paged attention: 4 decoding sequences and one prefill chunk over a cached prefix, with
+    // shuffled block tables; KV appended on the device and on the CPU from the same rows.
+    let g = KvGeometry {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: 400,
+    };
+    let shape = AttentionShape {
+        n_heads: g.n_heads,
+        n_kv_heads: g.n_kv_heads,
+        head_dim: g.head_dim,
+        block_size: g.block_size,
+    };
+    let kv_row = g.n_kv_heads * g.head_dim;
+    let q_row = g.n_heads * g.head_dim;
+    let layer = g.block_elems() * g.num_blocks;
+    let (mut kc, mut vc) = (vec![f16::ZERO; layer], vec![f16::ZERO; layer]);
+    let (mut kd, mut vd) = (dev.zeros::<u16>(layer)?, dev.zeros::<u16>(layer)?);
+    // (context length, query rows): four decodes and a 100-row prefill after 200 cached.
+    let seqs_spec = [(1000usize, 1usize), (17, 1), (1, 1), (333, 1), (300, 100)];
+    let mut tables: Vec<Vec<u32>> = Vec::new();
+    let mut next_block = 0u32;
+    for &(len, _) in &seqs_spec {
+        let n = len.div_ceil(g.block_size) as u32;
+        // Reversed block order: the table, not adjacency, must decide.
+        tables.push((next_block..next_block + n).rev().collect());
+        next_block += n;
+    }
+    let (mut q, mut row_pos, mut row_table, mut flat) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut seqs = Vec::new();
+    for (i, &(len, nq)) in seqs_spec.iter().enumerate() {
+        let k = rng.vec(len * kv_row);
+        let v = rng.vec(len * kv_row);
+        cpu::write_kv(&shape, &tables[i], 0, &k, &v, &mut kc, &mut vc);
+        let slots: Vec<i32> = (0..len)
+            .map(|p| {
+                (tables[i][p / g.block_size] as usize * g.block_size + p % g.block_size) as i32
+            })
+            .collect();
+        let (kdev, vdev, sdev) = (dev.upload(&k)?, dev.upload(&v)?, dev.upload(&slots)?);
+        dev.kv_append(
+            &g,
+            &kdev.slice(..),
+            &vdev.slice(..),
+            kv_row,
+            &sdev.slice(..),
+            len,
+            &mut kd,
+            &mut vd,
+        )?;
+        let at = flat.len() as i32;
+        flat.extend(tables[i].iter().map(|&b| b as i32));
+        seqs.push((q.len() / q_row, nq, len - nq));
+        for j in 0..nq {
+            row_pos.push((len - nq + j) as i32);
+            row_table.push(at);
+        }
+        q.extend(rng.vec(nq * q_row));
+    }
+    // The appended caches agree bit for bit (both round to nearest even).
+    let (mut kh, mut vh) = (Vec::new(), Vec::new());
+    dev.download(&kd.slice(..), &mut kh)?;
+    dev.download(&vd.slice(..), &mut vh)?;
+    let kbits: Vec<u16> = kc.iter().map(|h| h.to_bits()).collect();
+    let vbits: Vec<u16> = vc.iter().map(|h| h.to_bits()).collect();
+    c.exact("kv_append", kh == kbits && vh == vbits);
+    let cpu_seqs: Vec<AttentionSeq> = seqs
+        .iter()
+        .zip(&tables)
+        .map(|(&(q_offset, n_q, start_pos), t)| AttentionSeq {
+            q_offset,
+            n_q,
+            start_pos,
+            block_table: t,
+        })
+        .collect();
+    let rows = q.len() / q_row;
+    let mut want = vec![0.0; q.len()];
+    cpu::paged_attention(&shape, &cpu_seqs, &q, &kc, &vc, &mut want);
+    let (qd, pd, rd, fd) = (
+        dev.upload(&q)?,
+        dev.upload(&row_pos)?,
+        dev.upload(&row_table)?,
+        dev.upload(&flat)?,
+    );
+    let mut out = dev.zeros::<f32>(q.len())?;
+    dev.attention(
+        &g,
+        &qd.slice(..),
+        q_row,
+        &pd.slice(..),
+        &rd.slice(..),
+        &fd.slice(..),
+        rows,
+        &kd,
+        &vd,
+        &mut out.slice_mut(..),
+        q_row,
+    )?;
+    dev.download(&out.slice(..), &mut got)?;
+    c.compare("paged_attention", &want, &got, 5e-3);
+
+    // KV pack to the transfer layout equals the CPU's gather; unpack restores it elsewhere.
+    let ids: Vec<u32> = vec![5, 0, 63, 7];
+    let mut want = Vec::<u16>::new();
+    for &b in &ids {
+        let r = b as usize * g.block_elems()..(b as usize + 1) * g.block_elems();
+        want.extend_from_slice(&kbits[r.clone()]);
+        want.extend_from_slice(&vbits[r]);
+    }
+    let idd = dev.upload(&ids.iter().map(|&b| b as i32).collect::<Vec<_>>())?;
+    let mut packed = dev.zeros::<u16>(want.len())?;
+    dev.kv_pack(
+        &g,
+        &kd,
+        &vd,
+        &idd.slice(..),
+        ids.len(),
+        &mut packed.slice_mut(..),
+    )?;
+    let mut host = Vec::new();
+    dev.download(&packed.slice(..), &mut host)?;
+    c.exact("kv_pack", host == want);
+    let (mut k2, mut v2) = (dev.zeros::<u16>(layer)?, dev.zeros::<u16>(layer)?);
+    let dst = dev.upload(&[300i32, 301, 302, 303])?;
+    dev.kv_unpack(&g, &packed.slice(..), &dst.slice(..), 4, &mut k2, &mut v2)?;
+    let mut back = dev.zeros::<u16>(want.len())?;
+    dev.kv_pack(&g, &k2, &v2, &dst.slice(..), 4, &mut back.slice_mut(..))?;
+    dev.download(&back.slice(..), &mut host)?;
+    c.exact("kv_unpack", host == want);
+
+    // Greedy and truncated sampling over a 128k vocabulary.
+    let (rows, vocab) = (4usize, 128256usize);
+    let logits: Vec<f32> = (0..rows * vocab).map(|_| rng.f() * 10.0).collect();
+    let ld = dev.upload(&logits)?;
+    let mut ids = dev.zeros::<i32>(rows)?;
+    dev.argmax(&ld.slice(..), vocab, rows, &mut ids.slice_mut(..))?;
+    let mut got_ids = Vec::new();
+    dev.download(&ids.slice(..), &mut got_ids)?;
+    let want_ids: Vec<i32> = logits
+        .chunks_exact(vocab)
+        .map(|l| kvmesh_engine::sampler::argmax(l) as i32)
+        .collect();
+    c.exact("argmax", got_ids == want_ids);
+    // Top-k 40 at temperature 0.8: every draw must be one of the 40 highest logits.
+    let (temp, topk, topp): (Vec<f32>, Vec<i32>, Vec<f32>) =
+        (vec![0.8; rows], vec![40; rows], vec![0.9; rows]);
+    let (td, kd2, pd2) = (dev.upload(&temp)?, dev.upload(&topk)?, dev.upload(&topp)?);
+    let mut inside = true;
+    for draw in 0..64 {
+        let u: Vec<f32> = (0..rows)
+            .map(|r| ((draw * 7 + r * 13) % 64) as f32 / 64.0)
+            .collect();
+        let ud = dev.upload(&u)?;
+        dev.sample(
+            &ld.slice(..),
+            vocab,
+            rows,
+            &td.slice(..),
+            &kd2.slice(..),
+            &pd2.slice(..),
+            &ud.slice(..),
+            &mut ids.slice_mut(..),
+        )?;
+        dev.download(&ids.slice(..), &mut got_ids)?;
+        for (r, &t) in got_ids.iter().enumerate() {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let mut sorted = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            inside &= t >= 0 && (t as usize) < vocab && row[t as usize] >= sorted[39];
+        }
+    }
+    c.exact("sample_top_k_top_p_in_set", inside);
+    Ok(Value::Object(c.out))
+}

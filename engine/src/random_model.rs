@@ -1,0 +1,199 @@
+//! Models with random weights in the shapes of real ones, built in memory: for checking one
+//! backend against another and for throughput figures where the real weights cannot travel
+//! (`kvmesh gpu-check`). The values are scaled so activations keep the magnitudes of a
+//! trained model's (each weight row has about unit norm), not so the output means anything.
+
+use crate::model::{Layer, LlamaModel};
+use crate::model_config::{ModelConfig, RopeStyle};
+use half::f16;
+use kvmesh_kernels::{QMatrix, WeightFormat};
+
+/// SmolLM2-135M's shape (GGUF: interleaved RoPE, tied embeddings).
+pub fn smollm2_135m() -> ModelConfig {
+    shape(
+        "smollm2-135m",
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+        49152,
+        8192,
+        100000.0,
+        true,
+    )
+}
+
+/// Llama-3-8B's shape.
+pub fn llama3_8b() -> ModelConfig {
+    shape(
+        "llama3-8b",
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        128,
+        128256,
+        8192,
+        500000.0,
+        false,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(
+    name: &str,
+    num_layers: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    vocab_size: usize,
+    max_context: usize,
+    rope_theta: f32,
+    tied_embeddings: bool,
+) -> ModelConfig {
+    ModelConfig {
+        architecture: format!("llama ({name}-shaped, random weights)"),
+        num_layers,
+        hidden_size,
+        intermediate_size,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        vocab_size,
+        max_context,
+        rope_theta,
+        rope_style: RopeStyle::Interleaved,
+        rms_norm_eps: 1e-5,
+        tied_embeddings,
+        qkv_bias: false,
+        bos_token_id: None,
+        eos_token_id: None,
+    }
+}
+
+/// splitmix64: a seeded stream of random words, no dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn fill(&mut self, out: &mut [u8]) {
+        for c in out.chunks_mut(8) {
+            let w = self.next().to_le_bytes();
+            c.copy_from_slice(&w[..c.len()]);
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix of `format` (Q8_0 or Q4_1) with uniform random quants and scales
+/// giving each element a standard deviation of `std`.
+fn matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize, std: f32) -> QMatrix {
+    let row_bytes = format
+        .row_bytes(cols)
+        .unwrap_or_else(|e| panic!("random model: {e}"));
+    let mut data = vec![0u8; rows * row_bytes];
+    rng.fill(&mut data);
+    let bb = format.block_bytes();
+    match format {
+        // Uniform i8 has a standard deviation of about 73.6.
+        WeightFormat::Q8_0 => {
+            let d = f16::from_f32(std / 73.6).to_le_bytes();
+            for b in data.chunks_exact_mut(bb) {
+                b[..2].copy_from_slice(&d);
+            }
+        }
+        // Uniform nibbles have mean 7.5 and a standard deviation of about 4.6.
+        WeightFormat::Q4_1 => {
+            let d = std / 4.6;
+            let (dh, mh) = (f16::from_f32(d).to_le_bytes(), f16::from_f32(-7.5 * d));
+            for b in data.chunks_exact_mut(bb) {
+                b[..2].copy_from_slice(&dh);
+                b[2..4].copy_from_slice(&mh.to_le_bytes());
+            }
+        }
+        f => panic!("random model: {f:?} is not Q8_0 or Q4_1"),
+    }
+    QMatrix::new(format, rows, cols, data).unwrap_or_else(|e| panic!("random model: {e}"))
+}
+
+/// A model of `config` with random `format` weights (Q8_0 or Q4_1; the embedding is Q8_0, as
+/// llama.cpp keeps it in Q4_1 files), the same for the same seed.
+pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> LlamaModel {
+    let mut rng = Rng(seed);
+    let c = &config;
+    let (hs, hd) = (c.hidden_size, c.head_dim);
+    let qkv = (c.num_heads + 2 * c.num_kv_heads) * hd;
+    let inv = |n: usize| 1.0 / (n as f32).sqrt();
+    let layers = (0..c.num_layers)
+        .map(|_| Layer {
+            attn_norm: vec![1.0; hs],
+            wqkv: matrix(&mut rng, format, qkv, hs, inv(hs)),
+            qkv_bias: None,
+            wo: matrix(
+                &mut rng,
+                format,
+                hs,
+                c.num_heads * hd,
+                inv(c.num_heads * hd),
+            ),
+            ffn_norm: vec![1.0; hs],
+            w_gate_up: matrix(&mut rng, format, 2 * c.intermediate_size, hs, inv(hs)),
+            w_down: matrix(
+                &mut rng,
+                format,
+                hs,
+                c.intermediate_size,
+                inv(c.intermediate_size),
+            ),
+        })
+        .collect();
+    let embed = matrix(&mut rng, WeightFormat::Q8_0, c.vocab_size, hs, 1.0);
+    let lm_head = (!c.tied_embeddings).then(|| matrix(&mut rng, format, c.vocab_size, hs, inv(hs)));
+    LlamaModel {
+        embed,
+        layers,
+        output_norm: vec![1.0; hs],
+        lm_head,
+        config,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_same_model_and_scales_as_asked() {
+        let mut c = smollm2_135m();
+        c.num_layers = 1;
+        c.vocab_size = 64;
+        let a = random_model(c.clone(), WeightFormat::Q4_1, 7);
+        let b = random_model(c.clone(), WeightFormat::Q4_1, 7);
+        assert_eq!(a.layers[0].wqkv, b.layers[0].wqkv);
+        assert_ne!(
+            a.layers[0].wqkv,
+            random_model(c, WeightFormat::Q4_1, 8).layers[0].wqkv
+        );
+        let w = &a.layers[0].w_gate_up;
+        let mut row = vec![0.0; w.cols];
+        let mut sq = 0.0f64;
+        for r in 0..w.rows {
+            w.dequantize_row(r, &mut row);
+            sq += row.iter().map(|&x| f64::from(x * x)).sum::<f64>();
+        }
+        // Each row about unit norm.
+        let mean_norm2 = sq / w.rows as f64;
+        assert!((0.8..1.2).contains(&mean_norm2), "{mean_norm2}");
+    }
+}

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CUDA backend's device run (issue 18, docs/gpu.md), in two halves:
+#
+#   scripts/gpu_check.sh --build     here, with Rust: builds kvmesh with `--features cuda`,
+#                                    stripped, into target/gpu/kvmesh, and fills
+#                                    target/gpu/kernels with the kernels' PTX for sm_90 (NVRTC
+#                                    from scripts/setup.sh), so the GPU machine needs neither
+#                                    a toolchain nor NVRTC. Carry target/gpu (about 30 MiB).
+#   scripts/gpu_check.sh [OUT_DIR]   on the GPU machine: runs `kvmesh gpu-check` (ops against
+#                                    the CPU, whole-model agreement and throughput on random
+#                                    SmolLM2- and Llama-3-8B-shaped models) and writes
+#                                    OUT_DIR/gpu_check.json (default: the current directory).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GPU_DIR=target/gpu
+
+if [ "${1:-}" = "--build" ]; then
+  scripts/setup.sh
+  cargo build --release -p kvmesh --features cuda
+  mkdir -p "$GPU_DIR"
+  cp target/release/kvmesh "$GPU_DIR/kvmesh"
+  strip "$GPU_DIR/kvmesh"
+  rm -rf "$GPU_DIR/kernels"
+  KVMESH_KERNEL_CACHE="$GPU_DIR/kernels" "$GPU_DIR/kvmesh" gpu-check --fill-cache compute_90
+  du -sh "$GPU_DIR"
+  exit 0
+fi
+
+out="${1:-.}"
+mkdir -p "$out"
+[ -x "$GPU_DIR/kvmesh" ] || { echo "gpu_check: no $GPU_DIR/kvmesh: run scripts/gpu_check.sh --build and carry $GPU_DIR" >&2; exit 1; }
+
+# cudarc opens libcuda, libcublas and libcublasLt by name: put the directories that hold them
+# (the driver's, a CUDA toolkit's, pip's nvidia-* wheels') on the library path.
+dirs=()
+for lib in libcuda.so.1 libcublas.so.13 libcublasLt.so.13; do
+  found=$(find /usr/local/nvidia /usr/local/cuda* /usr/lib/x86_64-linux-gnu /opt /usr/local/lib \
+    -name "$lib" 2>/dev/null | head -1 || true)
+  if [ -n "$found" ]; then dirs+=("$(dirname "$found")"); else echo "gpu_check: $lib not found" >&2; fi
+done
+LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export LD_LIBRARY_PATH
+export KVMESH_KERNEL_CACHE="$PWD/$GPU_DIR/kernels"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
+"$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json"
