@@ -343,22 +343,27 @@ pub fn scale_trace(
     let previous = previous_turns(&records);
     let block = config.block_tokens() as usize;
     let scale = u64::from(config.scale);
+    let prompt_len = |r: &TraceRecord| {
+        let len = r.input_length.div_ceil(scale) as usize;
+        config.max_prompt_tokens.map_or(len, |max| len.min(max))
+    };
+    let mut blocks = BlockTokens::new(
+        records
+            .iter()
+            .flat_map(|r| &r.hash_ids[..prompt_len(r).div_ceil(block)]),
+        block,
+        &config.token_ids,
+    );
     Ok(records
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let mut len = r.input_length.div_ceil(scale) as usize;
-            if let Some(max) = config.max_prompt_tokens {
-                len = len.min(max);
-            }
+            let len = prompt_len(r);
             let hash_ids = r.hash_ids[..len.div_ceil(block)].to_vec();
-            let prompt_tokens = hash_ids
-                .iter()
-                .zip((0..len).step_by(block))
-                .flat_map(|(&id, start)| {
-                    block_token_ids(id, (len - start).min(block), &config.token_ids)
-                })
-                .collect();
+            let mut prompt_tokens = Vec::with_capacity(len);
+            for (&id, start) in hash_ids.iter().zip((0..len).step_by(block)) {
+                blocks.extend(&mut prompt_tokens, id, (len - start).min(block));
+            }
             let max_tokens = r
                 .output_length
                 .div_ceil(scale)
@@ -429,6 +434,49 @@ fn previous_turns(records: &[&TraceRecord]) -> Vec<Option<usize>> {
             previous
         })
         .collect()
+}
+
+/// Blocks' token ids ([`block_token_ids`]) for a trace's prompts: a block named by more
+/// than one prompt (a conversation's earlier turns, a shared system prompt) is generated once
+/// and copied after, the others are generated in place. Generating costs some 30
+/// instructions a token, a copy a fraction of one.
+struct BlockTokens<'a> {
+    block: usize,
+    ids: &'a Range<u32>,
+    /// Every hash id named more than once, with its whole block once generated.
+    shared: std::collections::HashMap<u64, Vec<u32>>,
+}
+
+impl<'a> BlockTokens<'a> {
+    /// For the blocks `hash_ids` name (every use, in any order).
+    fn new<'r>(hash_ids: impl Iterator<Item = &'r u64>, block: usize, ids: &'a Range<u32>) -> Self {
+        let mut uses: std::collections::HashMap<u64, bool> = Default::default();
+        for &id in hash_ids {
+            uses.entry(id)
+                .and_modify(|again| *again = true)
+                .or_insert(false);
+        }
+        let shared = uses
+            .into_iter()
+            .filter(|&(_, again)| again)
+            .map(|(id, _)| (id, Vec::new()))
+            .collect();
+        BlockTokens { block, ids, shared }
+    }
+
+    /// Appends the first `len` tokens of block `hash_id` to `out`: the same as
+    /// `block_token_ids(hash_id, len, ids)`, since a shorter block is a longer one's start.
+    fn extend(&mut self, out: &mut Vec<u32>, hash_id: u64, len: usize) {
+        match self.shared.get_mut(&hash_id) {
+            Some(tokens) => {
+                if tokens.is_empty() {
+                    tokens.extend(block_token_ids(hash_id, self.block, self.ids));
+                }
+                out.extend_from_slice(&tokens[..len]);
+            }
+            None => out.extend(block_token_ids(hash_id, len, self.ids)),
+        }
+    }
 }
 
 /// The first `len` token ids of the block named `hash_id`: a fixed pseudo-random sequence
@@ -684,6 +732,20 @@ mod tests {
         let first: Vec<u32> = block_token_ids(7, 10, &DEFAULT_TOKEN_IDS).collect();
         let longer: Vec<u32> = block_token_ids(7, 20, &DEFAULT_TOKEN_IDS).collect();
         assert_eq!(first, longer[..10]);
+        // Each prompt is its blocks generated one by one, shared blocks (copied from one
+        // generation) and partial last blocks included.
+        for r in &a {
+            let expected: Vec<u32> = r
+                .hash_ids
+                .iter()
+                .enumerate()
+                .flat_map(|(k, &id)| {
+                    let len = (r.prompt_tokens.len() - k * 32).min(32);
+                    block_token_ids(id, len, &DEFAULT_TOKEN_IDS)
+                })
+                .collect();
+            assert_eq!(r.prompt_tokens, expected);
+        }
     }
 
     #[test]

@@ -98,6 +98,22 @@ impl PromptHashes {
         }
     }
 
+    /// The hashes of a prompt whose full blocks hash to `blocks` (each `hasher.block_hash`
+    /// of its block, in order), chained here: a caller that knows some of a prompt's block
+    /// hashes already (from another prompt with the same blocks) hashes only the others.
+    pub fn from_blocks(hasher: BlockHasher, blocks: impl IntoIterator<Item = BlockHash>) -> Self {
+        let mut parent = None;
+        let hashes = blocks
+            .into_iter()
+            .map(|block| {
+                let h = hasher.chain(parent, block);
+                parent = Some(h);
+                h
+            })
+            .collect();
+        PromptHashes { hasher, hashes }
+    }
+
     /// The hashes, when `hasher` is the one that made them; `None` otherwise.
     pub fn made_by(&self, hasher: &BlockHasher) -> Option<&[SequenceHash]> {
         (self.hasher == *hasher).then_some(&self.hashes[..])
@@ -124,6 +140,15 @@ mod tests {
 
     fn hasher() -> BlockHasher {
         BlockHasher::new(ModelFingerprint(7), 4)
+    }
+
+    #[test]
+    fn prompt_hashes_from_block_hashes_are_the_prompts() {
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+        let blocks = prompt.chunks_exact(4).map(|b| hasher().block_hash(b));
+        let made = PromptHashes::from_blocks(hasher(), blocks);
+        assert_eq!(made, PromptHashes::new(hasher(), &prompt));
+        assert_eq!(made.made_by(&hasher()).map(<[_]>::len), Some(2));
     }
 
     #[test]

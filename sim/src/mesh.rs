@@ -56,7 +56,7 @@ use kvmesh_bench::report::{MeshStats, Point};
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
-use kvmesh_common::{BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
+use kvmesh_common::{BlockHash, BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
 use kvmesh_planner::PlannerConfig;
@@ -68,7 +68,7 @@ use rand::{Rng, SeedableRng};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 mod lifecycle;
@@ -89,6 +89,16 @@ pub struct SimPrompt {
     /// The tokens, but for the first, which is `first`.
     shared: Arc<[TokenId]>,
     first: TokenId,
+    /// The hashes of `shared`'s full blocks but the first (which holds `first`), made once
+    /// for every prompt sharing the buffer ([`SimPrompt::hashes`]).
+    later_blocks: Arc<OnceLock<LaterBlocks>>,
+}
+
+/// A shared buffer's block hashes after its first block, and the hasher that made them.
+#[derive(Debug)]
+struct LaterBlocks {
+    hasher: BlockHasher,
+    hashes: Vec<BlockHash>,
 }
 
 impl SimPrompt {
@@ -117,7 +127,34 @@ impl SimPrompt {
         SimPrompt {
             shared: self.shared.clone(),
             first,
+            later_blocks: self.later_blocks.clone(),
         }
+    }
+
+    /// `hasher`'s hashes of this prompt, whose tokens are `tokens` ([`SimPrompt::tokens`]):
+    /// its first block hashed, every later one's hash shared with the prompts that share its
+    /// buffer (a multiplied trace's copies differ only in their first token).
+    pub fn hashes(&self, hasher: BlockHasher, tokens: &[TokenId]) -> PromptHashes {
+        debug_assert_eq!(tokens.len(), self.len());
+        let bs = hasher.block_size;
+        if tokens.len() < bs {
+            return PromptHashes::new(hasher, tokens);
+        }
+        let later = self.later_blocks.get_or_init(|| LaterBlocks {
+            hasher,
+            hashes: tokens[bs..]
+                .chunks_exact(bs)
+                .map(|b| hasher.block_hash(b))
+                .collect(),
+        });
+        if later.hasher != hasher {
+            return PromptHashes::new(hasher, tokens);
+        }
+        let first = hasher.block_hash(&tokens[..bs]);
+        PromptHashes::from_blocks(
+            hasher,
+            std::iter::once(first).chain(later.hashes.iter().copied()),
+        )
     }
 
     /// The tokens, in one buffer: the shared one when the first token is its own, else a copy.
@@ -144,6 +181,7 @@ impl From<Vec<TokenId>> for SimPrompt {
         SimPrompt {
             shared: tokens.into(),
             first,
+            later_blocks: Arc::default(),
         }
     }
 }
@@ -154,6 +192,7 @@ impl From<&[TokenId]> for SimPrompt {
         SimPrompt {
             shared: tokens.into(),
             first: tokens.first().copied().unwrap_or_default(),
+            later_blocks: Arc::default(),
         }
     }
 }
@@ -778,7 +817,7 @@ impl Mesh<'_> {
             s.window.arrived(self.requests[i].prompt.len());
         }
         let prompt = self.requests[i].prompt.tokens();
-        let hashed = PromptHashes::new(self.hasher, &prompt);
+        let hashed = self.requests[i].prompt.hashes(self.hasher, &prompt);
         match self.open(i, &prompt, &hashed, &[], &[]) {
             Opened::On {
                 decode,

@@ -358,6 +358,28 @@ mod tests {
     }
 
     #[test]
+    fn copies_hash_as_their_own_tokens_do() {
+        use kvmesh_common::{BlockHasher, ModelFingerprint, PromptHashes};
+        let hasher = BlockHasher::new(ModelFingerprint(3), 4);
+        let other = BlockHasher::new(ModelFingerprint(4), 4);
+        let original = req(0, (1..=14).collect(), None);
+        let copies = multiply(&[original], NonZeroUsize::new(3).unwrap());
+        // The last copy first: whichever prompt hashes first fills the shared hashes.
+        for r in copies.iter().rev().chain(&copies) {
+            let tokens = r.prompt.tokens();
+            for h in [hasher, other] {
+                assert_eq!(r.prompt.hashes(h, &tokens), PromptHashes::new(h, &tokens));
+            }
+        }
+        let short = SimPrompt::from(vec![1, 2, 3]).with_first(9);
+        let tokens = short.tokens();
+        assert_eq!(
+            short.hashes(hasher, &tokens),
+            PromptHashes::new(hasher, &tokens)
+        );
+    }
+
+    #[test]
     fn unsupported_input_is_a_clear_error() {
         let w = workload(vec![item(Prompt::Text("hi".into()), Some(0))]);
         let err = requests(&w.items, &LoadShape::Trace(Pacing::Speedup(1.0)), 0).unwrap_err();

@@ -11,8 +11,8 @@
 //! (both halved lookup time). Each holder is packed into 4 bytes: a dense slot number the
 //! index gives each node, and the tier bits. A second map, node -> its blocks, makes a node's
 //! removal and snapshot replacement cost that node's blocks, not the whole index. Most blocks
-//! have one holder, kept in the map's own entry rather than a vector of its own ([`Holders`]),
-//! so publishing a block allocates nothing.
+//! have one or two holders, kept in the map's own entry rather than a vector of their own
+//! ([`Holders`]), so publishing a block allocates nothing.
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
 use kvmesh_common::fast_hash::U64Map;
@@ -67,62 +67,78 @@ impl Holder {
 /// Leading blocks by fastest tier (device, host, disk), during a lookup.
 type Counts = [u32; 4];
 
-/// One block's holders, sorted by slot: one in place, more in a vector.
+/// One block's holders, sorted by slot: up to [`Holders::FEW`] in place, more in a vector.
+/// Most blocks have one or two (a prompt's blocks on its prefill and its decode node), and a
+/// vector of their own would cost an allocation and a cache miss more per publish.
 #[derive(Debug)]
 enum Holders {
-    One(Holder),
+    /// The first of them are the holders, the rest [`Holder::NONE`] (which sorts last).
+    Few([Holder; Holders::FEW]),
     Many(Vec<Holder>),
 }
 
+impl Holder {
+    /// No holder: a slot beyond any a node is given ([`State::claim`]).
+    const NONE: Holder = Holder(u32::MAX);
+}
+
 impl Holders {
+    const FEW: usize = 4;
+
+    fn one(holder: Holder) -> Self {
+        let mut few = [Holder::NONE; Self::FEW];
+        few[0] = holder;
+        Holders::Few(few)
+    }
+
     fn as_slice(&self) -> &[Holder] {
         match self {
-            Holders::One(h) => std::slice::from_ref(h),
+            Holders::Few(few) => {
+                let n = few.iter().take_while(|h| **h != Holder::NONE).count();
+                &few[..n]
+            }
             Holders::Many(v) => v,
         }
     }
 
     /// Inserts `holder`, or replaces the one of its slot; true if it was not there.
     fn put(&mut self, holder: Holder) -> bool {
-        let slot = holder.slot();
-        match self {
-            Holders::One(h) if h.slot() == slot => {
-                *h = holder;
-                false
+        let at = self
+            .as_slice()
+            .binary_search_by_key(&holder.slot(), |h| h.slot());
+        match (self, at) {
+            (Holders::Few(few), Ok(i)) => few[i] = holder,
+            (Holders::Many(v), Ok(i)) => v[i] = holder,
+            (Holders::Few(few), Err(i)) if few[Self::FEW - 1] == Holder::NONE => {
+                few.copy_within(i..Self::FEW - 1, i + 1);
+                few[i] = holder;
             }
-            Holders::One(h) => {
-                let pair = if h.slot() < slot {
-                    vec![*h, holder]
-                } else {
-                    vec![holder, *h]
-                };
-                *self = Holders::Many(pair);
-                true
+            (Holders::Many(v), Err(i)) => v.insert(i, holder),
+            // Full: they move to a vector.
+            (this, Err(i)) => {
+                let mut v = this.as_slice().to_vec();
+                v.insert(i, holder);
+                *this = Holders::Many(v);
             }
-            Holders::Many(v) => match v.binary_search_by_key(&slot, |h| h.slot()) {
-                Ok(i) => {
-                    v[i] = holder;
-                    false
-                }
-                Err(i) => {
-                    v.insert(i, holder);
-                    true
-                }
-            },
         }
+        at.is_err()
     }
 
     /// Removes the holder of `slot`: whether it was there, and whether none is left.
     fn take(&mut self, slot: u32) -> (bool, bool) {
+        let Ok(i) = self.as_slice().binary_search_by_key(&slot, |h| h.slot()) else {
+            return (false, false);
+        };
         match self {
-            Holders::One(h) => (h.slot() == slot, h.slot() == slot),
-            Holders::Many(v) => match v.binary_search_by_key(&slot, |h| h.slot()) {
-                Ok(i) => {
-                    v.remove(i);
-                    (true, v.is_empty())
-                }
-                Err(_) => (false, false),
-            },
+            Holders::Few(few) => {
+                few.copy_within(i + 1.., i);
+                few[Self::FEW - 1] = Holder::NONE;
+                (true, few[0] == Holder::NONE)
+            }
+            Holders::Many(v) => {
+                v.remove(i);
+                (true, v.is_empty())
+            }
         }
     }
 }
@@ -363,7 +379,7 @@ impl State {
         let holder = Holder::new(slot, tiers);
         match self.holders.entry(hash) {
             Entry::Vacant(e) => {
-                e.insert(Holders::One(holder));
+                e.insert(Holders::one(holder));
                 self.entries += 1;
             }
             Entry::Occupied(mut e) => {
