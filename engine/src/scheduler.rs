@@ -273,8 +273,11 @@ impl Scheduler {
 
     /// How long a step of this shape took, from its planning to its tokens: what the
     /// step-time target's predictions learn from.
+    /// Nothing to learn without a target: no step pays for it.
     pub fn observe_step_time(&mut self, shape: StepShape, took: Duration) {
-        self.step_time.observe(shape, took.as_secs_f64());
+        if self.max_step_time.is_some() {
+            self.step_time.observe(shape, took.as_secs_f64());
+        }
     }
 
     /// The time budget of the step being planned, when there is a target.

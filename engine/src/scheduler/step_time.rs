@@ -72,8 +72,6 @@ pub struct StepTimeModel {
     /// Whether a step with more than one token per sequence has been seen: until then the
     /// cost of a prefill chunk is unknown.
     seen_chunk: bool,
-    /// The last fit.
-    cost: Option<StepCost>,
 }
 
 impl StepTimeModel {
@@ -91,15 +89,10 @@ impl StepTimeModel {
         }
         self.steps = self.steps.saturating_add(1);
         self.seen_chunk |= shape.tokens > shape.sequences;
-        self.cost = self.fit();
     }
 
     /// What steps cost, as fitted so far; `None` until the model has seen enough.
     pub fn cost(&self) -> Option<StepCost> {
-        self.cost
-    }
-
-    fn fit(&self) -> Option<StepCost> {
         if self.steps < MIN_STEPS || !self.seen_chunk {
             return None;
         }
