@@ -17,7 +17,7 @@ use kvmesh_common::{BlockId, SamplingParams};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::model::LlamaModel;
-use kvmesh_engine::runner::{ModelRunner, SeqChunk, StepInput};
+use kvmesh_engine::runner::{ChunkTokens, ModelRunner, SeqChunk, StepInput};
 use kvmesh_engine::sampler::argmax;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
@@ -307,7 +307,7 @@ fn time_prefill(model: &Arc<LlamaModel>, tokens: usize) -> Result<Duration> {
     let step = StepInput {
         chunks: vec![SeqChunk {
             seq_id: 0,
-            tokens: random_tokens(tokens, 1),
+            tokens: random_tokens(tokens, 1).into(),
             start_pos: 0,
             block_table: blocks(0..num_blocks as u32),
             want_logits: true,
@@ -329,7 +329,7 @@ fn time_decode(
     let mut chunks: Vec<SeqChunk> = (0..batch)
         .map(|i| SeqChunk {
             seq_id: i as u64,
-            tokens: random_tokens(prompt, 100 + i as u64),
+            tokens: random_tokens(prompt, 100 + i as u64).into(),
             start_pos: 0,
             block_table: blocks(i as u32 * per_seq..(i as u32 + 1) * per_seq),
             want_logits: true,
@@ -342,7 +342,7 @@ fn time_decode(
     for _ in 0..new_tokens {
         for (chunk, (_, logits)) in chunks.iter_mut().zip(&out.logits) {
             chunk.start_pos += chunk.tokens.len();
-            chunk.tokens = vec![argmax(logits)];
+            chunk.tokens = ChunkTokens::one(argmax(logits));
         }
         out = runner.execute(&StepInput {
             chunks: chunks.clone(),

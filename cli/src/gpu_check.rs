@@ -130,7 +130,7 @@ fn ops_report(_ordinal: usize, _failures: &mut Vec<String>) -> Result<Value> {
 fn chunk(seq: u64, tokens: Vec<u32>, start_pos: usize, first: u32, blocks: usize) -> SeqChunk {
     SeqChunk {
         seq_id: seq,
-        tokens,
+        tokens: tokens.into(),
         start_pos,
         block_table: (first..first + blocks as u32).map(BlockId).collect(),
         want_logits: true,

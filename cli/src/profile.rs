@@ -291,7 +291,7 @@ impl Bench {
             runner.execute(&StepInput {
                 chunks: vec![SeqChunk {
                     seq_id: 0,
-                    tokens: random_tokens(longest, 0),
+                    tokens: random_tokens(longest, 0).into(),
                     start_pos: 0,
                     block_table: table.clone(),
                     want_logits: false,
@@ -333,7 +333,7 @@ impl Bench {
             }
             step.chunks.push(SeqChunk {
                 seq_id: i as u64,
-                tokens: random_tokens(new, 1 + i as u64),
+                tokens: random_tokens(new, 1 + i as u64).into(),
                 start_pos: cached,
                 block_table: table,
                 want_logits: true,

@@ -21,7 +21,7 @@ fn shape(chunks: &[(usize, usize)]) -> StepShape {
             .iter()
             .map(|&(start_pos, n)| SeqChunk {
                 seq_id: 0,
-                tokens: vec![1000; n],
+                tokens: vec![1000; n].into(),
                 start_pos,
                 block_table: vec![],
                 want_logits: true,

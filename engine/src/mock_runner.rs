@@ -287,7 +287,7 @@ mod tests {
     fn chunk(seq_id: u64, tokens: Vec<TokenId>, start_pos: usize, blocks: u32) -> SeqChunk {
         SeqChunk {
             seq_id,
-            tokens,
+            tokens: tokens.into(),
             start_pos,
             block_table: (0..blocks).map(BlockId).collect(),
             want_logits: true,

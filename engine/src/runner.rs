@@ -3,7 +3,8 @@
 //! The real runner runs the Llama forward pass; the `MockRunner` only models time.
 
 use kvmesh_common::{BlockId, TokenId};
-use std::ops::Range;
+use std::ops::{Deref, Range};
+use std::sync::Arc;
 
 /// Identifies a sequence inside one engine (one per request choice).
 pub type SeqId = u64;
@@ -13,13 +14,105 @@ pub type SeqId = u64;
 pub struct SeqChunk {
     pub seq_id: SeqId,
     /// Tokens to run through the model, at positions `start_pos..start_pos + tokens.len()`.
-    pub tokens: Vec<TokenId>,
+    pub tokens: ChunkTokens,
     /// Number of this sequence's tokens whose KV is already in its blocks.
     pub start_pos: usize,
     /// The sequence's blocks, covering at least `start_pos + tokens.len()` positions.
     pub block_table: Vec<BlockId>,
     /// Whether to return logits for the last token of this chunk (it ends the known tokens).
     pub want_logits: bool,
+}
+
+/// A chunk's tokens, read as a slice. A prefill chunk is a range of its sequence's prompt,
+/// shared rather than copied (prompts run to tens of thousands of tokens, and each step of a
+/// chunked prefill would copy its share); a decode's one token is kept in place, with no
+/// allocation; anything else (a chunk past the prompt) is a vector of its own.
+#[derive(Clone)]
+pub struct ChunkTokens(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Shared(Arc<[TokenId]>, Range<usize>),
+    One(TokenId),
+    Owned(Vec<TokenId>),
+}
+
+impl ChunkTokens {
+    /// `range` of `tokens`, sharing them.
+    ///
+    /// # Panics
+    /// If `range` is not within `tokens`.
+    pub fn shared(tokens: &Arc<[TokenId]>, range: Range<usize>) -> ChunkTokens {
+        assert!(
+            range.start <= range.end && range.end <= tokens.len(),
+            "range {range:?} outside {} tokens",
+            tokens.len()
+        );
+        ChunkTokens(Repr::Shared(tokens.clone(), range))
+    }
+
+    /// A single token.
+    pub fn one(token: TokenId) -> ChunkTokens {
+        ChunkTokens(Repr::One(token))
+    }
+}
+
+impl Deref for ChunkTokens {
+    type Target = [TokenId];
+
+    fn deref(&self) -> &[TokenId] {
+        match &self.0 {
+            Repr::Shared(tokens, range) => &tokens[range.clone()],
+            Repr::One(token) => std::slice::from_ref(token),
+            Repr::Owned(tokens) => tokens,
+        }
+    }
+}
+
+impl From<Vec<TokenId>> for ChunkTokens {
+    fn from(tokens: Vec<TokenId>) -> ChunkTokens {
+        ChunkTokens(Repr::Owned(tokens))
+    }
+}
+
+impl<'a> IntoIterator for &'a ChunkTokens {
+    type Item = &'a TokenId;
+    type IntoIter = std::slice::Iter<'a, TokenId>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl std::fmt::Debug for ChunkTokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+/// The same tokens, however they are held.
+impl PartialEq for ChunkTokens {
+    fn eq(&self, other: &ChunkTokens) -> bool {
+        **self == **other
+    }
+}
+
+impl PartialEq<[TokenId]> for ChunkTokens {
+    fn eq(&self, other: &[TokenId]) -> bool {
+        **self == *other
+    }
+}
+
+impl PartialEq<Vec<TokenId>> for ChunkTokens {
+    fn eq(&self, other: &Vec<TokenId>) -> bool {
+        **self == other[..]
+    }
+}
+
+impl<const N: usize> PartialEq<[TokenId; N]> for ChunkTokens {
+    fn eq(&self, other: &[TokenId; N]) -> bool {
+        **self == other[..]
+    }
 }
 
 /// One step's work.
@@ -122,4 +215,29 @@ pub trait ModelRunner: KvSource + Send {
         blocks: &[BlockId],
         payload: &[u8],
     ) -> Result<(), RunnerError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunk_tokens_read_the_same_however_held() {
+        let prompt: Arc<[TokenId]> = (0..10).collect();
+        let shared = ChunkTokens::shared(&prompt, 3..6);
+        assert_eq!(shared, [3, 4, 5]);
+        assert_eq!(shared, ChunkTokens::from(vec![3, 4, 5]));
+        assert_eq!(ChunkTokens::one(7), vec![7]);
+        assert_eq!(ChunkTokens::shared(&prompt, 4..4).len(), 0);
+        assert_eq!(format!("{shared:?}"), "[3, 4, 5]");
+        assert_eq!((&shared).into_iter().sum::<TokenId>(), 12);
+        assert_eq!(Arc::strong_count(&prompt), 2, "shared, not copied");
+    }
+
+    #[test]
+    #[should_panic(expected = "outside 10 tokens")]
+    fn a_shared_range_stays_within_its_tokens() {
+        let prompt: Arc<[TokenId]> = (0..10).collect();
+        let _ = ChunkTokens::shared(&prompt, 8..11);
+    }
 }

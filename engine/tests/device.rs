@@ -42,7 +42,7 @@ fn cpu_is_the_default_and_runs() {
         .execute(&StepInput {
             chunks: vec![SeqChunk {
                 seq_id: 1,
-                tokens: vec![1, 2, 3],
+                tokens: vec![1, 2, 3].into(),
                 start_pos: 0,
                 block_table: vec![BlockId(0)],
                 want_logits: true,

@@ -12,7 +12,7 @@ mod common;
 use common::{golden, model};
 use kvmesh_common::BlockId;
 use kvmesh_engine::llama_runner::LlamaRunner;
-use kvmesh_engine::runner::{ModelRunner, SeqChunk, StepInput};
+use kvmesh_engine::runner::{ChunkTokens, ModelRunner, SeqChunk, StepInput};
 
 const BLOCK: usize = 16;
 
@@ -34,7 +34,7 @@ fn greedy_batch(prompts: &[Vec<u32>], new_tokens: usize) -> Vec<(Vec<f32>, Vec<u
         .enumerate()
         .map(|(i, p)| SeqChunk {
             seq_id: i as u64,
-            tokens: p.clone(),
+            tokens: p.clone().into(),
             start_pos: 0,
             block_table: (i * per_seq..(i + 1) * per_seq)
                 .map(|b| BlockId(b as u32))
@@ -58,7 +58,7 @@ fn greedy_batch(prompts: &[Vec<u32>], new_tokens: usize) -> Vec<(Vec<f32>, Vec<u
             }
             result.1.push(next);
             chunk.start_pos += chunk.tokens.len();
-            chunk.tokens = vec![next];
+            chunk.tokens = ChunkTokens::one(next);
         }
     }
     results
@@ -158,7 +158,7 @@ fn logits_at_each_position(tokens: &[u32], from: usize) -> Vec<Vec<f32>> {
         let step = StepInput {
             chunks: vec![SeqChunk {
                 seq_id: 0,
-                tokens: tokens[start..end].to_vec(),
+                tokens: tokens[start..end].to_vec().into(),
                 start_pos: start,
                 block_table: table.clone(),
                 want_logits: true,

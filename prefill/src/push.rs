@@ -98,7 +98,7 @@ mod tests {
     fn chunk(start_pos: usize, len: usize, table: u32) -> SeqChunk {
         SeqChunk {
             seq_id: 1,
-            tokens: vec![0; len],
+            tokens: vec![0; len].into(),
             start_pos,
             block_table: (100..100 + table).map(BlockId).collect(),
             want_logits: false,

@@ -440,7 +440,7 @@ mod tests {
     pub(super) fn chunk(start_pos: usize, n: usize) -> SeqChunk {
         SeqChunk {
             seq_id: 0,
-            tokens: vec![1; n],
+            tokens: vec![1; n].into(),
             start_pos,
             block_table: vec![],
             want_logits: true,

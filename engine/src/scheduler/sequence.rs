@@ -1,6 +1,7 @@
 //! One sequence's scheduling state: its tokens, how many of them have KV in its blocks, and
 //! the chained hashes of its full blocks (its prefix-cache identity).
 
+use crate::runner::ChunkTokens;
 use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use std::sync::Arc;
 
@@ -55,19 +56,23 @@ impl Sequence {
         self.len() - self.num_computed
     }
 
-    /// Tokens `range` of prompt-then-output, copied out.
-    pub(super) fn tokens(&self, range: std::ops::Range<usize>) -> Vec<TokenId> {
+    /// Tokens `range` of prompt-then-output: the prompt's shared, a single token in place,
+    /// others copied out.
+    pub(super) fn tokens(&self, range: std::ops::Range<usize>) -> ChunkTokens {
         let p = self.prompt.len();
         if range.end <= p {
-            return self.prompt[range].to_vec();
+            return ChunkTokens::shared(&self.prompt, range);
+        }
+        if range.len() == 1 {
+            return ChunkTokens::one(self.output[range.start - p]);
         }
         if range.start >= p {
-            return self.output[range.start - p..range.end - p].to_vec();
+            return self.output[range.start - p..range.end - p].to_vec().into();
         }
         let mut out = Vec::with_capacity(range.len());
         out.extend_from_slice(&self.prompt[range.start..]);
         out.extend_from_slice(&self.output[..range.end - p]);
-        out
+        out.into()
     }
 
     /// Hashes every full block of `tokens` not hashed yet.

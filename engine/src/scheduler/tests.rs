@@ -320,7 +320,7 @@ fn a_remote_prefill_holds_blocks_but_stays_out_of_the_batch() {
     assert_eq!(s.sequence_tokens(1).unwrap().output, &[42]);
     let out = s.schedule();
     let chunk = out.step.chunks.iter().find(|c| c.seq_id == 1).unwrap();
-    assert_eq!((chunk.start_pos, chunk.tokens.clone()), (10, vec![42]));
+    assert_eq!((chunk.start_pos, &chunk.tokens[..]), (10, &[42][..]));
     assert!(chunk.want_logits);
     s.abort_step(out);
 }
