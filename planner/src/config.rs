@@ -51,6 +51,12 @@ pub struct Cooldowns {
     /// policy: a scale-down goes only to the largest count wanted over this long.
     #[serde(with = "humantime_serde")]
     pub down_stable_for: Duration,
+    /// Role switching: a role lends a node only if its policy has wanted it gone this long
+    /// (load policy: every node below the down threshold; SLO policy: every plan wanting no
+    /// more than the count without it). Zero: one reading suffices. At most
+    /// `down_stable_for`: a lend is an early scale-down, not a later one.
+    #[serde(with = "humantime_serde")]
+    pub lend_stable_for: Duration,
 }
 
 impl Default for Cooldowns {
@@ -59,6 +65,7 @@ impl Default for Cooldowns {
             up: Duration::from_secs(30),
             down: Duration::from_secs(120),
             down_stable_for: Duration::from_secs(60),
+            lend_stable_for: Duration::ZERO,
         }
     }
 }
@@ -138,6 +145,18 @@ pub struct SloConfig {
     /// (Little's law measured, not predicted): the predicted output length is learned from
     /// completed requests and lags a turn of the mix towards longer answers.
     pub running_floor: bool,
+    /// A scale-down (or a lend) goes only to a count that serves the planned demand, and
+    /// passes the consolidation check, within `1 - scale_down_headroom` of what the plan
+    /// gives a node (prefill throughput at `prefill_utilization`, the decode batch): room
+    /// for the next burst while a node started for it loads. Growth still sizes at the plan
+    /// itself, so between the two a count holds (hysteresis). `0..1`; zero (the default):
+    /// no headroom.
+    pub scale_down_headroom: f64,
+    /// Role switching: a lend may spend the lender's `scale_down_headroom` (down to the
+    /// count the plan itself wants, checked at the plan's own limits). The two roles then
+    /// share one burst room: when the mix turns from one to the other, the one it turns
+    /// from hands its room over in a switch instead of the other starting a node.
+    pub lend_headroom: bool,
     /// Bounds of the observed/predicted latency correction. The correction scales the step
     /// time the sizing uses, so below 1 it credits nodes with throughput the measured steps
     /// do not show (at light load the observed latency lacks the queueing the model
@@ -161,6 +180,8 @@ impl Default for SloConfig {
             prefill_utilization: 0.8,
             queue_drain: Duration::ZERO,
             running_floor: true,
+            scale_down_headroom: 0.0,
+            lend_headroom: false,
             correction_min: 1.0,
             correction_max: 2.0,
         }
@@ -227,6 +248,10 @@ pub enum ConfigError {
         up_field: &'static str,
         up: f64,
     },
+    #[error(
+        "cooldown.lend_stable_for ({lend:?}) must be at most cooldown.down_stable_for ({down:?})"
+    )]
+    LendAfterScaleDown { lend: Duration, down: Duration },
     #[error("correction_min ({min}) must be positive and at most correction_max ({max})")]
     CorrectionBounds { min: f64, max: f64 },
     #[error("slo.predictor: {0}")]
@@ -283,6 +308,13 @@ impl PlannerConfig {
                 return Err(ConfigError::ZeroDuration { field });
             }
         }
+        let c = &self.cooldown;
+        if c.lend_stable_for > c.down_stable_for {
+            return Err(ConfigError::LendAfterScaleDown {
+                lend: c.lend_stable_for,
+                down: c.down_stable_for,
+            });
+        }
         let l = &self.load;
         if l.context_length == 0 {
             return Err(ConfigError::ZeroCount {
@@ -325,6 +357,13 @@ impl PlannerConfig {
             1.0,
             "(0, 1]",
         )?;
+        if !(0.0..1.0).contains(&s.scale_down_headroom) {
+            return Err(ConfigError::OutOfRange {
+                field: "slo.scale_down_headroom",
+                range: "[0, 1)",
+                value: s.scale_down_headroom,
+            });
+        }
         if !(s.correction_min > 0.0
             && s.correction_min <= s.correction_max
             && s.correction_max.is_finite())

@@ -114,11 +114,23 @@ impl LoadPolicy {
     }
 
     /// Whether the thresholds are taking the role to `to`: one node fewer, every node below
-    /// the down threshold now (the stable time not yet waited out, perhaps).
-    pub fn would_remove(&self, role: Role, to: u32, observed: u32, latest: &Observation) -> bool {
+    /// the down threshold now and for at least `span` (the stable time not yet waited out,
+    /// perhaps).
+    pub fn would_remove(
+        &self,
+        role: Role,
+        to: u32,
+        observed: u32,
+        now: Duration,
+        span: Duration,
+        latest: &Observation,
+    ) -> bool {
         let (_, down) = self.thresholds(role);
         let loads = per_node(role, latest);
-        to + 1 >= observed && !loads.is_empty() && loads.iter().all(|&l| l < down)
+        let low_now = !loads.is_empty() && loads.iter().all(|&l| l < down);
+        let low_for_span = span.is_zero()
+            || self.low_since[role.index()].is_some_and(|since| now.saturating_sub(since) >= span);
+        to + 1 >= observed && low_now && low_for_span
     }
 
     /// Would `to` nodes carry the load every observation of `window` showed, below the up

@@ -241,12 +241,13 @@ impl Planner {
         (RoleDecision::hold(observed, reason), false)
     }
 
-    /// When the other role grows, `lender`'s nodes that its policy would remove and the
-    /// consolidation check lets go switch over now, up to that growth: the growth is served
-    /// after a switch instead of a start-up, and the lender stops paying for them at once
-    /// instead of after its cooldown and stabilization window. A role that grew less than
-    /// `cooldown.down` ago lends nothing, so two roles near their boundaries do not pass a
-    /// node back and forth.
+    /// When the other role grows, `lender`'s nodes that its policy would remove (and has
+    /// for `cooldown.lend_stable_for`) and the consolidation check lets go switch over now,
+    /// up to that growth (the `slo` policy's `lend_headroom` lets them come out of its
+    /// scale-down headroom): the growth is served after a switch instead of a start-up,
+    /// and the lender stops paying for them at once instead of after its cooldown and
+    /// stabilization window. A role that grew less than `cooldown.down` ago lends nothing,
+    /// so two roles near their boundaries do not pass a node back and forth.
     fn lend(
         &self,
         grower: &RoleDecision,
@@ -268,8 +269,7 @@ impl Planner {
         let mut to = lender.target;
         while i64::from(observed - to) < growth && to > min {
             let fewer = to - 1;
-            let spare = self.would_remove(role, fewer, observed, latest)
-                && self.consolidation(role, fewer, latest).is_ok();
+            let spare = self.lendable(role, fewer, observed, now, latest);
             if !spare {
                 break;
             }
@@ -285,10 +285,23 @@ impl Planner {
         }
     }
 
-    fn would_remove(&self, role: Role, to: u32, observed: u32, latest: &Observation) -> bool {
+    /// Whether the role can lend the node that takes it to `to`: its policy has wanted it
+    /// gone for `cooldown.lend_stable_for` and the consolidation check lets it go.
+    fn lendable(
+        &self,
+        role: Role,
+        to: u32,
+        observed: u32,
+        now: Duration,
+        latest: &Observation,
+    ) -> bool {
+        let span = self.config.cooldown.lend_stable_for;
         match &self.policy {
-            PolicyState::Load(p) => p.would_remove(role, to, observed, latest),
-            PolicyState::Slo(p) => p.would_remove(role, to),
+            PolicyState::Load(p) => {
+                p.would_remove(role, to, observed, now, span, latest)
+                    && p.consolidation(role, to, &self.window).is_ok()
+            }
+            PolicyState::Slo(p) => p.lendable(role, to, now, span, latest),
         }
     }
 

@@ -22,7 +22,9 @@
 //!
 //! A scale-down goes at most to the largest count wanted over `cooldown.down_stable_for`
 //! (the Kubernetes HPA's stabilization window), and only to a count that passes the
-//! consolidation check against the load observed now.
+//! consolidation check against the load observed now. With `scale_down_headroom` x, the
+//! count a scale-down wants and the check's limits keep x of each node's planned share
+//! free (growth sizes without it): room for a burst while a node starts.
 //!
 //! With a prefill minimum of 0 the prefill role may go to zero (the decode nodes prefill
 //! every prompt): when the predicted prompt tokens would keep one prefill node less than
@@ -169,8 +171,9 @@ pub(crate) struct SloPolicy {
     perf: PerfModel,
     /// Rate, prompt, output, hit rate.
     predictors: [Box<dyn Predictor>; 4],
-    /// Per role: (when, replicas wanted) over the stabilization window.
-    history: [VecDeque<(Duration, u32)>; 2],
+    /// Per role: (when, replicas wanted, the fewest replicas a scale-down may go to) over
+    /// the stabilization window.
+    history: [VecDeque<(Duration, u32, u32)>; 2],
     plan: Option<Plan>,
 }
 
@@ -268,14 +271,25 @@ impl SloPolicy {
                 decode.meets_target,
             ),
         ];
+        // Per role: the fewest replicas a scale-down may go to (the demand within
+        // `1 - scale_down_headroom` of each replica's share; at least the plan's).
+        let keep = self.keep();
+        let down_to = [
+            if p_replicas == 0 {
+                0
+            } else {
+                replicas(p_demand / (p_per_replica * keep))
+            },
+            replicas(d_demand / (decode.batch * keep)),
+        ];
         for role in Role::ALL {
             let h = &mut self.history[role.index()];
-            h.push_back((now, wanted[role.index()].0));
+            h.push_back((now, wanted[role.index()].0, down_to[role.index()]));
             // Keep the newest entry at or before `now - stable_for`: it shows the window is
             // covered (no scale-down before the planner has watched that long).
             while h
                 .get(1)
-                .is_some_and(|&(t, _)| now.saturating_sub(t) >= stable_for)
+                .is_some_and(|&(t, _, _)| now.saturating_sub(t) >= stable_for)
             {
                 h.pop_front();
             }
@@ -344,6 +358,11 @@ impl SloPolicy {
         (sized, correction)
     }
 
+    /// The share of a replica's planned capacity a scale-down may fill.
+    fn keep(&self) -> f64 {
+        1.0 - self.config.scale_down_headroom
+    }
+
     fn clamp_correction(&self, k: f64) -> f64 {
         if k.is_finite() {
             k.clamp(self.config.correction_min, self.config.correction_max)
@@ -368,8 +387,12 @@ impl SloPolicy {
         let history = &self.history[role.index()];
         let covered = history
             .front()
-            .is_some_and(|&(t, _)| now.saturating_sub(t) >= stable_for);
-        let stabilized = history.iter().map(|&(_, r)| r).max().unwrap_or(replicas);
+            .is_some_and(|&(t, _, _)| now.saturating_sub(t) >= stable_for);
+        let stabilized = history
+            .iter()
+            .map(|&(_, _, down_to)| down_to)
+            .max()
+            .unwrap_or(replicas);
         let target = if replicas >= observed {
             replicas
         } else if covered {
@@ -387,16 +410,55 @@ impl SloPolicy {
         (target, reason)
     }
 
-    /// Whether the last plan wants at most `to` replicas, before the stabilization window
-    /// holds a scale-down back.
-    pub fn would_remove(&self, role: Role, to: u32) -> bool {
-        self.plan
-            .as_ref()
-            .is_some_and(|p| p.wanted[role.index()].0 <= to)
+    /// Whether the role can lend the node that takes it from `to + 1` to `to`: every plan
+    /// over the last `span` (at most the stabilization window; zero: the last plan alone)
+    /// let a scale-down go to `to`, before the stabilization window holds it back, and `to`
+    /// passes the consolidation check. With `lend_headroom` a lend may spend the role's
+    /// scale-down headroom: the plans need only want `to`, and the check is made at the
+    /// plan's own limits.
+    pub fn lendable(
+        &self,
+        role: Role,
+        to: u32,
+        now: Duration,
+        span: Duration,
+        latest: &Observation,
+    ) -> bool {
+        if self.plan.is_none() {
+            return false;
+        }
+        let spend = self.config.lend_headroom;
+        let fits = |wanted: u32, down_to: u32| if spend { wanted } else { down_to } <= to;
+        let history = &self.history[role.index()];
+        let planned = if span.is_zero() {
+            history.back().is_some_and(|&(_, w, d)| fits(w, d))
+        } else {
+            history
+                .front()
+                .is_some_and(|&(t, _, _)| now.saturating_sub(t) >= span)
+                && history
+                    .iter()
+                    .filter(|&&(t, _, _)| now.saturating_sub(t) <= span)
+                    .all(|&(_, w, d)| fits(w, d))
+        };
+        let keep = if spend { 1.0 } else { self.keep() };
+        planned && self.consolidation_within(role, to, latest, keep).is_ok()
     }
 
-    /// Would `to` nodes serve the load observed now within the targets?
+    /// Would `to` nodes serve the load observed now within the targets (less the
+    /// scale-down headroom)?
     pub fn consolidation(&self, role: Role, to: u32, latest: &Observation) -> Result<(), Overload> {
+        self.consolidation_within(role, to, latest, self.keep())
+    }
+
+    /// The consolidation check with each node's planned share scaled by `keep`.
+    fn consolidation_within(
+        &self,
+        role: Role,
+        to: u32,
+        latest: &Observation,
+        keep: f64,
+    ) -> Result<(), Overload> {
         let Some(plan) = &self.plan else {
             return Ok(());
         };
@@ -411,7 +473,7 @@ impl SloPolicy {
                     * latest.mean_prompt_tokens
                     * (1.0 - latest.prefix_hit_rate.clamp(0.0, MAX_HIT_RATE));
                 let utilization = demand / (to * p.tokens_per_s);
-                let limit = self.config.prefill_utilization;
+                let limit = self.config.prefill_utilization * keep;
                 if utilization > limit {
                     return Err(Overload {
                         metric: Metric::PrefillUtilization,
@@ -436,11 +498,12 @@ impl SloPolicy {
                     .iter()
                     .map(|&r| f64::from(r))
                     .sum::<f64>();
-                if running / to > plan.decode.batch {
+                let limit = plan.decode.batch * keep;
+                if running / to > limit {
                     return Err(Overload {
                         metric: Metric::DecodeBatch,
                         projected: running / to,
-                        limit: plan.decode.batch,
+                        limit,
                     });
                 }
                 let kv = latest.decode_kv_usage.iter().sum::<f64>() / to;

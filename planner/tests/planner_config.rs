@@ -22,6 +22,7 @@ fn a_full_file_parses_with_humantime_durations() {
         up = "20s"
         down = "3m"
         down_stable_for = "90s"
+        lend_stable_for = "30s"
 
         [load]
         interval = "2s"
@@ -38,6 +39,8 @@ fn a_full_file_parses_with_humantime_durations() {
         predictor = { kind = "kalman", process_noise = 0.1, measurement_noise = 4.0 }
         max_decode_batch = 128
         kv_capacity_tokens = 500000
+        scale_down_headroom = 0.2
+        lend_headroom = true
 
         [slo.perf]
         step_overhead_us = 4400
@@ -50,6 +53,9 @@ fn a_full_file_parses_with_humantime_durations() {
     c.validate().unwrap();
     assert_eq!(c.policy, Policy::Slo);
     assert_eq!(c.cooldown.down, Duration::from_secs(180));
+    assert_eq!(c.cooldown.lend_stable_for, Duration::from_secs(30));
+    assert_eq!(c.slo.scale_down_headroom, 0.2);
+    assert!(c.slo.lend_headroom);
     assert_eq!(c.slo.ttft, Duration::from_millis(300));
     assert_eq!(c.load.interval, Duration::from_secs(2));
     assert_eq!(c.interval(), Duration::from_secs(60));
@@ -183,6 +189,21 @@ fn validation_names_each_problem() {
         ConfigError::PerfCoefficient {
             field: "decode_per_seq_us",
             value: -1.0
+        }
+    );
+    assert_eq!(
+        invalid(|c| c.slo.scale_down_headroom = 1.0),
+        ConfigError::OutOfRange {
+            field: "slo.scale_down_headroom",
+            range: "[0, 1)",
+            value: 1.0
+        }
+    );
+    assert_eq!(
+        invalid(|c| c.cooldown.lend_stable_for = Duration::from_secs(61)),
+        ConfigError::LendAfterScaleDown {
+            lend: Duration::from_secs(61),
+            down: Duration::from_secs(60)
         }
     );
     assert!(invalid(|c| c.decode.min = 0)

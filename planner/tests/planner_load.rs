@@ -575,3 +575,43 @@ fn a_role_that_just_grew_lends_nothing() {
     assert!(lent.at >= secs(30), "{lent:?}");
     assert!(matches!(lent.decode.reason, Reason::Lent { nodes: 1, .. }));
 }
+
+/// With `cooldown.lend_stable_for`, a role lends only what has been below its down threshold
+/// that long: one low reading after a busy spell is not a spare node.
+#[test]
+fn a_role_lends_only_after_low_readings_for_the_lend_stable_time() {
+    // Prefill's queue between its thresholds until `turn`, then high; decode's KV low from
+    // `low_from` on (0.4 a node on 2 before: above the down threshold of 0.3, and one node
+    // would carry both's below the up threshold, so the consolidation check passes).
+    let decisions_with = |lend_stable_for: u64, low_from: u64| {
+        let mut c = config();
+        c.load.kv_usage_down = 0.3;
+        c.cooldown.lend_stable_for = secs(lend_stable_for);
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh {
+            prefill: 2,
+            decode: 2,
+        };
+        let turn = 20;
+        let load = move |now: Duration| Load {
+            queued_tokens: if now >= secs(turn) { 2.5 } else { 0.5 } * CTX as f64,
+            kv_nodes: if now >= secs(low_from) { 0.2 } else { 0.8 },
+            ..Load::default()
+        };
+        run(&mut planner, &mut mesh, secs(0), 21, load)
+            .into_iter()
+            .find(|d| d.at == secs(turn))
+            .expect("a decision at the turn")
+    };
+    // Low for 15 s of a 10 s lend stable time: lent.
+    let d = decisions_with(10, 5);
+    assert_eq!(d.switches.decode_to_prefill, 1, "{d:?}");
+    assert!(matches!(d.decode.reason, Reason::Lent { nodes: 1, .. }));
+    // Low for one reading only: prefill starts a node, decode keeps both.
+    let d = decisions_with(10, 20);
+    assert_eq!(d.switches, Default::default(), "{d:?}");
+    assert_eq!((d.prefill.target, d.decode.target), (3, 2));
+    // Without a lend stable time, that one reading lends.
+    let d = decisions_with(0, 20);
+    assert_eq!(d.switches.decode_to_prefill, 1, "{d:?}");
+}

@@ -596,3 +596,142 @@ fn running_sequences_are_a_floor_under_the_decode_sizing() {
     assert_eq!(decode_target(true), 3);
     assert_eq!(decode_target(false), 2);
 }
+
+/// With `cooldown.lend_stable_for`, decode lends a node only when every plan over that time
+/// wanted it gone: a plan or two after a turn of the mix (which may be a burst of short
+/// answers) is not a spare node. Answers shorten at `short_from`; prefill's demand rises
+/// after 60 s (28 req/s: 4 nodes); the stabilization window (60 s) holds a plain
+/// scale-down back, so only a lend takes decode's node.
+#[test]
+fn a_role_lends_only_what_its_plans_have_wanted_gone_for_the_lend_stable_time() {
+    let decision_at_70 = |lend_stable_for: u64, short_from: u64| {
+        let mut c = config(PredictorConfig::Constant);
+        c.cooldown.down_stable_for = secs(60);
+        c.cooldown.lend_stable_for = secs(lend_stable_for);
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        let load = move |now: Duration| {
+            let short = now >= secs(short_from);
+            Load {
+                arrival_rate: if now > secs(60) { 28.0 } else { 20.0 },
+                prompt: 2000.0,
+                output: if short { 70.0 } else { 200.0 },
+                running: if short { 100.0 } else { 200.0 },
+                kv_nodes: 0.3,
+                ..Load::default()
+            }
+        };
+        run(&mut planner, &mut mesh, secs(0), 71, load)
+            .into_iter()
+            .find(|d| d.at == secs(70))
+            .expect("a decision at 70 s")
+    };
+    // Plans at 40 to 70 s want 1 decode node; 20 s of them suffice.
+    let d = decision_at_70(20, 35);
+    assert_eq!((d.prefill.target, d.decode.target), (4, 1), "{d:?}");
+    assert_eq!(d.switches.decode_to_prefill, 1);
+    // Plans at 60 and 70 s only (50 s still wanted 2): prefill starts a node instead.
+    let d = decision_at_70(20, 55);
+    assert_eq!((d.prefill.target, d.decode.target), (4, 2), "{d:?}");
+    assert_eq!(d.switches, Default::default());
+    // Without a lend stable time the latest plan alone lends.
+    let d = decision_at_70(0, 55);
+    assert_eq!(d.switches.decode_to_prefill, 1, "{d:?}");
+}
+
+/// `scale_down_headroom` keeps room for a burst: growth sizes at the plan, a scale-down
+/// goes only to a count the demand fills within `1 - headroom`. The busy load needs 2.62
+/// prefill nodes at the planned 15,255 tokens/s a node (3), and 3.28 within 80% of it.
+#[test]
+fn a_scale_down_keeps_the_headroom_growth_does_not_add() {
+    let settle = |headroom: f64, prefill: u32| {
+        let mut c = config(PredictorConfig::Constant);
+        c.slo.scale_down_headroom = headroom;
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh { prefill, decode: 2 };
+        run(&mut planner, &mut mesh, secs(0), 300, busy);
+        mesh.prefill
+    };
+    // From 4 nodes: without headroom it goes to 3; with 20% it keeps 4.
+    assert_eq!(settle(0.0, 4), 3);
+    assert_eq!(settle(0.2, 4), 4);
+    // From 2 nodes both grow to 3 only.
+    assert_eq!(settle(0.0, 2), 3);
+    assert_eq!(settle(0.2, 2), 3);
+}
+
+/// The consolidation check keeps the headroom too: 200 sequences running fit 2 decode
+/// nodes at the planned batch of 145 (100 a node, 69%), not within 60% of it.
+#[test]
+fn the_consolidation_check_keeps_the_headroom() {
+    let decode_after = |headroom: f64| {
+        let mut c = config(PredictorConfig::Constant);
+        c.slo.scale_down_headroom = headroom;
+        // Without the running floor the plan wants 1 node (70-token answers), headroom or
+        // not: the check against the running sequences decides.
+        c.slo.running_floor = false;
+        let mut planner = Planner::new(c).unwrap();
+        let mut mesh = Mesh {
+            prefill: 3,
+            decode: 3,
+        };
+        let load = |_| Load {
+            arrival_rate: 20.0,
+            prompt: 2000.0,
+            output: 70.0,
+            running: 200.0,
+            ..Load::default()
+        };
+        run(&mut planner, &mut mesh, secs(0), 300, load);
+        mesh.decode
+    };
+    assert_eq!(decode_after(0.0), 2);
+    assert_eq!(decode_after(0.4), 3);
+}
+
+/// With `scale_down_headroom`, a role keeps burst room it would otherwise lend; with
+/// `lend_headroom` it lends that room to the role the mix turns to. After the turn prefill
+/// needs 4 nodes; 120 sequences run on decode: 1 node at the planned batch of 148, 2
+/// within 70% of it.
+#[test]
+fn a_lend_may_spend_the_scale_down_headroom() {
+    let decide = |lend_headroom: bool| {
+        let mut c = config(PredictorConfig::Constant);
+        c.slo.scale_down_headroom = 0.3;
+        c.slo.lend_headroom = lend_headroom;
+        let mut planner = Planner::new(c).unwrap();
+        let mesh = Mesh {
+            prefill: 3,
+            decode: 2,
+        };
+        planner.observe(
+            secs(0),
+            mesh.observe(&Load {
+                arrival_rate: 28.0,
+                prompt: 2000.0,
+                output: 70.0,
+                running: 120.0,
+                kv_nodes: 0.3,
+                ..Load::default()
+            }),
+        );
+        planner.decide(secs(0))
+    };
+    let kept = decide(false);
+    assert_eq!(
+        (kept.prefill.target, kept.decode.target),
+        (4, 2),
+        "{kept:?}"
+    );
+    assert_eq!(kept.switches, Default::default());
+    let lent = decide(true);
+    assert_eq!(
+        (lent.prefill.target, lent.decode.target),
+        (4, 1),
+        "{lent:?}"
+    );
+    assert_eq!(lent.switches.decode_to_prefill, 1);
+}
