@@ -18,9 +18,12 @@
 # offset within a minute of each other (`--copies 25 --copies-within 60s`).
 #
 # Usage: bench/sim/planner.sh [--quick | --trace-order]   (--quick: a smaller day in 20
-# minutes, about a minute in all; the others take 5-10 minutes and 9 GB of memory)
+# minutes; a trace-order run takes about a minute of CPU and 0.6 GB, a first-day one about
+# five minutes)
 # Environment: KVMESH (the binary, default target/release/kvmesh), SEED (default 1), OUT
-# (default target/bench-sim/planner[-MODE]-seedSEED).
+# (default target/bench-sim/planner[-MODE]-seedSEED), RUNS (the configurations to run, default
+# "slo load peak mean slo-fixed load-fixed"; one already in OUT is read, not rerun, when
+# RUNS leaves it out), PEAK_HOURS (the peak's node-hours when its run is not in OUT).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -91,15 +94,24 @@ run() {
 	"$kvmesh" sim "${common[@]}" "$@" --out "$out/$name" >"$out/$name.txt" 2>"$out/$name.err"
 }
 
+all_runs="slo load peak mean slo-fixed load-fixed"
+runs=" ${RUNS:-$all_runs} "
+for name in $runs; do
+	[[ " $all_runs " == *" $name "* ]] || {
+		echo "RUNS: unknown configuration $name (known: $all_runs)" >&2
+		exit 2
+	}
+done
+wanted() { [[ $runs == *" $1 "* ]]; }
+
 # The planners start from the allocation for the mean and find their own from there.
-run slo --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench/sim/planner-slo.toml
-run load --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" --planner bench/sim/planner-load.toml
-run peak --prefill-nodes "${peak[0]}" --decode-nodes "${peak[1]}"
-run mean --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}"
-run slo-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" \
-	--planner "$out/planner-slo-no-switch.toml"
-run load-fixed --prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}" \
-	--planner "$out/planner-load-no-switch.toml"
+planned=(--prefill-nodes "${mean[0]}" --decode-nodes "${mean[1]}")
+if wanted slo; then run slo "${planned[@]}" --planner bench/sim/planner-slo.toml; fi
+if wanted load; then run load "${planned[@]}" --planner bench/sim/planner-load.toml; fi
+if wanted peak; then run peak --prefill-nodes "${peak[0]}" --decode-nodes "${peak[1]}"; fi
+if wanted mean; then run mean "${planned[@]}"; fi
+if wanted slo-fixed; then run slo-fixed "${planned[@]}" --planner "$out/planner-slo-no-switch.toml"; fi
+if wanted load-fixed; then run load-fixed "${planned[@]}" --planner "$out/planner-load-no-switch.toml"; fi
 
 # One row per configuration: a static run's node-hours are its nodes over the run.
 row() {
@@ -115,17 +127,21 @@ row() {
 		    "\($o.ttft * 100 * 100 | round / 100)%",
 		    "\($o.itl * 100 * 100 | round / 100)%",
 		    "\($h * 100 | round / 100)",
-		    (if $peak > 0 then "\($h / $peak * 100 | round)%" else "100%" end),
+		    (if $peak > 0 then "\($h / $peak * 100 | round)%" else "-" end),
 		    (if $pl then "\($pl.role_switches)" else "-" end) ]
 		| "| " + join(" | ") + " |"' "$out/$1/report.json"
 }
-peak_hours=$(jq '.points[0] | (.mesh.nodes | length) * .slo.duration_s / 3600' "$out/peak/report.json")
+if [[ -f $out/peak/report.json ]]; then
+	peak_hours=$(jq '.points[0] | (.mesh.nodes | length) * .slo.duration_s / 3600' "$out/peak/report.json")
+else
+	peak_hours=${PEAK_HOURS:-0}
+fi
 {
 	echo "${workload[*]} --load $load, $requests requests, SLO ttft=2s,itl=100ms, seed $seed"
 	echo
 	echo "| configuration | prefill + decode nodes | SLO attainment | TTFT | ITL | node-hours | of peak | role switches |"
 	echo "|---|---|---|---|---|---|---|---|"
-	for name in slo load peak mean slo-fixed load-fixed; do
-		row "$name" "$peak_hours"
+	for name in $all_runs; do
+		if [[ -f $out/$name/report.json ]]; then row "$name" "$peak_hours"; fi
 	done
 } | tee "$out/table.md"
