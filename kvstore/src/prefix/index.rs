@@ -9,22 +9,16 @@
 //! Holders are a vector sorted by node, so a walk intersects them with the still-matching
 //! nodes by a merge instead of hashing every node at every step, and counts tiers with a table
 //! (both halved lookup time). Each holder is packed into 4 bytes: a dense slot number the
-//! index gives each node, and the tier bits, so an event is applied with one lookup of its
-//! block. Most blocks have one or two holders, kept in the map's own entry rather than a
-//! vector of their own ([`Holders`]), so publishing a block allocates nothing.
-//!
-//! Each node also lists the blocks it holds ([`NodeBlocks`]), so that its removal and snapshot
-//! replacement cost that node's blocks, not the whole index. The list is appended to when the
-//! node comes to hold a block and left as it is when it stops: a map per node, kept exact, cost
-//! a second lookup per event (a cache miss each, at a million blocks: the index's events were a
-//! sixth of a 1,000-node simulation). Blocks no longer held, or listed twice, are dropped when
-//! the list reaches twice the blocks held (plus [`NodeBlocks::SLACK`]), so the list costs at
-//! most one lookup per event, in a batch whose lookups do not wait on each other.
+//! index gives each node, and the tier bits. A second map, node -> its blocks, makes a node's
+//! removal and snapshot replacement cost that node's blocks, not the whole index. Most blocks
+//! have one or two holders, kept in the map's own entry rather than a vector of their own
+//! ([`Holders`]), so publishing a block allocates nothing.
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
-use kvmesh_common::fast_hash::{U64Map, U64Set};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::sync::RwLock;
 use tokio::sync::watch;
 
@@ -97,15 +91,6 @@ impl Holders {
         Holders::Few(few)
     }
 
-    /// The tiers `slot` holds the block in (empty: not a holder).
-    fn tiers_of(&self, slot: u32) -> TierSet {
-        let holders = self.as_slice();
-        match holders.binary_search_by_key(&slot, |h| h.slot()) {
-            Ok(i) => TierSet::from_bits(holders[i].tier_bits() as u8).expect("three tier bits"),
-            Err(_) => TierSet::EMPTY,
-        }
-    }
-
     fn as_slice(&self) -> &[Holder] {
         match self {
             Holders::Few(few) => {
@@ -116,8 +101,8 @@ impl Holders {
         }
     }
 
-    /// Inserts `holder`, or replaces the one of its slot.
-    fn put(&mut self, holder: Holder) {
+    /// Inserts `holder`, or replaces the one of its slot; true if it was not there.
+    fn put(&mut self, holder: Holder) -> bool {
         let at = self
             .as_slice()
             .binary_search_by_key(&holder.slot(), |h| h.slot());
@@ -136,23 +121,23 @@ impl Holders {
                 *this = Holders::Many(v);
             }
         }
+        at.is_err()
     }
 
-    /// Removes the holder of `slot`, which is one; whether none is left.
-    fn take(&mut self, slot: u32) -> bool {
-        let i = self
-            .as_slice()
-            .binary_search_by_key(&slot, |h| h.slot())
-            .expect("a holder of the block");
+    /// Removes the holder of `slot`: whether it was there, and whether none is left.
+    fn take(&mut self, slot: u32) -> (bool, bool) {
+        let Ok(i) = self.as_slice().binary_search_by_key(&slot, |h| h.slot()) else {
+            return (false, false);
+        };
         match self {
             Holders::Few(few) => {
                 few.copy_within(i + 1.., i);
                 few[Self::FEW - 1] = Holder::NONE;
-                few[0] == Holder::NONE
+                (true, few[0] == Holder::NONE)
             }
             Holders::Many(v) => {
                 v.remove(i);
-                v.is_empty()
+                (true, v.is_empty())
             }
         }
     }
@@ -172,31 +157,10 @@ struct State {
     entries: usize,
 }
 
-/// A node and the blocks it holds (see the module docs).
 #[derive(Debug)]
 struct NodeBlocks {
     node: NodeId,
-    /// Every block it holds, at least once, and maybe blocks it no longer holds.
-    listed: Vec<SequenceHash>,
-    /// How many blocks it holds.
-    held: usize,
-}
-
-impl NodeBlocks {
-    /// Listed entries allowed beyond twice the blocks held before the list is compacted.
-    const SLACK: usize = 32;
-
-    fn new(node: NodeId) -> Self {
-        NodeBlocks {
-            node,
-            listed: Vec::new(),
-            held: 0,
-        }
-    }
-
-    fn is_due_compaction(&self) -> bool {
-        self.listed.len() >= 2 * self.held + Self::SLACK
-    }
+    blocks: SeqMap<TierSet>,
 }
 
 impl Default for InMemoryPrefixIndex {
@@ -235,7 +199,7 @@ impl InMemoryPrefixIndex {
         let slot = state.claim(node);
         let mut changed = false;
         for &(hash, tiers) in blocks {
-            changed |= state.update(slot, hash, |_| tiers);
+            changed |= state.set(slot, hash, tiers);
         }
         state.release_if_empty(slot);
         drop(state);
@@ -254,16 +218,21 @@ impl InMemoryPrefixIndex {
         let new: SeqMap<TierSet> = blocks.into_iter().filter(|(_, t)| !t.is_empty()).collect();
         let mut state = self.state.write().expect("prefix index lock");
         let slot = state.claim(node);
-        let old = state.held_by(slot);
+        let old = std::mem::take(&mut state.nodes[slot as usize].blocks);
         let mut changed = false;
-        for &hash in old.keys() {
-            if !new.contains_key(&hash) {
-                changed |= state.update(slot, hash, |_| TierSet::EMPTY);
+        for hash in old.keys() {
+            if !new.contains_key(hash) {
+                state.unhold(slot, *hash);
+                changed = true;
             }
         }
         for (&hash, &tiers) in &new {
-            changed |= state.update(slot, hash, |_| tiers);
+            if old.get(&hash) != Some(&tiers) {
+                state.hold(slot, hash, tiers);
+                changed = true;
+            }
         }
+        state.nodes[slot as usize].blocks = new;
         state.release_if_empty(slot);
         drop(state);
         if changed {
@@ -287,20 +256,17 @@ impl InMemoryPrefixIndex {
     /// How many blocks `node` holds (in any tier).
     pub fn node_blocks(&self, node: NodeId) -> usize {
         let state = self.state.read().expect("prefix index lock");
-        state
-            .slots
-            .get(&node)
-            .map_or(0, |&slot| state.nodes[slot as usize].held)
+        state.blocks(node).map_or(0, HashMap::len)
     }
 
     /// What `node` holds, sorted by hash.
     #[cfg(test)]
     pub(crate) fn node_entries(&self, node: NodeId) -> Vec<(SequenceHash, TierSet)> {
         let state = self.state.read().expect("prefix index lock");
-        let mut entries: Vec<_> = match state.slots.get(&node) {
-            Some(&slot) => state.held_by(slot).into_iter().collect(),
-            None => Vec::new(),
-        };
+        let mut entries: Vec<_> = state
+            .blocks(node)
+            .map(|blocks| blocks.iter().map(|(&h, &t)| (h, t)).collect())
+            .unwrap_or_default();
         entries.sort_unstable_by_key(|&(h, _)| h);
         entries
     }
@@ -311,6 +277,11 @@ impl InMemoryPrefixIndex {
 }
 
 impl State {
+    fn blocks(&self, node: NodeId) -> Option<&SeqMap<TierSet>> {
+        let slot = *self.slots.get(&node)?;
+        Some(&self.nodes[slot as usize].blocks)
+    }
+
     /// The node's slot, given one if it has none.
     fn claim(&mut self, node: NodeId) -> u32 {
         if let Some(&slot) = self.slots.get(&node) {
@@ -319,7 +290,10 @@ impl State {
         let slot = match self.free.pop() {
             Some(slot) => slot,
             None => {
-                self.nodes.push(NodeBlocks::new(node));
+                self.nodes.push(NodeBlocks {
+                    node,
+                    blocks: SeqMap::default(),
+                });
                 let slot = u32::try_from(self.nodes.len() - 1).expect("fewer nodes than u32");
                 assert!(
                     slot < u32::MAX >> Holder::TIER_BITS,
@@ -328,7 +302,7 @@ impl State {
                 slot
             }
         };
-        self.nodes[slot as usize] = NodeBlocks::new(node);
+        self.nodes[slot as usize].node = node;
         self.slots.insert(node, slot);
         slot
     }
@@ -336,90 +310,98 @@ impl State {
     /// A node that holds nothing gives its slot back (no holder names it any more).
     fn release_if_empty(&mut self, slot: u32) {
         let entry = &mut self.nodes[slot as usize];
-        if entry.held == 0 {
-            entry.listed = Vec::new(); // free it
+        if entry.blocks.is_empty() {
+            entry.blocks = SeqMap::default(); // free its table
             self.slots.remove(&entry.node);
             self.free.push(slot);
         }
     }
 
-    /// What a claimed slot holds, each block once, with its tiers.
-    fn held_by(&self, slot: u32) -> SeqMap<TierSet> {
-        self.nodes[slot as usize]
-            .listed
-            .iter()
-            .filter_map(|hash| {
-                let tiers = self.holders.get(hash)?.tiers_of(slot);
-                (!tiers.is_empty()).then_some((*hash, tiers))
-            })
-            .collect()
+    /// Sets one entry of a claimed slot (release it after, if it may be left empty); returns
+    /// whether it changed.
+    fn set(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) -> bool {
+        let blocks = &mut self.nodes[slot as usize].blocks;
+        let old = if tiers.is_empty() {
+            blocks.remove(&hash)
+        } else {
+            blocks.insert(hash, tiers)
+        };
+        self.update_holders(slot, hash, old.unwrap_or_default(), tiers)
     }
 
-    /// Applies one event of a claimed slot (release it after, if it may be left empty);
-    /// returns whether it changed anything.
+    /// Applies one event of a claimed slot ([`Self::set`] with the tiers after it, one lookup
+    /// of the node's own entry); returns whether it changed anything.
     fn apply(&mut self, slot: u32, event: TieredKvEvent) -> bool {
-        self.update(slot, event.hash(), |old| old.after(event))
-    }
-
-    /// Sets the tiers a claimed slot holds `hash` in to `to` of those it holds it in now (empty:
-    /// not held), with one lookup of the block; returns whether they changed. Release the slot
-    /// after, if it may be left empty.
-    fn update(
-        &mut self,
-        slot: u32,
-        hash: SequenceHash,
-        to: impl FnOnce(TierSet) -> TierSet,
-    ) -> bool {
-        let (old, tiers) = match self.holders.entry(hash) {
+        let hash = event.hash();
+        let (old, tiers) = match self.nodes[slot as usize].blocks.entry(hash) {
             Entry::Occupied(mut e) => {
-                let old = e.get().tiers_of(slot);
-                let tiers = to(old);
-                if tiers == old {
-                    return false;
-                }
-                if !tiers.is_empty() {
-                    e.get_mut().put(Holder::new(slot, tiers));
-                } else if e.get_mut().take(slot) {
+                let old = *e.get();
+                let tiers = old.after(event);
+                if tiers.is_empty() {
                     e.remove();
+                } else {
+                    e.insert(tiers);
                 }
                 (old, tiers)
             }
             Entry::Vacant(e) => {
-                let tiers = to(TierSet::EMPTY);
-                if tiers.is_empty() {
-                    return false;
+                let tiers = TierSet::default().after(event);
+                if !tiers.is_empty() {
+                    e.insert(tiers);
                 }
-                e.insert(Holders::one(Holder::new(slot, tiers)));
-                (TierSet::EMPTY, tiers)
+                (TierSet::default(), tiers)
             }
         };
-        let node = &mut self.nodes[slot as usize];
-        if old.is_empty() {
-            self.entries += 1;
-            node.held += 1;
-            node.listed.push(hash);
-            if node.is_due_compaction() {
-                self.compact(slot);
-            }
-        } else if tiers.is_empty() {
-            self.entries -= 1;
-            node.held -= 1;
+        self.update_holders(slot, hash, old, tiers)
+    }
+
+    /// The holders side of a node's block going from `old` to `tiers`; whether it changed.
+    fn update_holders(
+        &mut self,
+        slot: u32,
+        hash: SequenceHash,
+        old: TierSet,
+        tiers: TierSet,
+    ) -> bool {
+        if old == tiers {
+            return false;
+        }
+        if tiers.is_empty() {
+            self.unhold(slot, hash);
+        } else {
+            self.hold(slot, hash, tiers);
         }
         true
     }
 
-    /// Drops the blocks a slot's list names but it no longer holds, and repeats.
-    fn compact(&mut self, slot: u32) {
-        let holders = &self.holders;
-        let node = &mut self.nodes[slot as usize];
-        let mut seen = U64Set::with_capacity_and_hasher(node.held, Default::default());
-        node.listed.retain(|hash| {
-            holders
-                .get(hash)
-                .is_some_and(|h| !h.tiers_of(slot).is_empty())
-                && seen.insert(*hash)
-        });
-        debug_assert_eq!(node.listed.len(), node.held, "every held block listed");
+    /// Inserts or updates a holder of the block (the holders side only).
+    fn hold(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) {
+        let holder = Holder::new(slot, tiers);
+        match self.holders.entry(hash) {
+            Entry::Vacant(e) => {
+                e.insert(Holders::one(holder));
+                self.entries += 1;
+            }
+            Entry::Occupied(mut e) => {
+                if e.get_mut().put(holder) {
+                    self.entries += 1;
+                }
+            }
+        }
+    }
+
+    /// Removes a holder of the block (the holders side only).
+    fn unhold(&mut self, slot: u32, hash: SequenceHash) {
+        let Entry::Occupied(mut e) = self.holders.entry(hash) else {
+            return;
+        };
+        let (removed, none_left) = e.get_mut().take(slot);
+        if removed {
+            self.entries -= 1;
+        }
+        if none_left {
+            e.remove();
+        }
     }
 }
 
@@ -516,7 +498,6 @@ mod tests {
     use super::*;
     use crate::prefix::Tier;
     use kvmesh_common::KvEvent;
-    use std::collections::HashMap;
 
     fn h(i: u64) -> SequenceHash {
         SequenceHash(i)
@@ -607,38 +588,6 @@ mod tests {
         assert_eq!(idx.overlap(&[h(2), h(3)])[&NodeId(1)], 2);
         assert_eq!(idx.len(), 3);
         assert_eq!(idx.nodes(), [NodeId(1), NodeId(2)]);
-    }
-
-    #[test]
-    fn a_nodes_list_of_blocks_stays_within_twice_what_it_holds() {
-        let idx = InMemoryPrefixIndex::new();
-        let n = NodeId(1);
-        // A sliding window of 10 blocks, each block stored again after it left (listed twice).
-        for i in 0..1000 {
-            idx.apply(n, &[KvEvent::Stored(h(i))]);
-            if i >= 10 {
-                idx.apply(n, &[KvEvent::Removed(h(i - 10))]);
-            }
-            if i >= 20 && i % 3 == 0 {
-                idx.apply(
-                    n,
-                    &[KvEvent::Stored(h(i - 20)), KvEvent::Removed(h(i - 20))],
-                );
-            }
-            // At most 12 held at once: listed at most twice that, plus the slack.
-            let state = idx.state.read().unwrap();
-            let node = &state.nodes[state.slots[&n] as usize];
-            assert!(node.held <= 12 && node.listed.len() < 2 * 12 + NodeBlocks::SLACK);
-        }
-        let held: Vec<_> = (990..1000)
-            .map(|i| (h(i), TierSet::only(Tier::Device)))
-            .collect();
-        assert_eq!(idx.node_entries(n), held);
-        assert_eq!((idx.node_blocks(n), idx.len()), (10, 10));
-        idx.replace_node(n, [(h(5), TierSet::only(Tier::Host))]);
-        assert_eq!(idx.node_entries(n), [(h(5), TierSet::only(Tier::Host))]);
-        idx.apply(n, &[TieredKvEvent::removed(Tier::Host, h(5))]);
-        assert!(idx.nodes().is_empty() && idx.is_empty());
     }
 
     #[test]
