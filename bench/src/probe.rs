@@ -121,7 +121,7 @@ impl Bench {
             shape,
         });
         let plan = self.plan(shape, length, first_item);
-        let mut tally = Tally::default();
+        let mut tally = Tally::new(&self.slo);
         let mut settled = |outcome: &RequestOutcome| match (criteria, plan.max_requests) {
             (Some(criteria), Some(planned)) => {
                 // Only a miss settles a probe: one too short to pass even if every request
@@ -203,7 +203,9 @@ impl Bench {
             search.record(probe)?;
         }
         let found = search.result();
-        let max_goodput = search.answer().map(|i| MaxGoodput::of(&points[i].point));
+        let max_goodput = search
+            .answer()
+            .map(|i| MaxGoodput::of(&points[i].point, criteria.judge));
         Ok(Search {
             points,
             probes: search.probes().to_vec(),

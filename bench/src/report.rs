@@ -25,7 +25,9 @@ pub use timeline::{bin_width, Bin, Timeline, SENDS_PER_BIN, TARGET_BINS};
 use crate::arrivals::{LoadShape, OpenLoop};
 use crate::cpu::GeneratorUse;
 use crate::load::{Api, Target};
-use crate::slo::{Class, Goodput, Objective, RequestOutcome, SloReport, SloSpec, SCHEMA_VERSION};
+use crate::slo::{
+    Class, Goodput, Judge, Objective, RequestOutcome, SloReport, SloSpec, SCHEMA_VERSION,
+};
 use crate::trace::Pacing;
 
 /// What a report's JSON could not be read as.
@@ -207,16 +209,20 @@ pub struct MaxGoodput {
     pub load: String,
     pub level: Option<Level>,
     pub goodput: Goodput,
+    /// How the search judged its probes (and so what `goodput` counts).
+    #[serde(default)]
+    pub judge: Judge,
 }
 
 impl MaxGoodput {
-    /// The load and goodput of `point`.
-    pub fn of(point: &Point) -> MaxGoodput {
+    /// The load and goodput of `point`, its goodput as `judge` counts it.
+    pub fn of(point: &Point, judge: Judge) -> MaxGoodput {
         MaxGoodput {
             label: point.label.clone(),
             load: point.load.clone(),
             level: point.level,
-            goodput: point.slo.goodput.clone(),
+            goodput: point.slo.goodput_by(judge),
+            judge,
         }
     }
 }

@@ -29,7 +29,7 @@ use serde::Serialize;
 use crate::arrivals::{Arrivals, LoadShape, OpenLoop, RateProfile};
 use crate::slo::SloReport;
 
-pub use judge::{judge, judge_tally, Criteria, Tally, Verdict, Why};
+pub use judge::{judge, judge_tally, Criteria, Samples, Tally, Verdict, Why};
 pub use sweep::{parse_sweep, Sweep};
 
 /// What the search varies.
@@ -153,7 +153,8 @@ pub struct Probe {
     pub length: u32,
     #[serde(flatten)]
     pub verdict: Verdict,
-    /// Requests per second meeting every objective ([`SloReport::goodput`]).
+    /// Requests per second within the SLO, as the criteria judge them
+    /// ([`SloReport::goodput_by`]).
     pub goodput: f64,
     /// It stopped before its planned length, once it could no longer pass.
     pub ended_early: bool,
@@ -176,7 +177,7 @@ impl Probe {
             load: request.load,
             length: request.length,
             verdict: judge_tally(judged, criteria),
-            goodput: report.goodput.rate,
+            goodput: report.goodput_by(criteria.judge).rate,
             ended_early: stopped_short_of.is_some(),
         }
     }

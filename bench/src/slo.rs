@@ -8,6 +8,9 @@
 //!   the server's admission control saying no) and a failed one are counted apart and are
 //!   not in its denominator. Read attainment with the shed and failed counts beside it.
 //! - Goodput: completed requests meeting every objective, per second of the run.
+//!
+//! A search for the most goodput can judge a run by its percentiles instead
+//! ([`Judge::Percentiles`]): each objective over its own samples, ITL over every gap.
 
 mod spec;
 mod summary;
@@ -127,6 +130,21 @@ impl Attainment {
     }
 }
 
+/// What a share of attainment counts when a run is judged against an SLO.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Judge {
+    /// Requests, each meeting every objective (ITL on its longest gap): the share of
+    /// requests served within the SLO. Goodput counts those requests.
+    #[default]
+    PerRequest,
+    /// Each objective over its own samples (TTFT, TPOT and E2E one per request, ITL every
+    /// gap of every request), each share judged apart: at attainment 0.99, the run's TTFT
+    /// p99 and ITL p99 within their targets. The run, not the request, meets the SLO, so
+    /// goodput counts every completed request of a run that does.
+    Percentiles,
+}
+
 /// One objective's result.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ObjectiveReport {
@@ -134,6 +152,10 @@ pub struct ObjectiveReport {
     pub target_s: f64,
     #[serde(flatten)]
     pub attainment: Attainment,
+    /// ITL only: the share of every gap of every completed request within the target (the
+    /// pooled gaps' percentile, which [`Judge::Percentiles`] judges).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gaps: Option<Attainment>,
 }
 
 /// Goodput in requests per second, with the bounds of the attainment's interval carried over
@@ -205,7 +227,7 @@ impl SloReport {
         let series = |f: &dyn Fn(&RequestOutcome) -> Option<f64>| {
             Summary::of(ok.iter().filter_map(|o| f(o)).collect())
         };
-        let itl_gaps = ok
+        let itl_gaps: Vec<f64> = ok
             .iter()
             .flat_map(|o| o.gaps.iter().map(Duration::as_secs_f64))
             .collect();
@@ -218,6 +240,11 @@ impl SloReport {
                     ok.iter().filter(|o| o.meets(objective, target)).count(),
                     ok.len(),
                 ),
+                gaps: (objective == Objective::Itl).then(|| {
+                    let target = target.as_secs_f64();
+                    let met = itl_gaps.iter().filter(|&&g| g <= target).count();
+                    Attainment::new(met, itl_gaps.len())
+                }),
             })
             .collect();
         let good = ok.iter().filter(|o| o.meets_all(slo)).count();
@@ -249,6 +276,20 @@ impl SloReport {
                 high: all.interval.map(|i| i.high * completed_rate),
             },
             all,
+        }
+    }
+
+    /// The goodput as `judge` counts it: the requests meeting every objective, or, judged by
+    /// percentiles, every completed request (whether the run met the SLO is the verdict's
+    /// to say).
+    pub fn goodput_by(&self, judge: Judge) -> Goodput {
+        match judge {
+            Judge::PerRequest => self.goodput.clone(),
+            Judge::Percentiles => Goodput {
+                rate: self.request_throughput,
+                low: None,
+                high: None,
+            },
         }
     }
 }

@@ -10,7 +10,7 @@ use kvmesh_bench::arrivals::{Arrivals, LoadShape};
 use kvmesh_bench::load::scripted::{self, Injection, Script};
 use kvmesh_bench::probe::{Bench, Progress};
 use kvmesh_bench::search::{judge, Axis, Criteria, SearchConfig, Stop, Verdict, Why};
-use kvmesh_bench::slo::SloSpec;
+use kvmesh_bench::slo::{Judge, SloSpec};
 use kvmesh_bench::workload::{WorkloadOptions, WorkloadSpec};
 use kvmesh_bench::{Api, RunEvent, Target};
 
@@ -148,6 +148,33 @@ async fn a_search_the_server_always_passes_reaches_its_max() {
     let best = found.max_goodput.expect("the answer's point");
     assert_eq!(best.load, "concurrency:4");
     assert_eq!(best.goodput, found.points[2].point.slo.goodput);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_search_judged_by_percentiles_counts_every_request_of_a_passing_run() {
+    let url = server(script(MS(1))).await;
+    let bench = bench(&url, "ttft=10s,itl=10s", 60);
+    let config = SearchConfig {
+        criteria: Criteria {
+            target_attainment: 0.9,
+            judge: Judge::Percentiles,
+            ..Criteria::default()
+        },
+        ..search(2.0)
+    };
+    let found = bench
+        .max_goodput(config, Arrivals::Poisson, &mut |_| {})
+        .await
+        .unwrap();
+    assert_eq!(found.found.map(|f| f.load), Some(2.0));
+    let best = found.max_goodput.expect("the answer's point");
+    assert_eq!(best.judge, Judge::Percentiles);
+    let run = &found.points[1].point.slo;
+    assert_eq!(best.goodput.rate, run.request_throughput);
+    assert_eq!(found.probes[1].goodput, run.request_throughput);
+    // Each request streamed 4 tokens: 3 gaps, every one within the target.
+    let gaps = run.objectives[1].gaps.as_ref().expect("itl's gaps");
+    assert_eq!((gaps.met, gaps.share), (180, Some(1.0)));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use kvmesh_bench::report::{
     bin_width, compare, render_table, BenchReport, LoadAxis, MaxGoodput, MeshStats, NodeStats,
     Point, PrefixCacheStats, ReportError, TargetInfo, Timeline,
 };
-use kvmesh_bench::slo::{RequestOutcome, SloSpec, SCHEMA_VERSION};
+use kvmesh_bench::slo::{Judge, RequestOutcome, SloSpec, SCHEMA_VERSION};
 use serde_json::Value;
 
 fn ms(n: u64) -> Duration {
@@ -194,7 +194,7 @@ fn sweep() -> BenchReport {
     );
     r.points
         .push(Point::new("high", &high, &slo, &scripted()[..5], ms(1000)).with_mesh(Some(mesh())));
-    r.max_goodput = Some(MaxGoodput::of(&r.points[1]));
+    r.max_goodput = Some(MaxGoodput::of(&r.points[1], Judge::PerRequest));
     r
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::plot::{figures, write_plots, PlotError, PlotFormat, DEFAULT_SIZE};
 use kvmesh_bench::report::{BenchReport, MaxGoodput, Point, TargetInfo};
-use kvmesh_bench::slo::{RequestOutcome, SloSpec};
+use kvmesh_bench::slo::{Judge, RequestOutcome, SloSpec};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -55,7 +55,7 @@ fn report() -> BenchReport {
             duration,
         ));
     }
-    r.max_goodput = Some(MaxGoodput::of(&r.points[1]));
+    r.max_goodput = Some(MaxGoodput::of(&r.points[1], Judge::PerRequest));
     r
 }
 

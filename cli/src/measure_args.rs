@@ -11,7 +11,7 @@ use humantime_serde::re::humantime;
 use kvmesh_bench::arrivals::LoadShape;
 use kvmesh_bench::plot::PlotFormat;
 use kvmesh_bench::search::{Axis, Criteria, SearchConfig, Sweep};
-use kvmesh_bench::slo::SloSpec;
+use kvmesh_bench::slo::{Judge, SloSpec};
 use kvmesh_bench::workload::WorkloadSpec;
 use kvmesh_bench::Api;
 
@@ -61,9 +61,15 @@ pub struct MeasureArgs {
     /// The most probes the search runs (retries of inconclusive ones included).
     #[arg(long, default_value_t = 16, requires = "max_goodput")]
     pub search_max_probes: usize,
-    /// The share of completed requests that must meet every objective for a probe to pass.
+    /// The share of completed requests that must meet every objective for a probe to pass
+    /// (with --judge percentiles: the share of each objective's samples within its target).
     #[arg(long, default_value_t = 0.95, requires = "max_goodput")]
     pub attainment: f64,
+    /// What --attainment counts: per-request (each request meets every objective, ITL on
+    /// its longest gap) or percentiles (each objective over its own samples, ITL over every
+    /// gap: --attainment 0.99 asks the run's TTFT p99 and ITL p99 within their targets).
+    #[arg(long, value_enum, default_value_t = JudgeArg::PerRequest, requires = "max_goodput")]
+    pub judge: JudgeArg,
     /// The objectives each request is judged on: ttft, itl (the longest gap between tokens),
     /// tpot ((e2e - ttft) / (tokens - 1)) and e2e, as name=duration.
     #[arg(long, value_name = "SPEC", default_value = "ttft=2s,itl=100ms", value_parser = SloSpec::from_str)]
@@ -105,6 +111,12 @@ impl ApiArg {
 pub enum AxisArg {
     Concurrency,
     Rate,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum JudgeArg {
+    PerRequest,
+    Percentiles,
 }
 
 /// `--plots`: the formats to draw, none for `none`.
@@ -168,6 +180,10 @@ impl MeasureArgs {
                 max_probes: self.search_max_probes,
                 criteria: Criteria {
                     target_attainment: self.attainment,
+                    judge: match self.judge {
+                        JudgeArg::PerRequest => Judge::PerRequest,
+                        JudgeArg::Percentiles => Judge::Percentiles,
+                    },
                     ..Criteria::default()
                 },
             })

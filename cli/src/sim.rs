@@ -627,7 +627,10 @@ pub fn run(args: &SimArgs) -> Result<()> {
             .collect::<Result<Vec<_>>>()?,
         Mode::MaxGoodput(config) => {
             let (points, search) = max_goodput(&mut sim, config)?;
-            report.max_goodput = search.answer().map(|i| MaxGoodput::of(&points[i].point));
+            let judge = search.config().criteria.judge;
+            report.max_goodput = search
+                .answer()
+                .map(|i| MaxGoodput::of(&points[i].point, judge));
             found = Some(search.result());
             points
         }

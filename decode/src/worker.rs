@@ -622,12 +622,11 @@ impl<R: ModelRunner> Loop<R> {
         let mut delivered = true;
         if let Some(s) = out.sampled {
             a.completion_tokens += 1;
-            let logprobs = a.params.logprobs.is_some();
             let event = TokenEvent {
                 token: s.token,
                 text: out.text,
-                logprob: logprobs.then_some(s.logprob),
-                top_logprobs: if logprobs { s.top_logprobs } else { Vec::new() },
+                logprob: s.logprob,
+                top_logprobs: s.top_logprobs,
             };
             delivered = a.events.send(GenerateEvent::Token(event)).is_ok();
         }

@@ -220,7 +220,7 @@ fn forced_output(seq_id: SeqId, token: TokenId, params: &SamplingParams) -> SeqO
         seq_id,
         sampled: Some(Sampled {
             token,
-            logprob: 0.0,
+            logprob: params.logprobs.map(|_| 0.0),
             top_logprobs,
         }),
         top_logits: Vec::new(),

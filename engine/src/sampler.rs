@@ -16,11 +16,14 @@ use std::collections::HashMap;
 ///
 /// Log-probabilities come from the processed distribution: after bias, penalties, masking and
 /// temperature (0 counts as 1), before top-k/top-p/min-p truncation, so alternatives the
-/// truncation removed still get finite values.
+/// truncation removed still get finite values. They are computed only when asked for
+/// (`params.logprobs`): their normalization is an exponential per vocabulary entry, a
+/// noticeable share of a small model's decode step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
     pub token: TokenId,
-    pub logprob: f32,
+    /// The chosen token's log-probability; `None` when not asked for.
+    pub logprob: Option<f32>,
     /// The `params.logprobs` most likely tokens, most likely first (empty when not asked for).
     pub top_logprobs: Vec<(TokenId, f32)>,
 }
@@ -99,20 +102,29 @@ impl Sampler {
         } else {
             self.draw(params, logits)
         };
+        let Some(n) = params.logprobs else {
+            return Sampled {
+                token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            };
+        };
         let lse = log_sum_exp(logits);
-        let top_logprobs = match params.logprobs {
-            Some(n) if n > 0 => self
+        let top_logprobs = match n {
+            0 => Vec::new(),
+            n => self
                 .top_n(logits, n as usize)
                 .into_iter()
                 .map(|t| (t, logits[t as usize] - lse))
                 .collect(),
-            _ => Vec::new(),
         };
         Sampled {
             token,
-            logprob: logits
-                .get(token as usize)
-                .map_or(f32::NEG_INFINITY, |l| l - lse),
+            logprob: Some(
+                logits
+                    .get(token as usize)
+                    .map_or(f32::NEG_INFINITY, |l| l - lse),
+            ),
             top_logprobs,
         }
     }

@@ -268,7 +268,7 @@ mod tests {
         let done = PrefillDone {
             first: Sampled {
                 token: 7,
-                logprob: -0.25,
+                logprob: Some(-0.25),
                 top_logprobs: vec![(7, -0.25)],
             },
             cached_tokens: 16,

@@ -1,7 +1,7 @@
 //! The report as terminal tables: one row per load level, throughput and latency first, then
 //! SLO attainment and goodput.
 
-use crate::slo::{Attainment, Goodput, Summary};
+use crate::slo::{Attainment, Goodput, Judge, Objective, Summary};
 
 use super::mesh::NodeStats;
 use super::BenchReport;
@@ -251,6 +251,10 @@ pub fn render_table(report: &BenchReport) -> String {
             .iter()
             .map(|(o, t)| format!("{o} <= {}", ms(Some(*t)) + " ms")),
     );
+    // ITL's objective is judged on each request's longest gap; the share of all gaps
+    // within it (the pooled percentile) beside it.
+    let itl = targets.iter().find(|(o, _)| *o == Objective::Itl);
+    slo_headers.extend(itl.map(|(_, t)| format!("gaps <= {} ms", ms(Some(*t)))));
     slo_headers.extend(["all".to_string(), "goodput req/s".to_string()]);
     let mut slo = Table::new(slo_headers, 1);
     for p in &report.points {
@@ -262,6 +266,10 @@ pub fn render_table(report: &BenchReport) -> String {
                 .find(|o| o.objective == *objective)
                 .map_or("-".into(), |o| attainment(&o.attainment))
         }));
+        if itl.is_some() {
+            let gaps = p.slo.objectives.iter().find_map(|o| o.gaps.as_ref());
+            row.push(gaps.map_or("-".into(), attainment));
+        }
         row.push(attainment(&p.slo.all));
         row.push(goodput(&p.slo.goodput));
         slo.row(row);
@@ -282,8 +290,12 @@ pub fn render_table(report: &BenchReport) -> String {
     out.push_str(&slo.render());
     out.push_str(&render_mesh(report));
     if let Some(m) = &report.max_goodput {
+        let judged = match m.judge {
+            Judge::PerRequest => "",
+            Judge::Percentiles => ", judged by percentiles: every completed request",
+        };
         out.push_str(&format!(
-            "\nmax goodput: {} req/s at {} ({})\n",
+            "\nmax goodput: {} req/s at {} ({}{judged})\n",
             goodput(&m.goodput),
             m.load,
             m.label

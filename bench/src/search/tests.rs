@@ -1,7 +1,7 @@
 use std::time::Duration;
 
 use super::*;
-use crate::slo::{wilson, RequestOutcome, SloSpec, Z_95};
+use crate::slo::{wilson, Judge, Objective, RequestOutcome, SloSpec, Z_95};
 
 fn concurrency(start: f64, max: f64, max_probes: usize) -> SearchConfig {
     SearchConfig {
@@ -542,5 +542,143 @@ fn bad_sweeps_say_what_is_wrong() {
     assert_eq!(
         err("rate=4,2").to_string(),
         "sweep: `4,2`: loads must increase (4 then 2)"
+    );
+}
+
+/// A completed request at TTFT `ttft_ms` streaming 100 gaps of 10 ms, `slow` of them 150 ms.
+fn streamed(ttft_ms: u64, slow: usize) -> RequestOutcome {
+    let gaps: Vec<Duration> = (0..100)
+        .map(|i| MS(if i < slow { 150 } else { 10 }))
+        .collect();
+    RequestOutcome {
+        status: Some(200),
+        ttft: Some(MS(ttft_ms)),
+        e2e: Some(MS(ttft_ms) + gaps.iter().sum::<Duration>()),
+        output_tokens: 101,
+        gaps,
+        ..RequestOutcome::default()
+    }
+}
+
+fn percentiles(t: f64) -> Criteria {
+    Criteria {
+        target_attainment: t,
+        judge: Judge::Percentiles,
+        ..Criteria::default()
+    }
+}
+
+#[test]
+fn percentiles_judge_each_objective_over_its_own_samples() {
+    let slo: SloSpec = "ttft=2s,itl=100ms".parse().unwrap();
+    // 400 requests, each with one slow gap in 100: none keeps every gap under 100 ms, yet
+    // 99% of all gaps are under it; every TTFT within 2 s.
+    let one_slow: Vec<RequestOutcome> = (0..400).map(|_| streamed(300, 1)).collect();
+    let r = SloReport::new(&slo, &one_slow, Duration::from_secs(100));
+    let gaps = r.objectives[1].gaps.as_ref().unwrap();
+    assert_eq!((gaps.met, gaps.share), (39_600, Some(0.99)));
+    assert_eq!(r.objectives[0].gaps, None, "gaps are reported for ITL only");
+    let t = Tally::of(&r);
+    assert_eq!(
+        t.samples[Objective::Itl as usize],
+        Some(Samples {
+            met: 39_600,
+            total: 40_000
+        })
+    );
+    assert_eq!(
+        t.samples[Objective::Ttft as usize],
+        Some(Samples {
+            met: 400,
+            total: 400
+        })
+    );
+    assert_eq!(t.samples[Objective::E2e as usize], None, "not in the SLO");
+    assert_eq!(
+        judge(&r, &target(0.99)),
+        Verdict::fail(Why::Attainment {
+            high: wilson(0, 400, Z_95).unwrap().high
+        })
+    );
+    // 99.0% of 40,000 gaps: the target lies inside the interval.
+    assert_eq!(judge(&r, &percentiles(0.99)), Verdict::Inconclusive);
+    assert_eq!(judge(&r, &percentiles(0.985)), Verdict::Pass);
+    // Two slow gaps in 100 fail ITL's p99; TTFT alone decides when gaps are clean.
+    let two_slow: Vec<RequestOutcome> = (0..400).map(|_| streamed(300, 2)).collect();
+    let r = SloReport::new(&slo, &two_slow, Duration::from_secs(100));
+    let high = wilson(39_200, 40_000, Z_95).unwrap().high;
+    assert_eq!(
+        judge(&r, &percentiles(0.99)),
+        Verdict::fail(Why::Percentile {
+            objective: Objective::Itl,
+            high
+        })
+    );
+    let mut late: Vec<RequestOutcome> = (0..400).map(|_| streamed(300, 0)).collect();
+    late[..20].iter_mut().for_each(|o| o.ttft = Some(MS(2_500)));
+    let r = SloReport::new(&slo, &late, Duration::from_secs(100));
+    assert!(matches!(
+        judge(&r, &percentiles(0.99)),
+        Verdict::Fail {
+            why: Why::Percentile {
+                objective: Objective::Ttft,
+                ..
+            }
+        }
+    ));
+    // Judged by percentiles, a passing run's goodput is every completed request.
+    let clean: Vec<RequestOutcome> = (0..400).map(|_| streamed(300, 1)).collect();
+    let r = SloReport::new(&slo, &clean, Duration::from_secs(100));
+    let request = ProbeRequest {
+        load: 4.0,
+        length: 1,
+    };
+    let probe = Probe::judged(request, &r, &percentiles(0.98), None);
+    assert_eq!((probe.verdict, probe.goodput), (Verdict::Pass, 4.0));
+    let probe = Probe::judged(request, &r, &target(0.98), None);
+    assert_eq!(probe.goodput, 0.0, "per request, none met ITL");
+}
+
+#[test]
+fn a_tally_counts_as_its_report_and_projects_gaps_for_its_best_case() {
+    let slo: SloSpec = "ttft=2s,itl=100ms".parse().unwrap();
+    let outcomes = [
+        streamed(300, 1),
+        streamed(3_000, 0),
+        refused(Some(429), "429"),
+    ];
+    let mut tally = Tally::new(&slo);
+    let met: Vec<bool> = outcomes.iter().map(|o| tally.add(o, &slo)).collect();
+    assert_eq!(met, [false, false, false]);
+    let r = SloReport::new(&slo, &outcomes, Duration::from_secs(10));
+    assert_eq!(tally, Tally::of(&r));
+    assert_eq!(
+        tally.samples[Objective::Itl as usize],
+        Some(Samples {
+            met: 199,
+            total: 200
+        })
+    );
+    // 10 planned: 7 to come, each with 100 gaps (the average so far), all within target.
+    let best = tally.best_case(10);
+    assert_eq!(
+        best.samples[Objective::Itl as usize],
+        Some(Samples {
+            met: 899,
+            total: 900
+        })
+    );
+    assert_eq!(
+        best.samples[Objective::Ttft as usize],
+        Some(Samples { met: 8, total: 9 })
+    );
+    // One late first token in 400 planned keeps TTFT's p99 reachable by percentiles; per
+    // request, the two misses already cannot pass at 0.99.
+    let at99 = percentiles(0.99);
+    assert!(!tally.can_pass(400, &target(0.99)));
+    assert!(tally.can_pass(800, &at99));
+    assert!(
+        !tally.can_pass(10, &at99),
+        "one 429 in 10 is over the 1% shed limit"
     );
 }

@@ -30,9 +30,11 @@ pub enum Objective {
 }
 
 impl Objective {
+    /// How many there are.
+    pub const COUNT: usize = 4;
     /// The names `--slo` accepts, in this order.
-    pub const NAMES: [&'static str; 4] = ["ttft", "itl", "tpot", "e2e"];
-    const ALL: [Objective; 4] = [
+    pub const NAMES: [&'static str; Self::COUNT] = ["ttft", "itl", "tpot", "e2e"];
+    pub const ALL: [Objective; Self::COUNT] = [
         Objective::Ttft,
         Objective::Itl,
         Objective::Tpot,

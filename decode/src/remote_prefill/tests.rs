@@ -48,7 +48,7 @@ fn done(token: u32) -> PrefillDone {
     PrefillDone {
         first: Sampled {
             token,
-            logprob: -0.5,
+            logprob: Some(-0.5),
             top_logprobs: Vec::new(),
         },
         cached_tokens: 2,

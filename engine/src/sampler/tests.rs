@@ -187,11 +187,21 @@ fn logprobs_form_a_distribution_and_list_the_top_tokens() {
     let logits = [1.0, 3.0, 2.0, 0.0];
     let s = sample(&p, &logits, &[], &[]);
     let total: f32 = [1.0f32, 3.0, 2.0, 0.0].iter().map(|l| l.exp()).sum();
-    assert!((s.logprob - (3.0 - total.ln())).abs() < 1e-5);
+    assert!((s.logprob.unwrap() - (3.0 - total.ln())).abs() < 1e-5);
     let top: Vec<TokenId> = s.top_logprobs.iter().map(|t| t.0).collect();
     assert_eq!(top, vec![1, 2]);
-    assert_eq!(s.top_logprobs[0].1, s.logprob);
-    assert!(sample(&greedy(), &logits, &[], &[]).top_logprobs.is_empty());
+    assert_eq!(Some(s.top_logprobs[0].1), s.logprob);
+    // Not asked for: none computed.
+    let plain = sample(&greedy(), &logits, &[], &[]);
+    assert_eq!((plain.token, plain.logprob), (1, None));
+    assert!(plain.top_logprobs.is_empty());
+    // Asked for with no alternatives: the chosen token's alone.
+    let own = SamplingParams {
+        logprobs: Some(0),
+        ..greedy()
+    };
+    let s0 = sample(&own, &logits, &[], &[]);
+    assert_eq!((s0.logprob, s0.top_logprobs.len()), (s.logprob, 0));
 }
 
 #[test]
@@ -204,6 +214,6 @@ fn logprobs_use_the_temperature_but_not_the_truncation() {
     };
     let s = sample(&p, &[0.0, 1.0, 0.0], &[], &[]);
     let total = 2.0f32 + 2.0f32.exp();
-    assert!((s.logprob - (2.0 - total.ln())).abs() < 1e-5);
+    assert!((s.logprob.unwrap() - (2.0 - total.ln())).abs() < 1e-5);
     assert!(s.top_logprobs.iter().all(|t| t.1.is_finite()));
 }
