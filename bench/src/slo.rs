@@ -103,6 +103,18 @@ impl RequestOutcome {
         }
     }
 
+    /// This (completed) request's samples of `objective` as `(within target, all)`: each
+    /// gap for ITL (the pooled percentile's samples), else the request itself.
+    pub fn samples_within(&self, objective: Objective, target: Duration) -> (usize, usize) {
+        match objective {
+            Objective::Itl => (
+                self.gaps.iter().filter(|&&g| g <= target).count(),
+                self.gaps.len(),
+            ),
+            _ => (usize::from(self.meets(objective, target)), 1),
+        }
+    }
+
     /// Whether this (completed) request meets every objective of `slo`.
     pub fn meets_all(&self, slo: &SloSpec) -> bool {
         slo.targets().all(|(objective, t)| self.meets(objective, t))
@@ -227,7 +239,7 @@ impl SloReport {
         let series = |f: &dyn Fn(&RequestOutcome) -> Option<f64>| {
             Summary::of(ok.iter().filter_map(|o| f(o)).collect())
         };
-        let itl_gaps: Vec<f64> = ok
+        let itl_gaps = ok
             .iter()
             .flat_map(|o| o.gaps.iter().map(Duration::as_secs_f64))
             .collect();
@@ -241,9 +253,11 @@ impl SloReport {
                     ok.len(),
                 ),
                 gaps: (objective == Objective::Itl).then(|| {
-                    let target = target.as_secs_f64();
-                    let met = itl_gaps.iter().filter(|&&g| g <= target).count();
-                    Attainment::new(met, itl_gaps.len())
+                    let (met, total) = ok
+                        .iter()
+                        .map(|o| o.samples_within(objective, target))
+                        .fold((0, 0), |(m, n), (a, b)| (m + a, n + b));
+                    Attainment::new(met, total)
                 }),
             })
             .collect();

@@ -149,13 +149,7 @@ impl Tally {
         }
         if class == Class::Ok {
             for (objective, target) in slo.targets() {
-                let (met, total) = match objective {
-                    Objective::Itl => (
-                        outcome.gaps.iter().filter(|&&g| g <= target).count(),
-                        outcome.gaps.len(),
-                    ),
-                    _ => (usize::from(outcome.meets(objective, target)), 1),
-                };
+                let (met, total) = outcome.samples_within(objective, target);
                 if let Some(s) = &mut self.samples[objective as usize] {
                     s.add(met, total);
                 }
@@ -178,11 +172,11 @@ impl Tally {
             met: self.met + to_come,
             ..self
         };
-        for (objective, samples) in best.samples.iter_mut().enumerate() {
+        for (objective, samples) in Objective::ALL.into_iter().zip(&mut best.samples) {
             let Some(s) = samples else { continue };
-            let each = match objective == Objective::Itl as usize {
-                true => s.total.div_ceil(completed.max(1)),
-                false => 1,
+            let each = match objective {
+                Objective::Itl => s.total.div_ceil(completed.max(1)),
+                _ => 1,
             };
             s.add(to_come * each, to_come * each);
         }
