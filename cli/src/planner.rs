@@ -270,7 +270,7 @@ async fn lead(
     let start = Instant::now();
     let mut last = scrape_all(&args.router).await;
     let mut observed_at = Instant::now();
-    let mut earlier = None;
+    let mut observer = observe::Observer::default();
     let mut tick = tokio::time::interval(args.observe_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -288,8 +288,7 @@ async fn lead(
         last = now_readings;
         let elapsed = observed_at.elapsed();
         observed_at = Instant::now();
-        let mut obs = observe::observation(&prefill, &decode, &window, elapsed, earlier.as_ref());
-        earlier = Some(obs.clone());
+        let mut obs = observer.observe(&prefill, &decode, &window, elapsed);
         let registered: Vec<_> = prefill.iter().chain(&decode).cloned().collect();
         let [p, d] = actuator.starting(&registered);
         obs.prefill_nodes += p;

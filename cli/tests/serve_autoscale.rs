@@ -81,6 +81,18 @@ fn nodes(addr: SocketAddr, series: &str, role: &str) -> f64 {
         .unwrap_or(-1.0)
 }
 
+/// A series from serve's `/metrics`, summed over its labels.
+fn total(addr: SocketAddr, series: &str) -> f64 {
+    get(addr, "/metrics")
+        .lines()
+        .filter(|l| {
+            l.strip_prefix(series)
+                .is_some_and(|r| r.starts_with([' ', '{']))
+        })
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
 /// Streams prompts from `clients` threads (client `c` asks for `max_tokens(c)`) until `until`
 /// says stop; returns each request's (prompt, max_tokens, outcome).
 fn load_until(
@@ -219,6 +231,17 @@ fn the_planner_in_serve_adds_a_worker_then_switches_one_and_no_request_changes()
     assert!(
         line("autoscale: drained and stopped").is_none(),
         "a worker was removed instead of switched"
+    );
+
+    // The workers' engine steps reached the planner's performance model (each observation
+    // takes the steps since the one before, so at most as many as the workers ran).
+    let (fed, ran) = (
+        total(addr, "kvmesh_planner_engine_steps_total"),
+        total(addr, "kvmesh_worker_engine_steps_total"),
+    );
+    assert!(
+        fed > 0.0 && fed <= ran,
+        "planner fed {fed} steps, workers ran {ran}"
     );
 
     // Every request completed, with its greedy text (asked again, 12 at a time).

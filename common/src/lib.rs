@@ -15,7 +15,7 @@ pub mod tls;
 pub use block_hash::{BlockHasher, ModelFingerprint, PromptHashes};
 pub use ids::{BlockHash, BlockId, NodeId, RequestId, SequenceHash, TokenId};
 pub use protocol::{
-    GenerateEvent, GenerateRequest, KvEvent, LoadReport, NodeInfo, NodeRole, TokenEvent, Usage,
-    WorkerError,
+    GenerateEvent, GenerateRequest, KvEvent, LoadReport, NodeInfo, NodeRole, StepTotals,
+    TokenEvent, Usage, WorkerError,
 };
 pub use sampling::{Constraint, FinishReason, SamplingParams, SamplingParamsError};

@@ -7,6 +7,8 @@ pub const ROUTER_TTFT_SECONDS: &str = "kvmesh_router_ttft_seconds";
 pub const ROUTER_ITL_SECONDS: &str = "kvmesh_router_inter_token_latency_seconds";
 pub const ROUTER_E2E_SECONDS: &str = "kvmesh_router_e2e_latency_seconds";
 pub const ROUTER_PROMPT_TOKENS_TOTAL: &str = "kvmesh_router_prompt_tokens_total";
+/// Prompt tokens whose KV a node already held (its prefix cache, or pulled from another node).
+pub const ROUTER_PROMPT_CACHED_TOKENS_TOTAL: &str = "kvmesh_router_prompt_cached_tokens_total";
 pub const ROUTER_GENERATION_TOKENS_TOTAL: &str = "kvmesh_router_generation_tokens_total";
 pub const ROUTER_REQUESTS_IN_FLIGHT: &str = "kvmesh_router_requests_in_flight";
 pub const ROUTER_MIGRATIONS_TOTAL: &str = "kvmesh_router_migrations_total";
@@ -85,6 +87,10 @@ pub const PLANNER_ARRIVAL_RATE: &str = "kvmesh_planner_arrival_rate";
 /// TTFT and ITL over the last observation interval (label quantile: 0.5, 0.99).
 pub const PLANNER_TTFT_SECONDS: &str = "kvmesh_planner_ttft_seconds";
 pub const PLANNER_ITL_SECONDS: &str = "kvmesh_planner_itl_seconds";
+/// Share of prompt tokens served from a prefix cache over the last observation interval.
+pub const PLANNER_PREFIX_HIT_RATE: &str = "kvmesh_planner_prefix_hit_rate";
+/// Engine steps the nodes reported and the performance model was refitted to.
+pub const PLANNER_ENGINE_STEPS_TOTAL: &str = "kvmesh_planner_engine_steps_total";
 /// Decisions by role and reason (label reason: the kind of `kvmesh_planner::Reason`).
 pub const PLANNER_DECISIONS_TOTAL: &str = "kvmesh_planner_decisions_total";
 /// Node-seconds per role while this planner led: what the mesh cost.

@@ -129,6 +129,59 @@ pub struct LoadReport {
     /// local prefills included, its remote ones not). The planner sizes prefill on it.
     #[serde(default)]
     pub queued_prompt_tokens: u64,
+    /// Every engine step the node has run and what they held, summed since it started: a
+    /// planner differences two reports into the steps between them and refits its
+    /// performance model to them.
+    #[serde(default)]
+    pub steps: StepTotals,
+}
+
+/// Engine steps summed: how many, what they computed and how long they took. A step's
+/// one-token chunks are decodes, its longer chunks prefill.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepTotals {
+    pub steps: u64,
+    /// Tokens the prefill chunks computed.
+    pub prefill_tokens: u64,
+    /// Tokens of KV the prefill chunks read but did not compute (the prompt before them).
+    pub prefill_cached_tokens: u64,
+    /// Decode chunks: one sequence, one token, a step.
+    pub decode_seqs: u64,
+    /// The decode chunks' contexts (positions, the new token's included).
+    pub decode_context_tokens: u64,
+    /// Time the steps took, planning to sampled outputs.
+    pub micros: u64,
+}
+
+impl StepTotals {
+    /// Both readings' steps together.
+    pub fn plus(self, other: StepTotals) -> StepTotals {
+        StepTotals {
+            steps: self.steps + other.steps,
+            prefill_tokens: self.prefill_tokens + other.prefill_tokens,
+            prefill_cached_tokens: self.prefill_cached_tokens + other.prefill_cached_tokens,
+            decode_seqs: self.decode_seqs + other.decode_seqs,
+            decode_context_tokens: self.decode_context_tokens + other.decode_context_tokens,
+            micros: self.micros + other.micros,
+        }
+    }
+
+    /// The steps of `self` that `before` (an earlier reading of the same node) had not seen;
+    /// `None` if `before` is not earlier (the node restarted and counts from zero again).
+    pub fn since(&self, before: &StepTotals) -> Option<StepTotals> {
+        Some(StepTotals {
+            steps: self.steps.checked_sub(before.steps)?,
+            prefill_tokens: self.prefill_tokens.checked_sub(before.prefill_tokens)?,
+            prefill_cached_tokens: self
+                .prefill_cached_tokens
+                .checked_sub(before.prefill_cached_tokens)?,
+            decode_seqs: self.decode_seqs.checked_sub(before.decode_seqs)?,
+            decode_context_tokens: self
+                .decode_context_tokens
+                .checked_sub(before.decode_context_tokens)?,
+            micros: self.micros.checked_sub(before.micros)?,
+        })
+    }
 }
 
 #[cfg(test)]

@@ -25,7 +25,7 @@ use crate::scheduler::{
 };
 use crate::tier_store::{TierError, TierStore};
 use kvmesh_common::{
-    BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, TokenId,
+    BlockId, FinishReason, SamplingParams, SamplingParamsError, SequenceHash, StepTotals, TokenId,
 };
 use kvmesh_prompt::detokenizer::IncrementalDetokenizer;
 use kvmesh_prompt::grammar::{AllowedTokens, ConstrainedSequence, GrammarError, Grammars};
@@ -305,8 +305,9 @@ pub struct LlmEngine<R: ModelRunner> {
     admitted: Vec<Admission>,
     remote_admitted: Vec<RemoteAdmission>,
     last_step_tokens: usize,
-    /// Running totals: steps that ran the model, and tokens they delivered (drawn or forced).
-    steps_run: u64,
+    /// Running totals: steps that ran the model (what they held, how long they took), and
+    /// tokens they delivered (drawn or forced).
+    step_totals: StepTotals,
     tokens_generated: u64,
     tiers: TierStore,
     /// Constraint compiler over the tokenizer's vocabulary, built on first use.
@@ -327,7 +328,7 @@ impl<R: ModelRunner> LlmEngine<R> {
             admitted: Vec::new(),
             remote_admitted: Vec::new(),
             last_step_tokens: 0,
-            steps_run: 0,
+            step_totals: StepTotals::default(),
             tokens_generated: 0,
             tiers: TierStore::default(),
             grammars: None,
@@ -545,7 +546,12 @@ impl<R: ModelRunner> LlmEngine<R> {
 
     /// Steps that ran the model since the engine was made.
     pub fn steps_run(&self) -> u64 {
-        self.steps_run
+        self.step_totals.steps
+    }
+
+    /// The steps that ran the model since the engine was made, summed.
+    pub fn step_totals(&self) -> StepTotals {
+        self.step_totals
     }
 
     /// Tokens the steps delivered since the engine was made: drawn, and forced by a format.
@@ -753,6 +759,7 @@ impl<R: ModelRunner> LlmEngine<R> {
         }
         let step = &plan.step;
         let shape = StepShape::of(step);
+        let work = step.totals();
         // The constrained sequences that draw this step: their grammar state is final, so what
         // they may draw is computed while the model runs.
         let drawing: Vec<SeqId> = step
@@ -837,8 +844,12 @@ impl<R: ModelRunner> LlmEngine<R> {
         let outcome = self.scheduler.update_from_output(plan, &sampled)?;
         let context_full = self.append_forced(&mut runs, outcome.context_full);
         let outputs = self.finish_outputs(runs, &context_full);
-        self.scheduler.observe_step_time(shape, started.elapsed());
-        self.steps_run += 1;
+        let took = started.elapsed();
+        self.scheduler.observe_step_time(shape, took);
+        self.step_totals = self.step_totals.plus(StepTotals {
+            micros: took.as_micros() as u64,
+            ..work
+        });
         self.tokens_generated += outputs.len() as u64;
         Ok(outputs)
     }

@@ -2,7 +2,7 @@
 //! sequence chunks) against KV storage it owns, and returns the logits that were asked for.
 //! The real runner runs the Llama forward pass; the `MockRunner` only models time.
 
-use kvmesh_common::{BlockId, TokenId};
+use kvmesh_common::{BlockId, StepTotals, TokenId};
 use std::ops::{Deref, Range};
 use std::sync::Arc;
 
@@ -124,6 +124,26 @@ pub struct StepInput {
 impl StepInput {
     pub fn num_tokens(&self) -> usize {
         self.chunks.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// This step's work as one step's [`StepTotals`] (no time yet). A one-token chunk counts
+    /// as a decode even when it ends a prompt, as the runners treat it.
+    pub fn totals(&self) -> StepTotals {
+        let mut t = StepTotals {
+            steps: 1,
+            ..StepTotals::default()
+        };
+        for c in &self.chunks {
+            let (n, start) = (c.tokens.len() as u64, c.start_pos as u64);
+            if n == 1 {
+                t.decode_seqs += 1;
+                t.decode_context_tokens += start + 1;
+            } else {
+                t.prefill_tokens += n;
+                t.prefill_cached_tokens += start;
+            }
+        }
+        t
     }
 }
 

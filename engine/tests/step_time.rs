@@ -46,3 +46,36 @@ fn a_target_no_step_can_meet_leaves_each_step_one_block_of_prompt() {
     let untimed = steps_beside_a_decode(None);
     assert_eq!(untimed[0], 128, "{untimed:?}");
 }
+
+#[test]
+fn the_engine_sums_what_its_steps_held_and_took() {
+    let mut e = common::engine(EngineConfig::default());
+    let prompt = common::note_prompt("rivers")[..40].to_vec();
+    e.add_request(1, prompt, SamplingParams::greedy(64), 0)
+        .unwrap();
+    e.step().unwrap();
+    let first = e.step_totals();
+    // The whole prompt in one prefill chunk.
+    assert_eq!(
+        (
+            first.steps,
+            first.prefill_tokens,
+            first.prefill_cached_tokens,
+            first.decode_seqs
+        ),
+        (1, 40, 0, 0)
+    );
+    assert!(first.micros > 0, "a step of the real model takes time");
+    for _ in 0..5 {
+        e.step().unwrap();
+    }
+    let after = e.step_totals();
+    // Five decodes at positions 40..45, each attending its position and all before it.
+    assert_eq!((after.steps, after.prefill_tokens), (6, 40));
+    assert_eq!(
+        (after.decode_seqs, after.decode_context_tokens),
+        (5, 41 + 42 + 43 + 44 + 45)
+    );
+    assert!(after.micros > first.micros);
+    assert_eq!(e.steps_run(), after.steps);
+}

@@ -136,6 +136,7 @@ mod tests {
             waiting: 1,
             kv_blocks_used: 10,
             queued_prompt_tokens: 300,
+            ..LoadReport::default()
         };
         d.report_load(NodeId(1), load).unwrap();
         assert!(changes.has_changed().unwrap());

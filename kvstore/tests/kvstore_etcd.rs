@@ -3,7 +3,7 @@
 mod support;
 
 use etcd_client::Client;
-use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole};
+use kvmesh_common::{LoadReport, NodeId, NodeInfo, NodeRole, StepTotals};
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer, StoreError};
 use std::time::Duration;
 use support::Proxy;
@@ -124,6 +124,14 @@ async fn load_reports_propagate_and_coalesce() {
         waiting: n / 2,
         kv_blocks_used: 10 * n,
         queued_prompt_tokens: 100 * n as u64,
+        steps: StepTotals {
+            steps: 7 * n as u64,
+            prefill_tokens: 500 * n as u64,
+            prefill_cached_tokens: 64 * n as u64,
+            decode_seqs: 6 * n as u64,
+            decode_context_tokens: 3_000 * n as u64,
+            micros: 90_000 * n as u64,
+        },
     };
     lease.report_load(load(3));
     wait_for(&reader, PROPAGATION, "a load report", |d| {

@@ -12,10 +12,14 @@ pub struct LatencyQuantiles {
     pub p99: Duration,
 }
 
-/// One engine step a node measured: its shape and how long it took. The SLO policy refits its
-/// [`PerfModel`](crate::PerfModel) from these.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Engine steps a node measured: their shape and how long they took, one step or several
+/// summed (a running mesh's nodes report their steps' totals, differenced between two
+/// readings). The step-time model is linear, so a sum is as good a sample as a step. The SLO
+/// policy refits its [`PerfModel`](crate::PerfModel) from these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepSample {
+    /// How many steps the sample sums.
+    pub steps: u64,
     /// Tokens the step's prefill chunks computed.
     pub prefill_tokens: u64,
     /// Tokens of KV the prefill chunks read but did not compute (cached prefix).
@@ -25,6 +29,20 @@ pub struct StepSample {
     /// Their total context, in tokens.
     pub decode_context_tokens: u64,
     pub duration: Duration,
+}
+
+impl Default for StepSample {
+    /// One step that did nothing, in no time.
+    fn default() -> Self {
+        StepSample {
+            steps: 1,
+            prefill_tokens: 0,
+            prefill_cached_tokens: 0,
+            decode_seqs: 0,
+            decode_context_tokens: 0,
+            duration: Duration::ZERO,
+        }
+    }
 }
 
 /// A snapshot of the mesh, as published by its nodes and router.

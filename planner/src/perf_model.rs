@@ -85,7 +85,7 @@ impl PerfCoefficients {
 
 fn terms(s: &StepSample) -> [f64; NUM_TERMS] {
     [
-        1.0,
+        s.steps as f64,
         s.prefill_tokens as f64,
         s.prefill_cached_tokens as f64,
         s.decode_seqs as f64,
@@ -117,10 +117,11 @@ impl PerfModel {
         self.coefficients
     }
 
-    /// Keep a measured step for the next [`refit`](Self::refit). Empty steps and steps that
+    /// Keep a measured sample for the next [`refit`](Self::refit). Empty steps and steps that
     /// took no time carry no information and are dropped.
     pub fn observe(&mut self, sample: StepSample) {
-        if sample.duration.is_zero() || (sample.prefill_tokens == 0 && sample.decode_seqs == 0) {
+        let empty = sample.steps == 0 || (sample.prefill_tokens == 0 && sample.decode_seqs == 0);
+        if empty || sample.duration.is_zero() {
             return;
         }
         if self.samples.len() == self.window {
@@ -197,7 +198,7 @@ impl PerfModel {
             / 1e6
     }
 
-    /// Seconds the model gives a measured step's shape.
+    /// Seconds the model gives a measured sample's shape (all of its steps).
     pub fn step_s(&self, s: &StepSample) -> f64 {
         let x = terms(s);
         let c = self.coefficients.to_array();
@@ -252,6 +253,7 @@ mod tests {
 
     fn sample(prefill: u64, cached: u64, seqs: u64, context: u64) -> StepSample {
         let mut s = StepSample {
+            steps: 1,
             prefill_tokens: prefill,
             prefill_cached_tokens: cached,
             decode_seqs: seqs,
@@ -326,11 +328,66 @@ mod tests {
     }
 
     #[test]
+    fn samples_summing_several_steps_fit_as_the_steps_do() {
+        // The same steps, one by one and summed in threes: both fits find the truth.
+        let steps: Vec<StepSample> = (0..60u64)
+            .map(|i| {
+                let (prefill, cached) = if i % 4 == 0 {
+                    (50 + 7 * i, (37 * i) % 200)
+                } else {
+                    (0, 0)
+                };
+                let seqs = i % 9 + 1;
+                sample(prefill, cached, seqs, 300 * seqs + (53 * i) % 700)
+            })
+            .collect();
+        let summed: Vec<StepSample> = steps
+            .chunks(3)
+            .map(|c| {
+                c.iter().fold(
+                    StepSample {
+                        steps: 0,
+                        ..StepSample::default()
+                    },
+                    |a, s| StepSample {
+                        steps: a.steps + s.steps,
+                        prefill_tokens: a.prefill_tokens + s.prefill_tokens,
+                        prefill_cached_tokens: a.prefill_cached_tokens + s.prefill_cached_tokens,
+                        decode_seqs: a.decode_seqs + s.decode_seqs,
+                        decode_context_tokens: a.decode_context_tokens + s.decode_context_tokens,
+                        duration: a.duration + s.duration,
+                    },
+                )
+            })
+            .collect();
+        for samples in [steps, summed] {
+            let mut m = PerfModel::new(PerfCoefficients::default(), 256);
+            for s in samples {
+                m.observe(s);
+            }
+            m.refit();
+            let (fit, want) = (m.coefficients().to_array(), truth().to_array());
+            for (f, w) in fit.iter().zip(want) {
+                assert!(
+                    (f - w).abs() <= 1e-3 * w.max(1.0),
+                    "{fit:?} against {want:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn empty_and_instant_steps_are_ignored() {
         let mut m = PerfModel::new(truth(), 8);
         m.observe(StepSample::default());
         m.observe(StepSample {
             prefill_tokens: 10,
+            ..StepSample::default()
+        });
+        m.observe(StepSample {
+            steps: 0,
+            prefill_tokens: 10,
+            duration: Duration::from_millis(5),
             ..StepSample::default()
         });
         m.refit();

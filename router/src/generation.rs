@@ -190,7 +190,13 @@ impl Generation {
                     self.finished[index] = true;
                     self.completion_tokens[index] =
                         self.completion_tokens[index].max(usage.completion_tokens);
-                    self.cached_tokens = self.cached_tokens.max(usage.cached_tokens);
+                    let cached = usage.cached_tokens.min(self.prompt_tokens as u32);
+                    if cached > self.cached_tokens {
+                        metrics()
+                            .prompt_cached_tokens
+                            .increment(u64::from(cached - self.cached_tokens));
+                        self.cached_tokens = cached;
+                    }
                     if reason == FinishReason::Cancelled {
                         self.remaining = 0;
                         return Some(Err(ApiError::Unavailable {
@@ -226,7 +232,7 @@ impl Generation {
         Usage {
             prompt_tokens,
             completion_tokens: self.completion_tokens.iter().sum(),
-            cached_tokens: self.cached_tokens.min(prompt_tokens),
+            cached_tokens: self.cached_tokens,
         }
     }
 }

@@ -70,6 +70,7 @@ pub(crate) struct Metrics {
     pub(crate) itl: Histogram,
     pub(crate) e2e: Histogram,
     pub(crate) prompt_tokens: Counter,
+    pub(crate) prompt_cached_tokens: Counter,
     pub(crate) generation_tokens: Counter,
     pub(crate) in_flight: Gauge,
     /// Requests moved to another decode node after their stream broke.
@@ -152,6 +153,10 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         prompt_tokens: counter(
             names::ROUTER_PROMPT_TOKENS_TOTAL,
             "Prompt tokens of requests sent to the backend.",
+        ),
+        prompt_cached_tokens: counter(
+            names::ROUTER_PROMPT_CACHED_TOKENS_TOTAL,
+            "Prompt tokens whose KV a node held already (counted as a request's choices end).",
         ),
         generation_tokens: counter(
             names::ROUTER_GENERATION_TOKENS_TOTAL,

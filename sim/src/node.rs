@@ -641,7 +641,7 @@ impl SimNode {
             running: self.scheduler.num_running(),
             waiting: self.scheduler.num_waiting(),
             kv_blocks_used: self.scheduler.pool().num_used(),
-            queued_prompt_tokens: 0,
+            ..LoadReport::default()
         }
     }
 

@@ -1,17 +1,20 @@
 //! A worker's live load, published by its engine thread and read by routers without locks.
 
-use kvmesh_common::LoadReport;
+use kvmesh_common::{LoadReport, StepTotals};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// Where the engine thread publishes its load (the [`LoadReport`] the node reports to
 /// discovery); each field is read atomically, the snapshot as a whole may mix two
-/// publications.
+/// publications. The step totals are read whole (a planner fits step times to their
+/// differences, which a torn reading would skew).
 #[derive(Debug, Default)]
 pub struct LoadCell {
     running: AtomicUsize,
     waiting: AtomicUsize,
     kv_blocks_used: AtomicUsize,
     queued_prompt_tokens: AtomicU64,
+    steps: Mutex<StepTotals>,
 }
 
 impl LoadCell {
@@ -22,6 +25,7 @@ impl LoadCell {
             .store(load.kv_blocks_used, Ordering::Relaxed);
         self.queued_prompt_tokens
             .store(load.queued_prompt_tokens, Ordering::Relaxed);
+        *self.steps.lock().unwrap_or_else(|e| e.into_inner()) = load.steps;
     }
 
     pub fn get(&self) -> LoadReport {
@@ -30,6 +34,7 @@ impl LoadCell {
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_blocks_used: self.kv_blocks_used.load(Ordering::Relaxed),
             queued_prompt_tokens: self.queued_prompt_tokens.load(Ordering::Relaxed),
+            steps: *self.steps.lock().unwrap_or_else(|e| e.into_inner()),
         }
     }
 }

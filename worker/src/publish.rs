@@ -88,6 +88,7 @@ impl LoadPublisher {
             waiting: s.num_waiting() + pulling,
             kv_blocks_used: s.pool().num_used(),
             queued_prompt_tokens: s.queued_prompt_tokens(),
+            steps: engine.step_totals(),
         };
         cell.publish(load);
         self.metrics.running.set(load.running as f64);

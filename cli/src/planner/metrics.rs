@@ -42,6 +42,14 @@ impl PlannerMetrics {
             "TTFT over the last observation"
         );
         describe_gauge!(names::PLANNER_ITL_SECONDS, "ITL over the last observation");
+        describe_gauge!(
+            names::PLANNER_PREFIX_HIT_RATE,
+            "Share of prompt tokens cached, over the last observation"
+        );
+        describe_counter!(
+            names::PLANNER_ENGINE_STEPS_TOTAL,
+            "Engine steps the nodes reported, fed to the performance model"
+        );
         describe_counter!(
             names::PLANNER_DECISIONS_TOTAL,
             "Decisions by role and reason"
@@ -63,6 +71,9 @@ impl PlannerMetrics {
     /// An observation covering the `elapsed` before it.
     pub fn observed(&self, obs: &Observation, elapsed: Duration) {
         gauge!(names::PLANNER_ARRIVAL_RATE).set(obs.arrival_rate);
+        gauge!(names::PLANNER_PREFIX_HIT_RATE).set(obs.prefix_hit_rate);
+        counter!(names::PLANNER_ENGINE_STEPS_TOTAL)
+            .increment(obs.steps.iter().map(|s| s.steps).sum());
         for role in Role::ALL {
             let nodes = obs.nodes(role);
             gauge!(names::PLANNER_ACTUAL_NODES, "role" => role_label(role)).set(nodes);

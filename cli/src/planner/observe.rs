@@ -3,14 +3,17 @@
 //! histograms, read twice and differenced over the interval between.
 //!
 //! Each node's queued prompt tokens are its load report's (prefill and decode nodes: a
-//! decode node's local prefills are prefill work waiting too). Approximation, stated: engine
-//! step samples are not published, so the SLO policy's performance model stays at its seed
-//! (`kvmesh profile`).
+//! decode node's local prefills are prefill work waiting too). Its report also carries its
+//! engine steps' running totals; the [`Observer`] differences them between readings into one
+//! sample per node, which the SLO policy's performance model refits to. The prefix hit rate
+//! is the routers' cached prompt tokens over their prompt tokens (approximation, stated: a
+//! request's prompt counts as it starts, its cached tokens as it ends).
 
 use kvmesh_common::metrics as names;
+use kvmesh_common::{NodeId, StepTotals};
 use kvmesh_kvstore::NodeEntry;
-use kvmesh_planner::{LatencyQuantiles, Observation};
-use std::collections::BTreeMap;
+use kvmesh_planner::{LatencyQuantiles, Observation, StepSample};
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 /// The router metrics the planner reads, summed over every router and label set.
@@ -18,6 +21,7 @@ use std::time::Duration;
 pub struct RouterTotals {
     pub requests: f64,
     pub prompt_tokens: f64,
+    pub cached_prompt_tokens: f64,
     pub generation_tokens: f64,
     /// Cumulative bucket counts by upper bound (`le`), as Prometheus exposes them.
     pub ttft: Histogram,
@@ -97,6 +101,8 @@ impl RouterTotals {
         RouterTotals {
             requests: (self.requests - before.requests).max(0.0),
             prompt_tokens: (self.prompt_tokens - before.prompt_tokens).max(0.0),
+            cached_prompt_tokens: (self.cached_prompt_tokens - before.cached_prompt_tokens)
+                .max(0.0),
             generation_tokens: (self.generation_tokens - before.generation_tokens).max(0.0),
             ttft: self.ttft.since(&before.ttft),
             itl: self.itl.since(&before.itl),
@@ -107,6 +113,7 @@ impl RouterTotals {
     pub fn add(&mut self, other: &RouterTotals) {
         self.requests += other.requests;
         self.prompt_tokens += other.prompt_tokens;
+        self.cached_prompt_tokens += other.cached_prompt_tokens;
         self.generation_tokens += other.generation_tokens;
         for (b, c) in &other.ttft.0 {
             self.ttft.add(b.0, *c);
@@ -129,6 +136,7 @@ impl RouterTotals {
             match name {
                 names::ROUTER_REQUESTS_TOTAL => self.requests += value,
                 names::ROUTER_PROMPT_TOKENS_TOTAL => self.prompt_tokens += value,
+                names::ROUTER_PROMPT_CACHED_TOKENS_TOTAL => self.cached_prompt_tokens += value,
                 names::ROUTER_GENERATION_TOKENS_TOTAL => self.generation_tokens += value,
                 _ => {
                     let Some(histogram) = name.strip_suffix("_bucket").and_then(|h| {
@@ -161,7 +169,7 @@ fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
 /// `earlier` is the previous observation: when no request ended in this window (long
 /// prompts, a short interval), its mean prompt and output lengths stand, so the SLO
 /// policy's demand is not read as prompts of no length while the nodes work.
-pub fn observation(
+fn observation(
     prefill: &[NodeEntry],
     decode: &[NodeEntry],
     window: &RouterTotals,
@@ -182,6 +190,11 @@ pub fn observation(
         window.generation_tokens,
         earlier.map(|o| o.mean_output_tokens),
     );
+    let prefix_hit_rate = if window.prompt_tokens > 0.0 {
+        (window.cached_prompt_tokens / window.prompt_tokens).clamp(0.0, 1.0)
+    } else {
+        earlier.map_or(0.0, |o| o.prefix_hit_rate)
+    };
     let quantiles = |h: &Histogram| {
         Some(LatencyQuantiles {
             p50: secs(h.quantile(0.5)?),
@@ -192,7 +205,7 @@ pub fn observation(
         arrival_rate: requests / elapsed.as_secs_f64().max(1e-3),
         mean_prompt_tokens,
         mean_output_tokens,
-        prefix_hit_rate: 0.0,
+        prefix_hit_rate,
         prefill_queued_tokens: prefill
             .iter()
             .map(|n| n.load.queued_prompt_tokens)
@@ -211,6 +224,56 @@ pub fn observation(
     }
 }
 
+/// Observes a mesh reading after reading: what [`observation`] makes of each, with the steps
+/// each node ran since the reading before (one [`StepSample`] per node that stepped).
+#[derive(Default)]
+pub struct Observer {
+    earlier: Option<Observation>,
+    /// Each node's step totals at the last reading.
+    steps_seen: HashMap<NodeId, StepTotals>,
+}
+
+impl Observer {
+    /// The observation of an interval of `elapsed` in which the routers did `window`, with
+    /// the nodes as discovery lists them now.
+    pub fn observe(
+        &mut self,
+        prefill: &[NodeEntry],
+        decode: &[NodeEntry],
+        window: &RouterTotals,
+        elapsed: Duration,
+    ) -> Observation {
+        let mut obs = observation(prefill, decode, window, elapsed, self.earlier.as_ref());
+        obs.steps = self.new_steps(prefill.iter().chain(decode));
+        self.earlier = Some(obs.clone());
+        obs
+    }
+
+    /// The steps each node ran since its last reading. A node seen for the first time, or
+    /// counting from zero again (restarted), gives none this time: its totals start the count.
+    fn new_steps<'a>(&mut self, nodes: impl Iterator<Item = &'a NodeEntry>) -> Vec<StepSample> {
+        let mut seen = HashMap::with_capacity(self.steps_seen.len());
+        let mut samples = Vec::new();
+        for n in nodes {
+            let now = n.load.steps;
+            let before = self.steps_seen.get(&n.info.node_id);
+            if let Some(new) = before.and_then(|b| now.since(b)).filter(|d| d.steps > 0) {
+                samples.push(StepSample {
+                    steps: new.steps,
+                    prefill_tokens: new.prefill_tokens,
+                    prefill_cached_tokens: new.prefill_cached_tokens,
+                    decode_seqs: new.decode_seqs,
+                    decode_context_tokens: new.decode_context_tokens,
+                    duration: Duration::from_micros(new.micros),
+                });
+            }
+            seen.insert(n.info.node_id, now);
+        }
+        self.steps_seen = seen;
+        samples
+    }
+}
+
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s.max(0.0)).unwrap_or(Duration::MAX)
 }
@@ -222,11 +285,13 @@ mod tests {
 
     fn page(requests: f64, prompt: f64, output: f64, ttft: &[(&str, f64)]) -> String {
         let mut s = format!(
-            "# HELP x\n{r}{{endpoint=\"chat\",status=\"200\"}} {a}\n{r}{{endpoint=\"completions\",status=\"429\"}} {b}\n{p} {prompt}\n{g} {output}\n",
+            "# HELP x\n{r}{{endpoint=\"chat\",status=\"200\"}} {a}\n{r}{{endpoint=\"completions\",status=\"429\"}} {b}\n{p} {prompt}\n{c} {cached}\n{g} {output}\n",
             r = names::ROUTER_REQUESTS_TOTAL,
             a = requests - 1.0,
             b = 1.0,
             p = names::ROUTER_PROMPT_TOKENS_TOTAL,
+            c = names::ROUTER_PROMPT_CACHED_TOKENS_TOTAL,
+            cached = prompt / 4.0,
             g = names::ROUTER_GENERATION_TOKENS_TOTAL,
         );
         for (le, c) in ttft {
@@ -278,6 +343,8 @@ mod tests {
         assert_eq!(o.arrival_rate, 2.0);
         assert_eq!(o.mean_prompt_tokens, 200.0);
         assert_eq!(o.mean_output_tokens, 30.0);
+        // 1,000 of the window's 4,000 prompt tokens were cached.
+        assert_eq!(o.prefix_hit_rate, 0.25);
         // Each node's queued prompt tokens as it reports them, whatever the mean prompt.
         assert_eq!(o.prefill_queued_tokens, vec![950]);
         assert_eq!(o.decode_queued_prompt_tokens, vec![0, 120]);
@@ -302,7 +369,83 @@ mod tests {
         assert_eq!(quiet.arrival_rate, 0.0);
         assert_eq!(quiet.mean_prompt_tokens, 200.0);
         assert_eq!(quiet.mean_output_tokens, 30.0);
+        assert_eq!(quiet.prefix_hit_rate, 0.25);
         assert_eq!(quiet.prefill_queued_tokens, vec![950]);
+    }
+
+    fn stepped(
+        role: NodeRole,
+        id: u64,
+        steps: u64,
+        prefill: u64,
+        seqs: u64,
+        micros: u64,
+    ) -> NodeEntry {
+        let mut n = crate::planner::testing::node(id, role, 0, 0, 0);
+        n.load.steps = StepTotals {
+            steps,
+            prefill_tokens: prefill,
+            prefill_cached_tokens: prefill / 2,
+            decode_seqs: seqs,
+            decode_context_tokens: 100 * seqs,
+            micros,
+        };
+        n
+    }
+
+    #[test]
+    fn each_node_gives_the_steps_it_ran_since_the_last_reading() {
+        let mut observer = Observer::default();
+        let idle = RouterTotals::default();
+        let second = Duration::from_secs(1);
+        let (p, d) = (NodeRole::Prefill, NodeRole::Decode);
+        // First readings only start each node's count.
+        let first = observer.observe(
+            &[stepped(p, 1, 10, 5_000, 0, 900_000)],
+            &[stepped(d, 2, 40, 0, 200, 400_000)],
+            &idle,
+            second,
+        );
+        assert!(first.steps.is_empty());
+
+        let next = observer.observe(
+            &[stepped(p, 1, 13, 6_200, 4, 1_300_000)],
+            &[
+                stepped(d, 2, 40, 0, 200, 400_000),
+                stepped(d, 3, 5, 0, 5, 50_000),
+            ],
+            &idle,
+            second,
+        );
+        // Node 1 stepped 3 times; node 2 did not step; node 3 is new.
+        assert_eq!(
+            next.steps,
+            vec![StepSample {
+                steps: 3,
+                prefill_tokens: 1_200,
+                prefill_cached_tokens: 600,
+                decode_seqs: 4,
+                decode_context_tokens: 400,
+                duration: Duration::from_millis(400),
+            }]
+        );
+
+        // Node 1 restarted (its totals went back), node 3 stepped, node 2 left.
+        let after = observer.observe(
+            &[stepped(p, 1, 2, 1_000, 0, 100_000)],
+            &[stepped(d, 3, 9, 0, 13, 90_000)],
+            &idle,
+            second,
+        );
+        assert_eq!(after.steps.len(), 1);
+        assert_eq!((after.steps[0].steps, after.steps[0].decode_seqs), (4, 8));
+        // And counts from its new totals on.
+        let last = observer.observe(&[stepped(p, 1, 3, 1_400, 0, 150_000)], &[], &idle, second);
+        assert_eq!(
+            (last.steps[0].steps, last.steps[0].prefill_tokens),
+            (1, 400)
+        );
+        assert_eq!(last.steps[0].duration, Duration::from_millis(50));
     }
 
     #[test]

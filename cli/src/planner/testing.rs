@@ -38,7 +38,7 @@ pub fn node(id: u64, role: NodeRole, running: usize, waiting: usize, used: usize
             running,
             waiting,
             kv_blocks_used: used,
-            queued_prompt_tokens: 0,
+            ..LoadReport::default()
         },
     }
 }

@@ -113,7 +113,7 @@ async fn run(
     let start = Instant::now();
     let mut last = router_totals();
     let mut observed_at = Instant::now();
-    let mut earlier = None;
+    let mut observer = observe::Observer::default();
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -129,8 +129,7 @@ async fn run(
         last = totals;
         let elapsed = observed_at.elapsed();
         observed_at = Instant::now();
-        let obs = observe::observation(&prefill, &decode, &window, elapsed, earlier.as_ref());
-        earlier = Some(obs.clone());
+        let obs = observer.observe(&prefill, &decode, &window, elapsed);
         if let Some(decision) = decide_round(&mut planner, start.elapsed(), obs, elapsed, &metrics)
         {
             act(&decision, &prefill, &decode, &mut actuator, &metrics).await;

@@ -116,6 +116,7 @@ impl Mesh<'_> {
                     .take_steps()
                     .into_iter()
                     .map(|(shape, d)| StepSample {
+                        steps: 1,
                         prefill_tokens: shape.prefill_tokens,
                         prefill_cached_tokens: shape.prefill_cached_tokens,
                         decode_seqs: shape.decode_seqs,
