@@ -2,10 +2,12 @@
 //! follows the demand instead of a fixed share.
 //!
 //! A node started for a burst serves only after its start-up; until then the nodes already
-//! there serve the burst. So the room a scale-down should leave is the share by which the
-//! demand has lately come or gone within a start-up: none on a smooth day (its demand moves
-//! a few percent in that time), much when the mix swings by half within a minute. A drop
-//! counts as well as a rise: a demand that has just fallen that fast may come back as fast.
+//! there serve the burst. So the room a scale-down should leave follows how far the demand
+//! has lately swung within a start-up: none on a smooth day (its demand moves a few percent
+//! in that time, within the measurement's noise), much when the mix swings by half within a
+//! minute. A spread over many plans, not the largest swing, so that a calm stretch of a
+//! swinging day keeps its room. A drop counts as well as a rise: a demand that has just
+//! fallen that fast may come back as fast.
 
 use crate::config::SwingHeadroom;
 use std::collections::VecDeque;
@@ -80,8 +82,8 @@ impl Swing {
         if swings == 0 {
             return 0.0;
         }
-        let spread = sum_of_squares / f64::from(swings);
-        let beyond_noise = (spread - c.noise * c.noise).max(0.0).sqrt();
+        let mean_square = sum_of_squares / f64::from(swings);
+        let beyond_noise = (mean_square - c.noise * c.noise).max(0.0).sqrt();
         (c.deviations * beyond_noise).min(c.max)
     }
 }
