@@ -152,6 +152,11 @@ pub struct SloConfig {
     /// itself, so between the two a count holds (hysteresis). `0..1`; zero (the default):
     /// no headroom.
     pub scale_down_headroom: f64,
+    /// A scale-down headroom that follows the demand: per role, the largest share by which
+    /// the demand the plans sized it from came or went within a node's start-up lately
+    /// (see [`SwingHeadroom`]). The headroom used is the larger of this and
+    /// `scale_down_headroom`. `None` (the default): the fixed headroom alone.
+    pub swing_headroom: Option<SwingHeadroom>,
     /// Role switching: a lend may spend the lender's `scale_down_headroom` (down to the
     /// count the plan itself wants, checked at the plan's own limits). The two roles then
     /// share one burst room: when the mix turns from one to the other, the one it turns
@@ -181,9 +186,48 @@ impl Default for SloConfig {
             queue_drain: Duration::ZERO,
             running_floor: true,
             scale_down_headroom: 0.0,
+            swing_headroom: None,
             lend_headroom: false,
             correction_min: 1.0,
             correction_max: 2.0,
+        }
+    }
+}
+
+/// `[slo.swing_headroom]`: a scale-down keeps free `deviations` times the spread of the
+/// role's demand swings over `over` at the plans of the last `remember`, less the spread
+/// a steady demand shows (`noise`, in quadrature), at most `max`. The swing at a plan is
+/// `1 - low / high` of the mean demand of the plans within `over` up to it and the mean of
+/// as many plans before them (a rise or a drop); the spread is their root mean square.
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SwingHeadroom {
+    /// The span a swing is measured over: about the time from a rise to a node started for
+    /// it serving (its start-up plus a planning interval), which the nodes already there
+    /// must bridge. Plans further apart than this compare with the previous one.
+    #[serde(with = "humantime_serde")]
+    pub over: Duration,
+    /// The plans whose swings make the spread.
+    #[serde(with = "humantime_serde")]
+    pub remember: Duration,
+    /// The spread of the swings at a steady load: the measurement's own (a window's mean
+    /// prompt length over a few thousand requests varies from one span to the next; 0.05
+    /// to 0.08 at 50-200 requests/s and 15 s plans).
+    pub noise: f64,
+    /// How many spreads beyond the noise a scale-down keeps free.
+    pub deviations: f64,
+    /// The most a scale-down keeps free.
+    pub max: f64,
+}
+
+impl Default for SwingHeadroom {
+    fn default() -> Self {
+        SwingHeadroom {
+            over: Duration::from_secs(45),
+            remember: Duration::from_secs(1200),
+            noise: 0.08,
+            deviations: 3.0,
+            max: 0.5,
         }
     }
 }
@@ -363,6 +407,33 @@ impl PlannerConfig {
                 range: "[0, 1)",
                 value: s.scale_down_headroom,
             });
+        }
+        if let Some(w) = &s.swing_headroom {
+            for (field, d) in [
+                ("slo.swing_headroom.over", w.over),
+                ("slo.swing_headroom.remember", w.remember),
+            ] {
+                if d.is_zero() {
+                    return Err(ConfigError::ZeroDuration { field });
+                }
+            }
+            for (field, value, range) in [
+                ("slo.swing_headroom.noise", w.noise, 0.0..1.0),
+                ("slo.swing_headroom.deviations", w.deviations, 0.0..f64::MAX),
+                ("slo.swing_headroom.max", w.max, 0.0..1.0),
+            ] {
+                if !range.contains(&value) {
+                    return Err(ConfigError::OutOfRange {
+                        field,
+                        range: if range.end == 1.0 {
+                            "[0, 1)"
+                        } else {
+                            "[0, inf)"
+                        },
+                        value,
+                    });
+                }
+            }
         }
         if !(s.correction_min > 0.0
             && s.correction_min <= s.correction_max

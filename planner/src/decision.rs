@@ -81,6 +81,8 @@ pub enum Reason {
         replicas: u32,
         /// False when no step size meets the target even on an idle node.
         meets_target: bool,
+        /// The share of each replica's planned share a scale-down keeps free.
+        headroom: f64,
     },
     /// A scale-down to `wanted` was refused: the remaining nodes would carry `projected`
     /// (in `metric`) against `limit`.

@@ -45,9 +45,10 @@ pub mod perf_model;
 mod planner;
 pub mod predictor;
 pub mod slo;
+mod swing;
 
 pub use config::{
-    ConfigError, Cooldowns, LoadConfig, PlannerConfig, Policy, RoleBounds, SloConfig,
+    ConfigError, Cooldowns, LoadConfig, PlannerConfig, Policy, RoleBounds, SloConfig, SwingHeadroom,
 };
 pub use decision::{Decision, Direction, Metric, Reason, Role, RoleDecision, RoleSwitches};
 pub use observation::{LatencyQuantiles, Observation, StepSample};

@@ -22,9 +22,11 @@
 //!
 //! A scale-down goes at most to the largest count wanted over `cooldown.down_stable_for`
 //! (the Kubernetes HPA's stabilization window), and only to a count that passes the
-//! consolidation check against the load observed now. With `scale_down_headroom` x, the
-//! count a scale-down wants and the check's limits keep x of each node's planned share
-//! free (growth sizes without it): room for a burst while a node starts.
+//! consolidation check against the load observed now. With a headroom x (the fixed
+//! `scale_down_headroom`, or with `swing_headroom` a multiple of the spread of the role's
+//! demand swings over a node's start-up lately, whichever is larger), the count a
+//! scale-down wants and the check's limits keep x of each node's planned share free
+//! (growth sizes without it): room for a burst while a node starts.
 //!
 //! With a prefill minimum of 0 the prefill role may go to zero (the decode nodes prefill
 //! every prompt): when the predicted prompt tokens would keep one prefill node less than
@@ -38,6 +40,7 @@ use crate::load::Overload;
 use crate::observation::Observation;
 use crate::perf_model::PerfModel;
 use crate::predictor::Predictor;
+use crate::swing::Swing;
 use std::collections::VecDeque;
 use std::time::Duration;
 
@@ -160,6 +163,8 @@ struct Plan {
     prefill: PrefillSizing,
     decode: DecodeSizing,
     wanted: [(u32, f64, f64, f64, bool); 2],
+    /// Per role: the share of a replica's planned share a scale-down keeps free.
+    headroom: [f64; 2],
 }
 
 pub(crate) struct SloPolicy {
@@ -174,6 +179,8 @@ pub(crate) struct SloPolicy {
     /// Per role: (when, replicas wanted, the fewest replicas a scale-down may go to) over
     /// the stabilization window.
     history: [VecDeque<(Duration, u32, u32)>; 2],
+    /// Per role, with `swing_headroom`: the demand's swings.
+    swings: Option<[Swing; 2]>,
     plan: Option<Plan>,
 }
 
@@ -183,6 +190,9 @@ impl SloPolicy {
         SloPolicy {
             perf: PerfModel::new(config.perf, config.perf_window),
             predictors: std::array::from_fn(|_| config.predictor.build()),
+            swings: config
+                .swing_headroom
+                .map(|c| std::array::from_fn(|_| Swing::new(c))),
             config,
             kv_usage_up,
             idle_prefill_below,
@@ -271,16 +281,16 @@ impl SloPolicy {
                 decode.meets_target,
             ),
         ];
+        let headroom = self.headroom(now, [p_demand, d_demand]);
         // Per role: the fewest replicas a scale-down may go to (the demand within
-        // `1 - scale_down_headroom` of each replica's share; at least the plan's).
-        let keep = self.keep();
+        // `1 - headroom` of each replica's share; at least the plan's).
         let down_to = [
             if p_replicas == 0 {
                 0
             } else {
-                replicas(p_demand / (p_per_replica * keep))
+                replicas(p_demand / (p_per_replica * (1.0 - headroom[0])))
             },
-            replicas(d_demand / (decode.batch * keep)),
+            replicas(d_demand / (decode.batch * (1.0 - headroom[1]))),
         ];
         for role in Role::ALL {
             let h = &mut self.history[role.index()];
@@ -298,7 +308,21 @@ impl SloPolicy {
             prefill,
             decode,
             wanted,
+            headroom,
         });
+    }
+
+    /// Per role: the fixed `scale_down_headroom`, or the headroom the swings of the role's
+    /// demand (this plan's now recorded) ask for when that is larger.
+    fn headroom(&mut self, now: Duration, demand: [f64; 2]) -> [f64; 2] {
+        let fixed = self.config.scale_down_headroom;
+        let Some(swings) = &mut self.swings else {
+            return [fixed; 2];
+        };
+        std::array::from_fn(|i| {
+            swings[i].record(now, demand[i]);
+            swings[i].headroom(now).max(fixed)
+        })
     }
 
     fn size_prefill_corrected(&self, d: &Demand, latest: &Observation) -> (PrefillSizing, f64) {
@@ -359,8 +383,10 @@ impl SloPolicy {
     }
 
     /// The share of a replica's planned capacity a scale-down may fill.
-    fn keep(&self) -> f64 {
-        1.0 - self.config.scale_down_headroom
+    fn keep(&self, role: Role) -> f64 {
+        self.plan
+            .as_ref()
+            .map_or(1.0, |p| 1.0 - p.headroom[role.index()])
     }
 
     fn clamp_correction(&self, k: f64) -> f64 {
@@ -406,6 +432,7 @@ impl SloPolicy {
             correction,
             replicas,
             meets_target,
+            headroom: plan.headroom[role.index()],
         };
         (target, reason)
     }
@@ -441,14 +468,14 @@ impl SloPolicy {
                     .filter(|&&(t, _, _)| now.saturating_sub(t) <= span)
                     .all(|&(_, w, d)| fits(w, d))
         };
-        let keep = if spend { 1.0 } else { self.keep() };
+        let keep = if spend { 1.0 } else { self.keep(role) };
         planned && self.consolidation_within(role, to, latest, keep).is_ok()
     }
 
     /// Would `to` nodes serve the load observed now within the targets (less the
     /// scale-down headroom)?
     pub fn consolidation(&self, role: Role, to: u32, latest: &Observation) -> Result<(), Overload> {
-        self.consolidation_within(role, to, latest, self.keep())
+        self.consolidation_within(role, to, latest, self.keep(role))
     }
 
     /// The consolidation check with each node's planned share scaled by `keep`.

@@ -1,6 +1,8 @@
 //! The planner's configuration: TOML in, validation errors out.
 
-use kvmesh_planner::{ConfigError, Planner, PlannerConfig, Policy, PredictorConfig, Role};
+use kvmesh_planner::{
+    ConfigError, Planner, PlannerConfig, Policy, PredictorConfig, Role, SwingHeadroom,
+};
 use std::time::Duration;
 
 fn parse(text: &str) -> Result<PlannerConfig, toml::de::Error> {
@@ -209,4 +211,37 @@ fn validation_names_each_problem() {
     assert!(invalid(|c| c.decode.min = 0)
         .to_string()
         .contains("only the prefill role may go to zero"));
+    assert_eq!(
+        invalid(|c| c.slo.swing_headroom = Some(SwingHeadroom {
+            max: 1.0,
+            ..SwingHeadroom::default()
+        })),
+        ConfigError::OutOfRange {
+            field: "slo.swing_headroom.max",
+            range: "[0, 1)",
+            value: 1.0
+        }
+    );
+    assert_eq!(
+        invalid(|c| c.slo.swing_headroom = Some(SwingHeadroom {
+            over: Duration::ZERO,
+            ..SwingHeadroom::default()
+        })),
+        ConfigError::ZeroDuration {
+            field: "slo.swing_headroom.over"
+        }
+    );
+}
+
+/// Off unless given; an empty table is the defaults, and its fields are humantime durations.
+#[test]
+fn the_swing_headroom_is_a_table_of_defaults() {
+    assert_eq!(parse("").unwrap().slo.swing_headroom, None);
+    let c = parse("[slo]\nswing_headroom = {}\n").unwrap();
+    assert_eq!(c.slo.swing_headroom, Some(SwingHeadroom::default()));
+    let c = parse("[slo.swing_headroom]\nover = \"1m\"\ndeviations = 2\n").unwrap();
+    let w = c.slo.swing_headroom.unwrap();
+    assert_eq!((w.over, w.deviations), (Duration::from_secs(60), 2.0));
+    assert_eq!(w.remember, SwingHeadroom::default().remember);
+    assert!(parse("[slo.swing_headroom]\nignore = 0.1\n").is_err());
 }

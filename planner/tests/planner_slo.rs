@@ -82,10 +82,12 @@ fn the_replica_formulas_match_the_hand_computation() {
             correction,
             replicas,
             meets_target,
+            headroom,
         } => {
             assert_eq!(demand, 40_000.0);
             assert!((per_replica - 0.8 * 2048.0 / 0.1074).abs() < 1e-6);
             assert_eq!((correction, replicas, meets_target), (1.0, 3, true));
+            assert_eq!(headroom, 0.0);
         }
         ref other => panic!("{other:?}"),
     }
