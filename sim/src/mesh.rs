@@ -675,7 +675,7 @@ fn run(
         AutoscaleReport::new(config.planner.as_ref(), config.startup, config.switch_delay)
     });
     let mut rng = StdRng::seed_from_u64(config.seed);
-    let index = Arc::new(InMemoryPrefixIndex::new());
+    let index = Arc::new(InMemoryPrefixIndex::without_node_maps());
     let disaggregation = config
         .prefill
         .as_ref()
