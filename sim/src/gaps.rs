@@ -45,32 +45,21 @@ impl GapHistogram {
     }
 
     fn record_nanos(&mut self, nanos: u64) {
-        self.record_times(nanos, 1);
-    }
-
-    /// A gap of `nanos` nanoseconds, `times` times over: what recording it that many times
-    /// records (every sum is of integers).
-    pub(crate) fn record_times(&mut self, nanos: u64, times: u64) {
-        if times == 0 {
-            return;
-        }
         let bin = bin_of(nanos);
         if bin >= self.bins.len() {
             self.bins.resize(bin + 1, (0, 0));
         }
         let b = &mut self.bins[bin];
-        b.0 += times;
-        b.1 = b.1.saturating_add(nanos.saturating_mul(times));
+        b.0 += 1;
+        b.1 = b.1.saturating_add(nanos);
         if self.count == 0 || nanos < self.min {
             self.min = nanos;
         }
         self.max = self.max.max(nanos);
-        self.count += times;
-        self.sum += u128::from(nanos) * u128::from(times);
+        self.count += 1;
+        self.sum += u128::from(nanos);
         let square = u128::from(nanos) * u128::from(nanos);
-        self.sum_squares = self
-            .sum_squares
-            .saturating_add(square.saturating_mul(u128::from(times)));
+        self.sum_squares = self.sum_squares.saturating_add(square);
     }
 
     /// The gaps between consecutive `times`.

@@ -68,11 +68,9 @@ use rand::{Rng, SeedableRng};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
-mod delivered;
 mod lifecycle;
 mod prompt;
 mod quiet;
@@ -80,7 +78,6 @@ mod scaler;
 
 pub use prompt::SimPrompt;
 
-use delivered::{Delivered, SharedGaps};
 use lifecycle::{Life, NodeTimes};
 use scaler::Scaler;
 
@@ -309,7 +306,7 @@ struct Live {
     /// KV blocks the transfer fills on the decode node.
     transfer_blocks: usize,
     /// When each token reached the client, across migrations.
-    tokens: Delivered,
+    tokens: Vec<Duration>,
     tracked: Tracked,
     /// Decode nodes it was sent to, in order (a migration tries none of them again).
     tried: Vec<usize>,
@@ -468,8 +465,7 @@ struct Mesh<'a> {
     every_gap: bool,
     quiet_runs: bool,
     gather_window: Duration,
-    /// The gaps of completed requests, pooled (also by the runs their tokens came in).
-    itl: SharedGaps,
+    itl: GapHistogram,
 }
 
 fn entry(i: usize, role: NodeRole, config: &NodeConfig) -> NodeEntry {
@@ -628,7 +624,7 @@ fn run(
         every_gap: config.every_gap,
         quiet_runs: config.quiet_runs,
         gather_window: config.gather_window,
-        itl: SharedGaps::default(),
+        itl: GapHistogram::default(),
         roles: entries.iter().map(|e| e.info.role).collect(),
         nodes,
         candidates: Candidates::new(entries),
@@ -702,7 +698,7 @@ impl Mesh<'_> {
                     node: decode,
                     prefill,
                     transfer_blocks: 0,
-                    tokens: Delivered::default(),
+                    tokens: Vec::new(),
                     tracked,
                     tried: vec![decode],
                     placement: 0,
@@ -905,7 +901,7 @@ impl Mesh<'_> {
         self.step_over(n, now);
         if self.nodes[n].run().is_some() {
             let tokens = self.nodes[n].finish_run()?;
-            self.deliver(tokens);
+            self.deliver(&tokens);
             self.kick(n, now);
             self.settle(n, now);
             return Ok(());
@@ -921,7 +917,7 @@ impl Mesh<'_> {
                 let i = *seq as usize;
                 if let Some(live) = self.live[i].as_mut() {
                     if let Some(s) = self.scaler.as_mut() {
-                        s.token(live.tokens.last(), self.sent[i], now);
+                        s.token(&live.tokens, self.sent[i], now);
                     }
                     live.tokens.push(now);
                 }
@@ -972,7 +968,7 @@ impl Mesh<'_> {
         let p = live.prefill.take().expect("checked above");
         live.tracked.prefilled();
         if let Some(s) = self.scaler.as_mut() {
-            s.token(live.tokens.last(), self.sent[i], now);
+            s.token(&live.tokens, self.sent[i], now);
         }
         live.tokens.push(now);
         let d = live.node;
@@ -1093,10 +1089,7 @@ impl Mesh<'_> {
         // Dropping `live` ends the router's in-flight count, as the stream's end does.
         let live = self.live[i].take().expect("a finished request was live");
         let sent = self.sent[i];
-        let first = live
-            .tokens
-            .first()
-            .expect("a completed request had a token");
+        let first = live.tokens[0];
         let prompt_tokens = self.requests[i].prompt.len();
         if let Some(s) = self.scaler.as_mut() {
             let cached = f.cached_tokens.min(prompt_tokens) as u64;
@@ -1110,7 +1103,7 @@ impl Mesh<'_> {
             status: Some(200),
             error: None,
             ttft: Some(first - sent),
-            gaps: self.gaps_of(live.tokens),
+            gaps: self.gaps_of(&live.tokens),
             e2e: Some(now - sent),
             prompt_tokens: Some(prompt_tokens as u64),
             // A migrated request's lookup covered its generated tokens too.
@@ -1120,15 +1113,15 @@ impl Mesh<'_> {
         self.ended(i, now);
     }
 
-    /// A completed request's gaps between its `tokens`, pooled into the run's histogram:
-    /// every one for its outcome, or only its longest ([`MeshConfig::every_gap`]).
-    fn gaps_of(&mut self, tokens: Delivered) -> Vec<Duration> {
-        let gaps = match self.every_gap {
-            true => tokens.gaps(),
-            false => tokens.longest().into_iter().collect(),
-        };
-        tokens.pool(&self.itl);
-        gaps
+    /// A completed request's gaps between `tokens`, pooled into the run's histogram: every
+    /// one for its outcome, or only its longest ([`MeshConfig::every_gap`]).
+    fn gaps_of(&mut self, tokens: &[Duration]) -> Vec<Duration> {
+        self.itl.record_between(tokens);
+        let gaps = tokens.windows(2).map(|w| w[1] - w[0]);
+        match self.every_gap {
+            true => gaps.collect(),
+            false => gaps.max().into_iter().collect(),
+        }
     }
 
     /// Request `i` ends without completing: `kind` in its outcome, as bench's driver names
@@ -1175,10 +1168,6 @@ impl Mesh<'_> {
                 self.end_failed(i, end, None, "never_sent", why);
             }
         }
-        // Every request has ended and let its runs go: their gaps are all pooled.
-        let itl = Rc::try_unwrap(self.itl)
-            .expect("no run outlives the requests")
-            .into_inner();
         let outcomes: Vec<RequestOutcome> = self
             .outcomes
             .into_iter()
@@ -1221,7 +1210,7 @@ impl Mesh<'_> {
             blocks_in_use,
             error_examples: self.error_examples,
             autoscale,
-            itl,
+            itl: self.itl,
             events: 0,
         }
     }

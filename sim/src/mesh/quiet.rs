@@ -3,7 +3,6 @@
 //! own event would have (its end, the end of the step before, the run's sequence number), and
 //! its tokens reach their clients with their own times.
 
-use super::delivered::RunTimes;
 use super::{Event, Mesh};
 use crate::events::EventKey;
 use crate::node::RunTokens;
@@ -26,7 +25,7 @@ impl Mesh<'_> {
         let applied = (0..ends.len()).take_while(|&i| key(i) < now).count();
         let (next, last) = (key(applied), key(ends.len() - 1));
         let tokens = self.nodes[n].catch_up(applied);
-        self.deliver(tokens);
+        self.deliver(&tokens);
         // The run's event stands for its last step; any other takes its place.
         if next != last {
             self.queue.cancel(last);
@@ -43,25 +42,22 @@ impl Mesh<'_> {
         }
     }
 
-    /// The tokens of quiet steps reach their clients: each request holds the run's times.
-    pub(super) fn deliver(&mut self, tokens: RunTokens) {
-        if tokens.ends.is_empty() {
-            return;
-        }
-        let run = RunTimes::new(tokens.ends, &self.itl);
+    /// The tokens of quiet steps reach their clients.
+    pub(super) fn deliver(&mut self, tokens: &RunTokens) {
         for &seq in &tokens.seqs {
             let i = seq as usize;
             let Some(live) = self.live[i].as_mut() else {
                 continue;
             };
-            if let Some(s) = self.scaler.as_mut() {
-                let mut last = live.tokens.last();
-                for &t in run.ends() {
-                    s.token(last, self.sent[i], t);
-                    last = Some(t);
+            match self.scaler.as_mut() {
+                None => live.tokens.extend_from_slice(&tokens.ends),
+                Some(s) => {
+                    for &t in &tokens.ends {
+                        s.token(&live.tokens, self.sent[i], t);
+                        live.tokens.push(t);
+                    }
                 }
             }
-            live.tokens.push_run(&run);
         }
     }
 }
