@@ -56,7 +56,7 @@ use kvmesh_bench::report::{MeshStats, Point};
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
-use kvmesh_common::{BlockHash, BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
+use kvmesh_common::{BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
 use kvmesh_planner::PlannerConfig;
@@ -68,150 +68,18 @@ use rand::{Rng, SeedableRng};
 use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::num::NonZeroUsize;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 mod lifecycle;
+mod prompt;
 mod quiet;
 mod scaler;
 
+pub use prompt::SimPrompt;
+
 use lifecycle::{Life, NodeTimes};
 use scaler::Scaler;
-
-/// A request's prompt tokens, shared rather than copied. A multiplied trace
-/// ([`crate::workload::multiply`]) holds tens of thousands of prompts of thousands of tokens
-/// each, and its copies differ from the original only in their first token: every copy
-/// shares the original's buffer and keeps its own first token apart. The mesh makes one
-/// buffer of the actual tokens when the request arrives ([`SimPrompt::tokens`]), shared by
-/// the router, the decode node and the prefill node, and drops it when the request ends.
-#[derive(Clone, Debug)]
-pub struct SimPrompt {
-    /// The tokens, but for the first, which is `first`.
-    shared: Arc<[TokenId]>,
-    first: TokenId,
-    /// The hashes of `shared`'s full blocks but the first (which holds `first`), made once
-    /// for every prompt sharing the buffer ([`SimPrompt::hashes`]).
-    later_blocks: Arc<OnceLock<LaterBlocks>>,
-}
-
-/// A shared buffer's block hashes after its first block, and the hasher that made them.
-#[derive(Debug)]
-struct LaterBlocks {
-    hasher: BlockHasher,
-    hashes: Vec<BlockHash>,
-}
-
-impl SimPrompt {
-    pub fn len(&self) -> usize {
-        self.shared.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.shared.is_empty()
-    }
-
-    pub fn first(&self) -> Option<TokenId> {
-        (!self.is_empty()).then_some(self.first)
-    }
-
-    pub fn last(&self) -> Option<TokenId> {
-        match self.shared.len() {
-            0 => None,
-            1 => Some(self.first),
-            n => Some(self.shared[n - 1]),
-        }
-    }
-
-    /// The same prompt but for its first token, which becomes `first` (sharing the buffer).
-    pub fn with_first(&self, first: TokenId) -> SimPrompt {
-        SimPrompt {
-            shared: self.shared.clone(),
-            first,
-            later_blocks: self.later_blocks.clone(),
-        }
-    }
-
-    /// `hasher`'s hashes of this prompt, whose tokens are `tokens` ([`SimPrompt::tokens`]):
-    /// its first block hashed, every later one's hash shared with the prompts that share its
-    /// buffer (a multiplied trace's copies differ only in their first token).
-    pub fn hashes(&self, hasher: BlockHasher, tokens: &[TokenId]) -> PromptHashes {
-        debug_assert_eq!(tokens.len(), self.len());
-        let bs = hasher.block_size;
-        if tokens.len() < bs {
-            return PromptHashes::new(hasher, tokens);
-        }
-        let later = self.later_blocks.get_or_init(|| LaterBlocks {
-            hasher,
-            hashes: tokens[bs..]
-                .chunks_exact(bs)
-                .map(|b| hasher.block_hash(b))
-                .collect(),
-        });
-        if later.hasher != hasher {
-            return PromptHashes::new(hasher, tokens);
-        }
-        let first = hasher.block_hash(&tokens[..bs]);
-        PromptHashes::from_blocks(
-            hasher,
-            std::iter::once(first).chain(later.hashes.iter().copied()),
-        )
-    }
-
-    /// The tokens, in one buffer: the shared one when the first token is its own, else a copy.
-    pub fn tokens(&self) -> Arc<[TokenId]> {
-        match self.shared.first() {
-            Some(&f) if f != self.first => {
-                // One copy, straight into the shared buffer (a `Vec` would be copied twice).
-                let mut t: Arc<[TokenId]> = Arc::from(&self.shared[..]);
-                Arc::get_mut(&mut t).expect("just made")[0] = self.first;
-                t
-            }
-            _ => self.shared.clone(),
-        }
-    }
-
-    pub fn to_vec(&self) -> Vec<TokenId> {
-        self.tokens().to_vec()
-    }
-}
-
-impl From<Vec<TokenId>> for SimPrompt {
-    fn from(tokens: Vec<TokenId>) -> SimPrompt {
-        let first = tokens.first().copied().unwrap_or_default();
-        SimPrompt {
-            shared: tokens.into(),
-            first,
-            later_blocks: Arc::default(),
-        }
-    }
-}
-
-impl From<&[TokenId]> for SimPrompt {
-    /// One copy, straight into the shared buffer.
-    fn from(tokens: &[TokenId]) -> SimPrompt {
-        SimPrompt {
-            shared: tokens.into(),
-            first: tokens.first().copied().unwrap_or_default(),
-            later_blocks: Arc::default(),
-        }
-    }
-}
-
-impl FromIterator<TokenId> for SimPrompt {
-    fn from_iter<I: IntoIterator<Item = TokenId>>(iter: I) -> SimPrompt {
-        iter.into_iter().collect::<Vec<_>>().into()
-    }
-}
-
-impl PartialEq for SimPrompt {
-    fn eq(&self, other: &SimPrompt) -> bool {
-        self.len() == other.len()
-            && (self.is_empty()
-                || (self.first == other.first && self.shared[1..] == other.shared[1..]))
-    }
-}
-
-impl Eq for SimPrompt {}
 
 /// One request offered to the mesh.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -675,7 +543,7 @@ fn run(
         AutoscaleReport::new(config.planner.as_ref(), config.startup, config.switch_delay)
     });
     let mut rng = StdRng::seed_from_u64(config.seed);
-    let index = Arc::new(InMemoryPrefixIndex::new());
+    let index = Arc::new(InMemoryPrefixIndex::without_node_maps());
     let disaggregation = config
         .prefill
         .as_ref()

@@ -1,7 +1,8 @@
 //! Quiet decode steps planned at once (`MeshConfig::quiet_runs`) change nothing: every run
 //! below gives the same outcomes, token times and mesh statistics with them as with every
 //! step planned one by one, on busy meshes, with prefill nodes, faults, memory pressure,
-//! stale load reports and fixed-time nodes whose events tie.
+//! stale load reports and fixed-time nodes whose events tie; and keeping only each request's
+//! longest gap (`MeshConfig::every_gap` off) pools the same gaps.
 
 mod common;
 
@@ -29,6 +30,16 @@ fn assert_same(mut config: MeshConfig, requests: &[SimRequest]) {
         serde_json::to_string(&r.point("sim", &shape(1.0), &slo())).unwrap()
     };
     assert_eq!(json(quiet), json(stepped));
+    // Keeping only each request's longest gap pools the same gaps.
+    config.quiet_runs = true;
+    config.every_gap = false;
+    let longest = simulate(&config, requests).unwrap();
+    assert_eq!(longest.itl.summary(), quiet.itl.summary());
+    assert_eq!(longest.itl.cdf(), quiet.itl.cdf());
+    for (o, every) in longest.outcomes.iter().zip(&quiet.outcomes) {
+        let max = every.gaps.iter().max();
+        assert_eq!(o.gaps.iter().collect::<Vec<_>>(), Vec::from_iter(max));
+    }
     let steps: u64 = quiet.stats.nodes.iter().map(|n| n.steps).sum();
     assert!(
         steps > requests.len() as u64,

@@ -13,12 +13,16 @@
 //! removal and snapshot replacement cost that node's blocks, not the whole index. Most blocks
 //! have one or two holders, kept in the map's own entry rather than a vector of their own
 //! ([`Holders`]), so publishing a block allocates nothing.
+//!
+//! A writer whose nodes rarely leave (the simulator: a million blocks, a KV event every few
+//! hundred nanoseconds) keeps no per-node map ([`InMemoryPrefixIndex::without_node_maps`]):
+//! an event is then one lookup of the block's holders, which carry the node's tiers already,
+//! and a node's removal or replacement scans the whole index instead.
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::hash_map::Entry;
-use std::collections::HashMap;
 use std::sync::RwLock;
 use tokio::sync::watch;
 
@@ -91,6 +95,15 @@ impl Holders {
         Holders::Few(few)
     }
 
+    /// The tiers `slot` holds the block in (empty: it does not).
+    fn tiers_of(&self, slot: u32) -> TierSet {
+        let held = self.as_slice();
+        match held.binary_search_by_key(&slot, |h| h.slot()) {
+            Ok(i) => TierSet::from_bits(held[i].tier_bits() as u8).expect("three tier bits"),
+            Err(_) => TierSet::default(),
+        }
+    }
+
     fn as_slice(&self) -> &[Holder] {
         match self {
             Holders::Few(few) => {
@@ -147,6 +160,8 @@ impl Holders {
 struct State {
     /// Block -> holders sorted by slot.
     holders: SeqMap<Holders>,
+    /// Whether each node's blocks are kept in a map of its own (see the module docs).
+    node_maps: bool,
     /// Node -> its slot, while it holds at least one block.
     slots: U64Map<NodeId, u32>,
     /// Slot -> its node and the blocks it holds.
@@ -160,21 +175,39 @@ struct State {
 #[derive(Debug)]
 struct NodeBlocks {
     node: NodeId,
+    /// Its blocks and their tiers, with node maps; empty without.
     blocks: SeqMap<TierSet>,
+    /// How many blocks it holds.
+    held: usize,
 }
 
 impl Default for InMemoryPrefixIndex {
     fn default() -> Self {
-        InMemoryPrefixIndex {
-            state: RwLock::default(),
-            generation: watch::Sender::new(0),
-        }
+        InMemoryPrefixIndex::with_state(State {
+            node_maps: true,
+            ..State::default()
+        })
     }
 }
 
 impl InMemoryPrefixIndex {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An index that keeps no map per node (see the module docs): each event costs one
+    /// lookup where it costs two, and removing or replacing a node costs the whole index
+    /// where it costs that node's blocks. For a writer whose events far outnumber its nodes'
+    /// departures.
+    pub fn without_node_maps() -> Self {
+        InMemoryPrefixIndex::with_state(State::default())
+    }
+
+    fn with_state(state: State) -> Self {
+        InMemoryPrefixIndex {
+            state: RwLock::new(state),
+            generation: watch::Sender::new(0),
+        }
     }
 
     /// Applies a node's stored/removed events, in order. Plain `KvEvent`s (the engine's main
@@ -218,21 +251,10 @@ impl InMemoryPrefixIndex {
         let new: SeqMap<TierSet> = blocks.into_iter().filter(|(_, t)| !t.is_empty()).collect();
         let mut state = self.state.write().expect("prefix index lock");
         let slot = state.claim(node);
-        let old = std::mem::take(&mut state.nodes[slot as usize].blocks);
-        let mut changed = false;
-        for hash in old.keys() {
-            if !new.contains_key(hash) {
-                state.unhold(slot, *hash);
-                changed = true;
-            }
-        }
-        for (&hash, &tiers) in &new {
-            if old.get(&hash) != Some(&tiers) {
-                state.hold(slot, hash, tiers);
-                changed = true;
-            }
-        }
-        state.nodes[slot as usize].blocks = new;
+        let changed = match state.node_maps {
+            true => state.replace_mapped(slot, new),
+            false => state.replace_scanning(slot, &new),
+        };
         state.release_if_empty(slot);
         drop(state);
         if changed {
@@ -256,17 +278,25 @@ impl InMemoryPrefixIndex {
     /// How many blocks `node` holds (in any tier).
     pub fn node_blocks(&self, node: NodeId) -> usize {
         let state = self.state.read().expect("prefix index lock");
-        state.blocks(node).map_or(0, HashMap::len)
+        state
+            .slots
+            .get(&node)
+            .map_or(0, |&slot| state.nodes[slot as usize].held)
     }
 
     /// What `node` holds, sorted by hash.
     #[cfg(test)]
     pub(crate) fn node_entries(&self, node: NodeId) -> Vec<(SequenceHash, TierSet)> {
         let state = self.state.read().expect("prefix index lock");
+        let Some(&slot) = state.slots.get(&node) else {
+            return Vec::new();
+        };
         let mut entries: Vec<_> = state
-            .blocks(node)
-            .map(|blocks| blocks.iter().map(|(&h, &t)| (h, t)).collect())
-            .unwrap_or_default();
+            .holders
+            .iter()
+            .map(|(&h, holders)| (h, holders.tiers_of(slot)))
+            .filter(|(_, t)| !t.is_empty())
+            .collect();
         entries.sort_unstable_by_key(|&(h, _)| h);
         entries
     }
@@ -277,11 +307,6 @@ impl InMemoryPrefixIndex {
 }
 
 impl State {
-    fn blocks(&self, node: NodeId) -> Option<&SeqMap<TierSet>> {
-        let slot = *self.slots.get(&node)?;
-        Some(&self.nodes[slot as usize].blocks)
-    }
-
     /// The node's slot, given one if it has none.
     fn claim(&mut self, node: NodeId) -> u32 {
         if let Some(&slot) = self.slots.get(&node) {
@@ -293,6 +318,7 @@ impl State {
                 self.nodes.push(NodeBlocks {
                     node,
                     blocks: SeqMap::default(),
+                    held: 0,
                 });
                 let slot = u32::try_from(self.nodes.len() - 1).expect("fewer nodes than u32");
                 assert!(
@@ -310,7 +336,7 @@ impl State {
     /// A node that holds nothing gives its slot back (no holder names it any more).
     fn release_if_empty(&mut self, slot: u32) {
         let entry = &mut self.nodes[slot as usize];
-        if entry.blocks.is_empty() {
+        if entry.held == 0 {
             entry.blocks = SeqMap::default(); // free its table
             self.slots.remove(&entry.node);
             self.free.push(slot);
@@ -320,6 +346,9 @@ impl State {
     /// Sets one entry of a claimed slot (release it after, if it may be left empty); returns
     /// whether it changed.
     fn set(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) -> bool {
+        if !self.node_maps {
+            return self.set_held(slot, hash, |_| tiers);
+        }
         let blocks = &mut self.nodes[slot as usize].blocks;
         let old = if tiers.is_empty() {
             blocks.remove(&hash)
@@ -332,6 +361,9 @@ impl State {
     /// Applies one event of a claimed slot ([`Self::set`] with the tiers after it, one lookup
     /// of the node's own entry); returns whether it changed anything.
     fn apply(&mut self, slot: u32, event: TieredKvEvent) -> bool {
+        if !self.node_maps {
+            return self.set_held(slot, event.hash(), |old| old.after(event));
+        }
         let hash = event.hash();
         let (old, tiers) = match self.nodes[slot as usize].blocks.entry(hash) {
             Entry::Occupied(mut e) => {
@@ -353,6 +385,94 @@ impl State {
             }
         };
         self.update_holders(slot, hash, old, tiers)
+    }
+
+    /// Without node maps: the block's tiers on `slot` go from what its holders say to
+    /// `tiers(old)`, in one lookup; returns whether they changed.
+    fn set_held(
+        &mut self,
+        slot: u32,
+        hash: SequenceHash,
+        tiers: impl FnOnce(TierSet) -> TierSet,
+    ) -> bool {
+        match self.holders.entry(hash) {
+            Entry::Occupied(mut e) => {
+                let old = e.get().tiers_of(slot);
+                let new = tiers(old);
+                if new == old {
+                    return false;
+                }
+                if !new.is_empty() {
+                    if e.get_mut().put(Holder::new(slot, new)) {
+                        self.counted(slot, 1);
+                    }
+                    return true;
+                }
+                let (_, none_left) = e.get_mut().take(slot);
+                if none_left {
+                    e.remove();
+                }
+                self.counted(slot, -1);
+                true
+            }
+            Entry::Vacant(e) => {
+                let new = tiers(TierSet::default());
+                if new.is_empty() {
+                    return false;
+                }
+                e.insert(Holders::one(Holder::new(slot, new)));
+                self.counted(slot, 1);
+                true
+            }
+        }
+    }
+
+    /// `slot` holds `by` blocks more (or fewer).
+    fn counted(&mut self, slot: u32, by: isize) {
+        let held = &mut self.nodes[slot as usize].held;
+        *held = held
+            .checked_add_signed(by)
+            .expect("a node holds what it gives up");
+        self.entries = self.entries.checked_add_signed(by).expect("entries");
+    }
+
+    /// With node maps: the claimed `slot` holds exactly `new`, at the cost of its old and new
+    /// blocks; whether anything changed.
+    fn replace_mapped(&mut self, slot: u32, new: SeqMap<TierSet>) -> bool {
+        let old = std::mem::take(&mut self.nodes[slot as usize].blocks);
+        let mut changed = false;
+        for hash in old.keys() {
+            if !new.contains_key(hash) {
+                self.unhold(slot, *hash);
+                changed = true;
+            }
+        }
+        for (&hash, &tiers) in &new {
+            if old.get(&hash) != Some(&tiers) {
+                self.hold(slot, hash, tiers);
+                changed = true;
+            }
+        }
+        self.nodes[slot as usize].blocks = new;
+        changed
+    }
+
+    /// Without node maps: the claimed `slot` holds exactly `new`, scanning every block for
+    /// what it holds now; whether anything changed.
+    fn replace_scanning(&mut self, slot: u32, new: &SeqMap<TierSet>) -> bool {
+        let mut dropped = 0;
+        self.holders.retain(|hash, holders| {
+            if !new.contains_key(hash) && holders.take(slot).0 {
+                dropped += 1;
+            }
+            !holders.as_slice().is_empty()
+        });
+        self.counted(slot, -dropped);
+        let mut changed = dropped > 0;
+        for (&hash, &tiers) in new {
+            changed |= self.set_held(slot, hash, |_| tiers);
+        }
+        changed
     }
 
     /// The holders side of a node's block going from `old` to `tiers`; whether it changed.
@@ -380,11 +500,11 @@ impl State {
         match self.holders.entry(hash) {
             Entry::Vacant(e) => {
                 e.insert(Holders::one(holder));
-                self.entries += 1;
+                self.counted(slot, 1);
             }
             Entry::Occupied(mut e) => {
                 if e.get_mut().put(holder) {
-                    self.entries += 1;
+                    self.counted(slot, 1);
                 }
             }
         }
@@ -396,11 +516,11 @@ impl State {
             return;
         };
         let (removed, none_left) = e.get_mut().take(slot);
-        if removed {
-            self.entries -= 1;
-        }
         if none_left {
             e.remove();
+        }
+        if removed {
+            self.counted(slot, -1);
         }
     }
 }
@@ -615,6 +735,7 @@ mod tests {
     mod model {
         use super::*;
         use proptest::prelude::*;
+        use std::collections::HashMap;
 
         /// The obvious index: per node, its blocks; overlap walks every node.
         #[derive(Default)]
@@ -683,39 +804,56 @@ mod tests {
             ]
         }
 
+        fn tier_sets(entries: &[(u64, u8)]) -> impl Iterator<Item = (SequenceHash, TierSet)> + '_ {
+            entries
+                .iter()
+                .map(|&(h, t)| (SequenceHash(h), TierSet::from_bits(t).unwrap()))
+        }
+
         proptest! {
             #[test]
             fn overlap_matches_a_naive_model(
                 ops in proptest::collection::vec(op(), 1..40),
                 prompts in proptest::collection::vec(proptest::collection::vec(0..10u64, 0..8), 1..10),
             ) {
-                let index = InMemoryPrefixIndex::new();
+                // Both layouts, each checked against the model after every operation.
+                let indexes = [InMemoryPrefixIndex::new(), InMemoryPrefixIndex::without_node_maps()];
                 let mut model = Model::default();
                 for op in ops {
+                    for index in &indexes {
+                        match &op {
+                            Op::Apply(n, events) => index.apply(NodeId(*n), events),
+                            Op::Remove(n) => index.remove_node(NodeId(*n)),
+                            Op::Replace(n, entries) => {
+                                index.replace_node(NodeId(*n), tier_sets(entries))
+                            }
+                        }
+                    }
                     match op {
-                        Op::Apply(n, events) => {
-                            index.apply(NodeId(n), &events);
-                            model.apply(NodeId(n), &events);
-                        }
-                        Op::Remove(n) => {
-                            index.remove_node(NodeId(n));
-                            model.0.remove(&NodeId(n));
-                        }
+                        Op::Apply(n, events) => model.apply(NodeId(n), &events),
+                        Op::Remove(n) => drop(model.0.remove(&NodeId(n))),
                         Op::Replace(n, entries) => {
-                            let entries: Vec<(SequenceHash, TierSet)> = entries
-                                .into_iter()
-                                .map(|(h, t)| (SequenceHash(h), TierSet::from_bits(t).unwrap()))
+                            let blocks: HashMap<_, _> = tier_sets(&entries)
+                                .filter(|(_, t)| !t.is_empty())
                                 .collect();
-                            index.replace_node(NodeId(n), entries.iter().copied());
-                            let blocks: HashMap<_, _> =
-                                entries.into_iter().filter(|(_, t)| !t.is_empty()).collect();
                             model.0.insert(NodeId(n), blocks);
                         }
                     }
-                    prop_assert_eq!(index.len(), model.len());
-                    for prompt in &prompts {
-                        let hashes: Vec<SequenceHash> = prompt.iter().copied().map(SequenceHash).collect();
-                        prop_assert_eq!(index.overlap_tiered(&hashes), model.overlap(&hashes));
+                    for index in &indexes {
+                        prop_assert_eq!(index.len(), model.len());
+                        for n in 0..5 {
+                            let blocks = model.0.get(&NodeId(n)).map_or(0, HashMap::len);
+                            prop_assert_eq!(index.node_blocks(NodeId(n)), blocks);
+                            let mut held: Vec<_> = model.0.get(&NodeId(n))
+                                .map(|b| b.iter().map(|(&h, &t)| (h, t)).collect())
+                                .unwrap_or_default();
+                            held.sort_unstable_by_key(|&(h, _)| h);
+                            prop_assert_eq!(index.node_entries(NodeId(n)), held);
+                        }
+                        for prompt in &prompts {
+                            let hashes: Vec<SequenceHash> = prompt.iter().copied().map(SequenceHash).collect();
+                            prop_assert_eq!(index.overlap_tiered(&hashes), model.overlap(&hashes));
+                        }
                     }
                 }
             }
