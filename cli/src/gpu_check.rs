@@ -36,8 +36,8 @@ pub struct GpuCheckArgs {
     pub out: PathBuf,
     /// The checks to run (comma-separated): ops (every op against the CPU), models
     /// (whole-model agreement and throughput of --shapes), sampling (the engine drawing on
-    /// the device against the host), handoff (a prefill worker on --device handing KV over
-    /// QUIC to a CPU decode worker), golden (the real SmolLM2 golden prompts; needs --model).
+    /// the device against the host), handoff (a prefill node on --device handing KV over
+    /// QUIC to a CPU decode node), golden (the real SmolLM2 golden prompts; needs --model).
     #[arg(
         long,
         value_enum,

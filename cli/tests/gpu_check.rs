@@ -1,7 +1,7 @@
 //! `kvmesh gpu-check` on the CPU: the device run's hand-off check with both workers on the
-//! CPU, so its plumbing (a prefill worker pushing KV layer by layer over QUIC to a decode
-//! worker, greedy output and log-probabilities equal to a CPU-only run, a control with the
-//! KV zeroed in flight caught) is proven where there is no GPU; and the checks that need a
+//! CPU, so its plumbing (a prefill node pushing KV layer by layer over QUIC to a decode node,
+//! requests through their gRPC services, greedy output and log-probabilities equal to a
+//! CPU-only run, a control with the KV zeroed in flight caught) is proven where there is no GPU; and the checks that need a
 //! GPU refuse a CPU device instead of reporting a pass.
 
 use serde_json::Value;
@@ -19,7 +19,7 @@ fn gpu_check(args: &[&str], out: &std::path::Path) -> std::process::Output {
 }
 
 #[test]
-fn the_handoff_check_passes_with_both_workers_on_the_cpu() {
+fn the_handoff_check_passes_with_both_nodes_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("gpu_check.json");
     let run = gpu_check(&["--device", "cpu", "--checks", "handoff"], &out);

@@ -1,24 +1,27 @@
-//! The mesh's hand-off on one host: a prefill worker on `--device` computes each prompt and
-//! pushes its KV layer by layer over QUIC to a decode worker on the CPU, which decodes the
-//! rest. The workers, the push and the QUIC transport are the nodes' own (only the gRPC
-//! front doors are left out: requests go to the workers' handles). Greedy output must equal
-//! a CPU-only run of the same requests.
+//! The mesh's hand-off on one host: a prefill node on `--device` computes each prompt and
+//! pushes its KV layer by layer over QUIC to a decode node on the CPU, which decodes the
+//! rest. The nodes are the workers, gRPC services and QUIC transports `kvmesh prefill` and
+//! `kvmesh decode` run, in one process; requests enter at the decode node's `Generate`.
+//! Greedy output must equal a CPU-only run of the same requests.
 
 use anyhow::{bail, Context, Result};
+use kvmesh_common::grpc::{self, pb, PrefillNode};
 use kvmesh_common::{GenerateEvent, GenerateRequest, NodeId, RequestId, SamplingParams, TokenId};
-use kvmesh_decode::{DecodeConfig, DecodeWorker, EventReceiver};
+use kvmesh_decode::{DecodeConfig, DecodeService, DecodeWorker, PrefillDirectory};
 use kvmesh_engine::device::Device;
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::llm_engine::LlmEngine;
 use kvmesh_engine::Loaded;
-use kvmesh_prefill::{PrefillConfig, PrefillWorker};
+use kvmesh_prefill::{PrefillConfig, PrefillService, PrefillWorker};
 use kvmesh_transfer::{KvChunk, KvReceiver, QuicConfig, QuicTransport, Transport, TransportError};
+use kvmesh_worker::{DestinationAddresses, LearnPeer};
 use serde_json::{json, Value};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio_stream::wrappers::TcpListenerStream;
 
 const PREFILL_NODE: NodeId = NodeId(0x6c0);
 const DECODE_NODE: NodeId = NodeId(0x6c1);
@@ -180,25 +183,27 @@ struct MeshRun {
     seconds: f64,
 }
 
-/// Starts the two workers on their own QUIC endpoints and runs `requests` through them, all
-/// at once, the prefill worker's KV passing through `fault`.
+/// Starts the two nodes as `kvmesh prefill` and `kvmesh decode` run them, in this process:
+/// each worker behind its gRPC service, each on its own QUIC endpoint, the prefill node's
+/// KV passing through `fault`. Sends `requests` to the decode node's `Generate`, all at
+/// once, naming the prefill node; the decode node calls it over gRPC with its transfer
+/// address, which the prefill node learns and pushes the KV to over QUIC.
 fn run_mesh(
     loaded: &Loaded,
     prefill_device: Device,
     requests: &[GenerateRequest],
     fault: KvFault,
 ) -> Result<MeshRun> {
-    let prefill_quic = QuicTransport::start(QuicConfig {
+    let prefill_quic = Arc::new(QuicTransport::start(QuicConfig {
         listen: LOOPBACK,
         ..QuicConfig::default()
-    })?;
+    })?);
     let decode_quic = QuicTransport::start(QuicConfig {
         listen: LOOPBACK,
         ..QuicConfig::default()
     })?;
-    // What a prefill node learns from a decode node's request: where its KV goes.
-    prefill_quic.add_peer(DECODE_NODE, decode_quic.local_addr());
-    let sent = Arc::new(Counted::new(Arc::new(prefill_quic), fault));
+    let transfer_address = decode_quic.local_addr().to_string();
+    let sent = Arc::new(Counted::new(prefill_quic.clone(), fault));
     let prefill = PrefillWorker::spawn(
         PrefillConfig::new(PREFILL_NODE),
         engine(loaded, prefill_device)?,
@@ -216,17 +221,54 @@ fn run_mesh(
         Arc::new(decode_quic),
     )
     .context("starting the decode worker")?;
-    let started = Instant::now();
-    let streams: Vec<EventReceiver> = requests
-        .iter()
-        .map(|r| {
-            decode
-                .handle()
-                .generate(r.clone(), Some(prefill.handle().into()))
-        })
-        .collect::<Result<_, _>>()?;
-    let outputs: Vec<Vec<Token>> = streams.into_iter().map(collect).collect::<Result<_>>()?;
-    let seconds = started.elapsed().as_secs_f64();
+    let learn: LearnPeer = Arc::new(move |node, addr| prefill_quic.add_peer(node, addr));
+    let prefill_service = PrefillService::new(prefill.handle(), loaded.fingerprint, learn);
+    let directory = PrefillDirectory::new(
+        DestinationAddresses::receive_only(transfer_address),
+        None,
+        Duration::from_secs(5),
+    );
+    let decode_service = DecodeService::new(decode.handle(), Arc::new(directory));
+
+    let runtime = crate::node::runtime()?;
+    let (outputs, seconds) = runtime.block_on(async {
+        // Each node's gRPC address, a loopback port of its own.
+        let (prefill_listener, decode_listener) = (
+            tokio::net::TcpListener::bind(LOOPBACK).await?,
+            tokio::net::TcpListener::bind(LOOPBACK).await?,
+        );
+        let (prefill_addr, decode_addr) = (
+            prefill_listener.local_addr()?,
+            decode_listener.local_addr()?,
+        );
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(prefill_service.into_server())
+                .serve_with_incoming(TcpListenerStream::new(prefill_listener)),
+        );
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(decode_service.into_server())
+                .serve_with_incoming(TcpListenerStream::new(decode_listener)),
+        );
+        let client = pb::decode_client::DecodeClient::connect(format!("http://{decode_addr}"))
+            .await
+            .context("connecting to the decode node")?;
+        let target = PrefillNode {
+            node_id: PREFILL_NODE,
+            address: prefill_addr.to_string(),
+        };
+        let started = Instant::now();
+        let calls: Vec<_> = requests
+            .iter()
+            .map(|r| tokio::spawn(generate(client.clone(), r.clone(), target.clone())))
+            .collect();
+        let mut outputs = Vec::with_capacity(calls.len());
+        for call in calls {
+            outputs.push(call.await.context("a Generate call")??);
+        }
+        anyhow::Ok((outputs, started.elapsed().as_secs_f64()))
+    })?;
     let (chunks, bytes) = sent.totals();
     Ok(MeshRun {
         outputs,
@@ -234,6 +276,31 @@ fn run_mesh(
         bytes,
         seconds,
     })
+}
+
+/// Streams `request`'s tokens from the decode node, prefilled on `prefill`.
+async fn generate(
+    mut client: pb::decode_client::DecodeClient<tonic::transport::Channel>,
+    request: GenerateRequest,
+    prefill: PrefillNode,
+) -> Result<Vec<Token>> {
+    let call = grpc::generate_request_to_pb(&request, &prefill.into());
+    let mut stream = client.generate(call).await?.into_inner();
+    let mut tokens = Vec::new();
+    while let Some(event) = stream.message().await? {
+        let event = GenerateEvent::try_from(event)
+            .map_err(|e| anyhow::anyhow!("a malformed Generate event: {e:?}"))?;
+        match event {
+            GenerateEvent::Token(t) => tokens.push(Token {
+                id: t.token,
+                logprob: t.logprob,
+                top: t.top_logprobs,
+            }),
+            GenerateEvent::Finished { .. } => return Ok(tokens),
+            GenerateEvent::Error(e) => bail!("the decode node failed a request: {e}"),
+        }
+    }
+    bail!("the decode node ended a stream before it finished")
 }
 
 /// An engine over `loaded` on `device`, as the nodes build theirs (prompts prefill in chunks).
@@ -262,23 +329,6 @@ fn lone_cpu_run(loaded: &Loaded, request: &GenerateRequest) -> Result<Vec<Token>
         }
     }
     Ok(tokens)
-}
-
-/// A stream's tokens, to its end.
-fn collect(mut rx: EventReceiver) -> Result<Vec<Token>> {
-    let mut tokens = Vec::new();
-    loop {
-        match rx.blocking_recv() {
-            Some(GenerateEvent::Token(t)) => tokens.push(Token {
-                id: t.token,
-                logprob: t.logprob,
-                top: t.top_logprobs,
-            }),
-            Some(GenerateEvent::Finished { .. }) => return Ok(tokens),
-            Some(GenerateEvent::Error(e)) => bail!("the decode worker failed a request: {e}"),
-            None => bail!("the decode worker closed a stream before it finished"),
-        }
-    }
 }
 
 /// What happens to the KV on its way.
