@@ -6,9 +6,13 @@
 #                                    target/gpu/kernels with the kernels' PTX for sm_90 (NVRTC
 #                                    from scripts/setup.sh), so the GPU machine needs neither
 #                                    a toolchain nor NVRTC. Carry target/gpu (about 30 MiB).
-#   scripts/gpu_check.sh [OUT_DIR]   on the GPU machine: runs `kvmesh gpu-check` (ops against
-#                                    the CPU, whole-model agreement and throughput on random
-#                                    SmolLM2- and Llama-3-8B-shaped models) and writes
+#   scripts/gpu_check.sh [OUT_DIR [MODEL.gguf]]
+#                                    on the GPU machine: runs `kvmesh gpu-check` (ops against
+#                                    the CPU; whole-model agreement, with and without CUDA
+#                                    graphs, and throughput on random SmolLM2- and
+#                                    Llama-3-8B-shaped models; a GPU prefill worker handing KV
+#                                    over QUIC to a CPU decode worker; the SmolLM2 golden
+#                                    prompts when MODEL.gguf is given) and writes
 #                                    OUT_DIR/gpu_check.json (default: the current directory).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +27,16 @@ if [ "${1:-}" = "--build" ]; then
   rm -rf "$GPU_DIR/kernels"
   KVMESH_KERNEL_CACHE="$GPU_DIR/kernels" "$GPU_DIR/kvmesh" gpu-check --fill-cache compute_90
   du -sh "$GPU_DIR"
+  size_mib=$(du -sm "$GPU_DIR" | cut -f1)
+  if [ "$size_mib" -ge 64 ]; then
+    echo "gpu_check: $GPU_DIR is $size_mib MiB, over the 64 MiB a device run can carry" >&2
+    exit 1
+  fi
   exit 0
 fi
 
 out="${1:-.}"
+model="${2:-}"
 mkdir -p "$out"
 [ -x "$GPU_DIR/kvmesh" ] || { echo "gpu_check: no $GPU_DIR/kvmesh: run scripts/gpu_check.sh --build and carry $GPU_DIR" >&2; exit 1; }
 
@@ -42,4 +52,6 @@ LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export LD_LIBRARY_PATH
 export KVMESH_KERNEL_CACHE="$PWD/$GPU_DIR/kernels"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
-"$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json"
+model_args=()
+if [ -n "$model" ]; then model_args=(--model "$model"); fi
+"$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json" "${model_args[@]}"

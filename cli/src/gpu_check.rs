@@ -5,37 +5,56 @@
 //! forward pass with the CPU one, and measures decode and prefill throughput and KV pack /
 //! unpack bandwidth, writing one JSON. It exits non-zero when a check fails.
 
+mod golden;
+mod handoff;
 #[cfg(feature = "cuda")]
 mod ops;
+mod sampling;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 use kvmesh_common::BlockId;
 use kvmesh_engine::device::Device;
-use kvmesh_engine::llama_runner::LlamaRunner;
+use kvmesh_engine::llama_runner::{LlamaRunner, RunnerOptions};
 use kvmesh_engine::model_config::ModelConfig;
-use kvmesh_engine::random_model::{llama3_8b, random_model, smollm2_135m};
+use kvmesh_engine::random_model::{llama3_8b, random_loaded, random_model, smollm2_135m};
 use kvmesh_engine::runner::{KvSource, ModelRunner, SeqChunk, StepInput};
 use kvmesh_kernels::WeightFormat;
-use serde_json::{json, Value};
-use std::path::PathBuf;
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Args, Debug)]
 pub struct GpuCheckArgs {
-    /// The CUDA device to check.
+    /// The device to check. `cpu` runs only the hand-off and golden checks (on the CPU
+    /// against the CPU: the plumbing without a GPU).
     #[arg(long, default_value = "cuda:0")]
     pub device: Device,
     /// Where to write the results.
     #[arg(long, default_value = "gpu_check.json")]
     pub out: PathBuf,
+    /// The checks to run (comma-separated): ops (every op against the CPU), models
+    /// (whole-model agreement and throughput of --shapes), sampling (the engine drawing on
+    /// the device against the host), handoff (a prefill node on --device handing KV over
+    /// QUIC to a CPU decode node), golden (the real SmolLM2 golden prompts; needs --model).
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "ops,handoff,sampling,golden,models"
+    )]
+    pub checks: Vec<Check>,
     /// Shapes to run: smollm2, llama3-8b (comma-separated).
     #[arg(long, value_delimiter = ',', default_value = "smollm2,llama3-8b")]
     pub shapes: Vec<String>,
     /// Skip the throughput figures (agreement only).
     #[arg(long)]
     pub no_perf: bool,
+    /// A SmolLM2-135M GGUF: the golden prompts run on it, and the hand-off uses it instead of
+    /// the random-weight SmolLM2-shaped model.
+    #[arg(long, value_name = "PATH")]
+    pub model: Option<PathBuf>,
     /// Only compile every kernel for this virtual architecture (e.g. `compute_90`) into the
     /// kernel cache (`KVMESH_KERNEL_CACHE`) with NVRTC, and exit: no GPU needed. A machine
     /// given the filled cache needs no NVRTC.
@@ -43,43 +62,67 @@ pub struct GpuCheckArgs {
     pub fill_cache: Option<String>,
 }
 
+/// One part of the check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Check {
+    Ops,
+    Models,
+    Sampling,
+    Handoff,
+    Golden,
+}
+
 /// KV block size, as the mesh's default.
 const BLOCK: usize = 16;
 /// HBM bandwidth of an H200, for the decode roofline.
 const HBM_BYTES_PER_S: f64 = 4.8e12;
+/// The hand-off's prompts (random tokens) and tokens decoded for each.
+const HANDOFF_PROMPT_LENS: [usize; 4] = [40, 100, 200, 333];
+const HANDOFF_MAX_TOKENS: u32 = 16;
 
 pub fn run(args: &GpuCheckArgs) -> Result<()> {
     if let Some(arch) = &args.fill_cache {
         return fill_cache(arch);
     }
-    let Device::Cuda(ordinal) = args.device else {
-        bail!("gpu-check needs a CUDA device (--device cuda:N)");
+    let cuda = match args.device {
+        Device::Cuda(ordinal) => Some(ordinal),
+        Device::Cpu => None,
     };
-    let mut report = serde_json::Map::new();
+    if cuda.is_none() {
+        if let Some(c) = args
+            .checks
+            .iter()
+            .find(|c| matches!(c, Check::Ops | Check::Models | Check::Sampling))
+        {
+            bail!("gpu-check {c:?} needs a CUDA device (--device cuda:N)");
+        }
+    }
+    let mut report = Map::new();
     let mut failures = Vec::<String>::new();
     report.insert("device".into(), json!(args.device.to_string()));
-    report.insert("ops".into(), ops_report(ordinal, &mut failures)?);
-    let mut shapes = serde_json::Map::new();
-    for name in &args.shapes {
-        let config = match name.as_str() {
-            "smollm2" => smollm2_135m(),
-            "llama3-8b" => llama3_8b(),
-            other => bail!("unknown shape {other:?} (smollm2, llama3-8b)"),
+    for &check in &args.checks {
+        let key = format!("{check:?}").to_lowercase();
+        let result = match (check, cuda) {
+            (Check::Ops, Some(ordinal)) => ops_report(ordinal, &mut failures),
+            (Check::Models, Some(_)) => models(args, &mut report, &mut failures),
+            (Check::Sampling, Some(_)) => engine_model(args, "sampling")
+                .and_then(|loaded| sampling::check(&loaded, args.device, &mut failures)),
+            (Check::Ops | Check::Models | Check::Sampling, None) => {
+                unreachable!("refused above")
+            }
+            (Check::Handoff, _) => handoff(args, &mut failures),
+            (Check::Golden, _) => golden_report(args, &mut failures),
         };
-        eprintln!("gpu-check: {name}: building the random-weight model");
-        let model = Arc::new(random_model(config, WeightFormat::Q4_1, 42));
-        let mut entry = serde_json::Map::new();
-        entry.insert(
-            "agreement".into(),
-            agreement(&model, args.device, name, &mut failures)?,
-        );
-        if !args.no_perf {
-            entry.insert("throughput".into(), throughput(&model, args.device)?);
-        }
-        shapes.insert(name.clone(), Value::Object(entry));
-        write(&args.out, &report, &shapes, &failures)?;
+        // A check that cannot finish is a failure with its reason; the others still run
+        // (a device run is short and rare).
+        let value = result.unwrap_or_else(|e| {
+            failures.push(format!("{key}: {e:#}"));
+            json!({"error": format!("{e:#}")})
+        });
+        report.insert(key, value);
+        write(&args.out, &report, &failures)?;
     }
-    write(&args.out, &report, &shapes, &failures)?;
+    write(&args.out, &report, &failures)?;
     if !failures.is_empty() {
         bail!(
             "{} check(s) failed: {}",
@@ -90,14 +133,91 @@ pub fn run(args: &GpuCheckArgs) -> Result<()> {
     Ok(())
 }
 
-fn write(
-    out: &PathBuf,
-    report: &serde_json::Map<String, Value>,
-    shapes: &serde_json::Map<String, Value>,
-    failures: &[String],
-) -> Result<()> {
+/// Whole-model agreement (CUDA graphs off and on) and throughput, per shape; the report is
+/// written after each shape.
+fn models(
+    args: &GpuCheckArgs,
+    report: &mut Map<String, Value>,
+    failures: &mut Vec<String>,
+) -> Result<Value> {
+    let mut shapes = Map::new();
+    for name in &args.shapes {
+        let config = match name.as_str() {
+            "smollm2" => smollm2_135m(),
+            "llama3-8b" => llama3_8b(),
+            other => bail!("unknown shape {other:?} (smollm2, llama3-8b)"),
+        };
+        eprintln!("gpu-check: {name}: building the random-weight model");
+        let model = Arc::new(random_model(config, WeightFormat::Q4_1, 42));
+        let mut entry = Map::new();
+        entry.insert(
+            "agreement".into(),
+            agreement(&model, args.device, name, failures)?,
+        );
+        if !args.no_perf {
+            entry.insert("throughput".into(), throughput(&model, args.device)?);
+        }
+        shapes.insert(name.clone(), Value::Object(entry));
+        report.insert("models".into(), Value::Object(shapes.clone()));
+        write(&args.out, report, failures)?;
+    }
+    Ok(Value::Object(shapes))
+}
+
+/// `--model`, or the random-weight SmolLM2-shaped model, for a check that runs engines.
+fn engine_model(args: &GpuCheckArgs, check: &str) -> Result<kvmesh_engine::Loaded> {
+    match &args.model {
+        Some(path) => load(path),
+        None => {
+            eprintln!("gpu-check: {check}: building the random-weight SmolLM2-shaped model");
+            Ok(random_loaded(smollm2_135m(), WeightFormat::Q4_1, 42))
+        }
+    }
+}
+
+/// The hand-off on [`engine_model`].
+fn handoff(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
+    let loaded = engine_model(args, "handoff")?;
+    let vocab = loaded.model.config.vocab_size as u64;
+    let prompts: Vec<Vec<u32>> = HANDOFF_PROMPT_LENS
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| random_tokens(0x4a4d + i as u64, len, vocab))
+        .collect();
+    let requests = handoff::requests(&prompts, HANDOFF_MAX_TOKENS);
+    eprintln!(
+        "gpu-check: handoff: {} prefill -> cpu decode over QUIC",
+        args.device
+    );
+    handoff::check(&loaded, args.device, &requests, failures)
+}
+
+fn golden_report(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
+    match &args.model {
+        Some(path) => golden::check(&load(path)?, args.device, failures),
+        None => Ok(json!({"ran": false, "reason": "no --model given"})),
+    }
+}
+
+fn load(path: &Path) -> Result<kvmesh_engine::Loaded> {
+    kvmesh_engine::load(path).with_context(|| format!("loading {}", path.display()))
+}
+
+/// `len` token ids below `vocab`, the same for the same seed.
+fn random_tokens(seed: u64, len: usize, vocab: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab) as u32
+        })
+        .collect()
+}
+
+fn write(out: &PathBuf, report: &Map<String, Value>, failures: &[String]) -> Result<()> {
     let mut r = report.clone();
-    r.insert("models".into(), Value::Object(shapes.clone()));
     r.insert("failures".into(), json!(failures));
     std::fs::write(out, serde_json::to_string_pretty(&r)? + "\n")
         .with_context(|| format!("writing {}", out.display()))
@@ -141,8 +261,9 @@ fn argmax(l: &[f32]) -> usize {
     kvmesh_engine::sampler::argmax(l) as usize
 }
 
-/// Prefill of a random prompt, then greedy decode steps fed the CPU's tokens, on both
-/// backends; per position: top-1 equal, and the logits' largest error.
+/// Prefill of a random prompt, then greedy decode steps fed the CPU's tokens, on the CPU and
+/// on the device eagerly and with CUDA graphs, in lockstep (the CPU reference is computed
+/// once); per position and device run: top-1 equal, and the logits' largest error.
 fn agreement(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
@@ -153,34 +274,27 @@ fn agreement(
     const STEPS: usize = 63;
     let blocks = (PROMPT + STEPS).div_ceil(BLOCK);
     let mut cpu = LlamaRunner::on_device(Device::Cpu, model.clone(), blocks, BLOCK)?;
-    let mut gpu = LlamaRunner::on_device(device, model.clone(), blocks, BLOCK)?;
-    let vocab = model.config.vocab_size as u64;
-    let mut seed = 0x5eed_u64;
-    let prompt: Vec<u32> = (0..PROMPT)
-        .map(|_| {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((seed >> 33) % vocab) as u32
-        })
-        .collect();
-    let (mut agree, mut worst_abs, mut worst_rel) = (0usize, 0f32, 0f32);
+    let mut runs = Vec::new();
+    for (key, cuda_graphs) in [("eager", false), ("cuda_graphs", true)] {
+        let options = RunnerOptions {
+            cuda_graphs,
+            ..RunnerOptions::default()
+        };
+        let runner = LlamaRunner::with_options(device, options, model.clone(), blocks, BLOCK)?;
+        runs.push((key, runner, Tally::default()));
+    }
+    let prompt = random_tokens(0x5eed, PROMPT, model.config.vocab_size as u64);
     let mut step = chunk(1, prompt, 0, 0, blocks);
-    for i in 0..=STEPS {
+    for _ in 0..=STEPS {
         let input = StepInput {
             chunks: vec![step.clone()],
         };
         let c = cpu.execute(&input)?.logits.remove(0).1;
-        let g = gpu.execute(&input)?.logits.remove(0).1;
-        let scale = c.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
-        let err = c
-            .iter()
-            .zip(&g)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        worst_abs = worst_abs.max(err);
-        worst_rel = worst_rel.max(err / scale);
         let next = argmax(&c);
-        agree += usize::from(next == argmax(&g));
+        for (_, runner, tally) in &mut runs {
+            let g = runner.execute(&input)?.logits.remove(0).1;
+            tally.add(&c, &g, next);
+        }
         step = chunk(
             1,
             vec![next as u32],
@@ -188,28 +302,59 @@ fn agreement(
             0,
             blocks,
         );
-        if i == STEPS {
-            break;
+    }
+    let mut out = Map::new();
+    for (key, _, tally) in runs {
+        out.insert(
+            key.into(),
+            tally.report(&format!("{name} ({key})"), failures),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+/// One device run's agreement with the CPU, position by position.
+#[derive(Default)]
+struct Tally {
+    positions: usize,
+    agree: usize,
+    worst_abs: f32,
+    worst_rel: f32,
+}
+
+impl Tally {
+    fn add(&mut self, cpu: &[f32], dev: &[f32], cpu_top1: usize) {
+        let scale = cpu.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-6);
+        let err = cpu
+            .iter()
+            .zip(dev)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        self.worst_abs = self.worst_abs.max(err);
+        self.worst_rel = self.worst_rel.max(err / scale);
+        self.agree += usize::from(cpu_top1 == argmax(dev));
+        self.positions += 1;
+    }
+
+    fn report(&self, name: &str, failures: &mut Vec<String>) -> Value {
+        let top1 = self.agree as f64 / self.positions.max(1) as f64;
+        let (worst_abs, worst_rel) = (self.worst_abs, self.worst_rel);
+        // Bounds: top-1 on 95% of positions (the issue's), logits within 5% of their largest
+        // magnitude (bf16 GEMMs and f32 GEMVs against the CPU's int8-activation matmuls).
+        let pass = top1 >= 0.95 && worst_rel <= 0.05;
+        if !pass {
+            failures.push(format!(
+                "{name}: top-1 {top1:.3}, logit error {worst_abs} ({worst_rel:.4} of max)"
+            ));
         }
+        json!({
+            "positions": self.positions,
+            "top1_agreement": top1,
+            "max_abs_logit_error": worst_abs,
+            "max_rel_logit_error": worst_rel,
+            "bounds": {"top1_agreement_min": 0.95, "max_rel_logit_error": 0.05},
+            "pass": pass,
+        })
     }
-    let positions = STEPS + 1;
-    let top1 = agree as f64 / positions as f64;
-    // Bounds: top-1 on 95% of positions (the issue's), logits within 5% of their largest
-    // magnitude (bf16 GEMMs and f32 GEMVs against the CPU's int8-activation matmuls).
-    let pass = top1 >= 0.95 && worst_rel <= 0.05;
-    if !pass {
-        failures.push(format!(
-            "{name}: top-1 {top1:.3}, logit error {worst_abs} ({worst_rel:.4} of max)"
-        ));
-    }
-    Ok(json!({
-        "positions": positions,
-        "top1_agreement": top1,
-        "max_abs_logit_error": worst_abs,
-        "max_rel_logit_error": worst_rel,
-        "bounds": {"top1_agreement_min": 0.95, "max_rel_logit_error": 0.05},
-        "pass": pass,
-    }))
 }
 
 /// Bytes of every weight matrix as stored (what a batch-1 decode step streams).
@@ -235,16 +380,17 @@ fn time_step(r: &mut LlamaRunner, input: &StepInput) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Decode tok/s at batch 1, 32 and 128 (context 512), prefill tok/s at 512, 2048 and 8192
-/// tokens, KV pack/unpack GB/s.
-fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> Result<Value> {
+/// Decode tok/s at batch 1, 32 and 128 (context 512) with `options`.
+fn decode_tok_s(
+    model: &Arc<kvmesh_engine::model::LlamaModel>,
+    device: Device,
+    options: RunnerOptions,
+) -> Result<Map<String, Value>> {
     const CTX: usize = 512;
     const STEPS: usize = 16;
     let per_seq = (CTX + STEPS).div_ceil(BLOCK);
-    let blocks = (128 * per_seq).max(8192 / BLOCK);
-    let mut r = LlamaRunner::on_device(device, model.clone(), blocks, BLOCK)?;
-    let c = &model.config;
-    let mut decode = serde_json::Map::new();
+    let mut r = LlamaRunner::with_options(device, options, model.clone(), 128 * per_seq, BLOCK)?;
+    let mut decode = Map::new();
     for batch in [1usize, 32, 128] {
         // Fill each sequence's context (KV values do not matter for timing).
         for s in 0..batch {
@@ -268,21 +414,40 @@ fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> 
             };
             let t = time_step(&mut r, &input)?;
             if step > 0 {
-                secs += t; // the first step warms up
+                secs += t; // the first step warms up (and captures a graph)
             }
         }
         let tok_s = (batch * (STEPS - 1)) as f64 / secs;
         decode.insert(format!("batch_{batch}_tok_s"), json!(tok_s));
     }
+    Ok(decode)
+}
+
+/// Decode tok/s at batch 1, 32 and 128 (context 512), prefill tok/s at 512, 2048 and 8192
+/// tokens, KV pack/unpack GB/s.
+fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> Result<Value> {
+    let c = &model.config;
     let wb = weight_bytes(c);
     let roofline = HBM_BYTES_PER_S / wb;
-    let b1 = decode
-        .get("batch_1_tok_s")
-        .and_then(Value::as_f64)
-        .unwrap_or(0.0);
+    let mut decode = Map::new();
+    for graphs in [false, true] {
+        let options = RunnerOptions {
+            cuda_graphs: graphs,
+            ..RunnerOptions::default()
+        };
+        let mut d = decode_tok_s(model, device, options)?;
+        let b1 = d
+            .get("batch_1_tok_s")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0);
+        d.insert("batch_1_fraction_of_roofline".into(), json!(b1 / roofline));
+        let key = if graphs { "cuda_graphs" } else { "eager" };
+        decode.insert(key.into(), Value::Object(d));
+    }
     decode.insert("weight_bytes".into(), json!(wb));
     decode.insert("batch_1_roofline_tok_s".into(), json!(roofline));
-    decode.insert("batch_1_fraction_of_roofline".into(), json!(b1 / roofline));
+    let blocks = (8192 / BLOCK).max(256);
+    let mut r = LlamaRunner::on_device(device, model.clone(), blocks, BLOCK)?;
     let mut prefill = serde_json::Map::new();
     for len in [512usize, 2048, 8192] {
         let n = len.div_ceil(BLOCK);
@@ -293,6 +458,32 @@ fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> 
         let secs = time_step(&mut r, &input)?;
         prefill.insert(format!("tokens_{len}_tok_s"), json!(len as f64 / secs));
     }
+    // A prefill node's step: each layer's KV read out for the transport as the layer is
+    // written (packed on the copy stream while the next layers compute).
+    let len = 2048;
+    let n = len / BLOCK;
+    let input = StepInput {
+        chunks: vec![chunk(0, vec![3; len], 0, 0, n)],
+    };
+    let ids: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
+    let (mut pushed, mut push_error) = (0usize, None);
+    let t = Instant::now();
+    r.execute_observed(&input, &mut |layer, kv| {
+        let mut out = Vec::new();
+        match kv.read_kv_blocks(layer, &ids, &mut out) {
+            Ok(()) => pushed += out.len(),
+            Err(e) => push_error = Some(e),
+        }
+    })?;
+    let secs = t.elapsed().as_secs_f64();
+    if let Some(e) = push_error {
+        bail!("reading KV during a prefill step: {e}");
+    }
+    prefill.insert(
+        format!("tokens_{len}_with_per_layer_kv_read_tok_s"),
+        json!(len as f64 / secs),
+    );
+    prefill.insert("per_layer_kv_read_bytes".into(), json!(pushed));
     // KV: 256 blocks of every layer packed to the transfer layout and back.
     let ids: Vec<BlockId> = (0..256).map(BlockId).collect();
     let mut payload = Vec::new();

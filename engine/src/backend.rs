@@ -6,23 +6,31 @@
 
 use crate::device::Device;
 use crate::kv_blocks;
+use crate::llama_runner::RunnerOptions;
 use crate::model::{Forward, KvCache, LlamaModel};
-use crate::runner::{KvShape, KvSource, RunnerError, SeqChunk};
-use kvmesh_common::BlockId;
+use crate::runner::{DeviceDraw, KvShape, KvSource, RunnerError, SeqChunk};
+use kvmesh_common::{BlockId, TokenId};
 use std::ops::Range;
 use std::sync::Arc;
 
 /// Runs forward passes of one model over KV storage it owns. Chunks arrive validated (block
 /// tables cover them, tokens and block ids in range) and non-empty.
 pub trait Backend: KvSource + Send {
-    /// Computes `chunks`, writing their KV, and returns the logits of the last token of every
-    /// chunk with `want_logits`, in order. `on_layer(l, kv)` runs as soon as layer `l`'s KV of
-    /// this step is written.
+    /// Computes `chunks`, writing their KV, and returns for every chunk with `want_logits`,
+    /// in order, the logits of its last token, or the token drawn for it when `draws` names
+    /// its sequence and the backend draws on its device. `on_layer(l, kv)` runs once layer
+    /// `l`'s KV of this step is written.
     fn run(
         &mut self,
         chunks: &[SeqChunk],
+        draws: &[DeviceDraw],
         on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
-    ) -> Result<Vec<Vec<f32>>, RunnerError>;
+    ) -> Result<Vec<RowOut>, RunnerError>;
+
+    /// Whether `run` makes the `draws` it is given.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
 
     /// Writes KV computed elsewhere (`layers` × `blocks` in the transfer layout).
     fn write_kv_blocks(
@@ -31,6 +39,13 @@ pub trait Backend: KvSource + Send {
         blocks: &[BlockId],
         payload: &[u8],
     ) -> Result<(), RunnerError>;
+}
+
+/// What a chunk that asked for logits gets from a step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowOut {
+    Logits(Vec<f32>),
+    Drawn(TokenId),
 }
 
 /// Why a backend could not be built for a device.
@@ -48,26 +63,27 @@ pub enum BackendError {
 /// with the reason (no CUDA support built in, no driver, no such device).
 pub fn open(
     device: Device,
+    options: RunnerOptions,
     model: Arc<LlamaModel>,
     shape: KvShape,
 ) -> Result<Box<dyn Backend>, BackendError> {
     match device {
         Device::Cpu => Ok(Box::new(CpuBackend::new(model, shape))),
-        Device::Cuda(ordinal) => {
-            open_cuda(ordinal, model, shape).map_err(|reason| BackendError::Cuda { device, reason })
-        }
+        Device::Cuda(ordinal) => open_cuda(ordinal, options, model, shape)
+            .map_err(|reason| BackendError::Cuda { device, reason }),
     }
 }
 
 #[cfg(feature = "cuda")]
 fn open_cuda(
     ordinal: usize,
+    options: RunnerOptions,
     model: Arc<LlamaModel>,
     shape: KvShape,
 ) -> Result<Box<dyn Backend>, kvmesh_kernels::cuda::CudaError> {
     let dev = kvmesh_kernels::cuda::CudaDevice::open(ordinal)?;
     Ok(Box::new(crate::cuda_backend::CudaBackend::new(
-        dev, model, shape,
+        dev, options, model, shape,
     )?))
 }
 
@@ -75,6 +91,7 @@ fn open_cuda(
 #[cfg(not(feature = "cuda"))]
 fn open_cuda(
     ordinal: usize,
+    _options: RunnerOptions,
     _model: Arc<LlamaModel>,
     _shape: KvShape,
 ) -> Result<Box<dyn Backend>, kvmesh_kernels::cuda::CudaError> {
@@ -117,17 +134,20 @@ impl KvSource for CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    /// Draws nothing: the host samples every row.
     fn run(
         &mut self,
         chunks: &[SeqChunk],
+        _draws: &[DeviceDraw],
         on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
-    ) -> Result<Vec<Vec<f32>>, RunnerError> {
+    ) -> Result<Vec<RowOut>, RunnerError> {
         let (forward, model, kv) = (&mut self.forward, &self.model, &mut self.kv);
-        self.pool.install(|| {
+        let logits = self.pool.install(|| {
             forward.run(model, kv, chunks, &mut |layer, kv: &KvCache| {
                 on_layer(layer, kv)
             })
-        })
+        })?;
+        Ok(logits.into_iter().map(RowOut::Logits).collect())
     }
 
     fn write_kv_blocks(

@@ -2,7 +2,7 @@
 
 use crate::backend::BackendError;
 use crate::device::Device;
-use crate::llama_runner::LlamaRunner;
+use crate::llama_runner::{LlamaRunner, RunnerOptions};
 use crate::llm_engine::LlmEngine;
 use crate::scheduler::{SchedulerConfig, SchedulerError};
 use crate::Loaded;
@@ -57,6 +57,13 @@ pub struct EngineConfig {
     /// Where the forward pass runs: `cpu`, or `cuda[:N]` (a build with the `cuda` feature
     /// and a CUDA device; otherwise the engine does not start, and says why).
     pub device: Device,
+    /// On CUDA: replay decode steps as CUDA graphs, captured once per batch-size bucket
+    /// (fewer launches per step). Off until a device run has measured it.
+    pub cuda_graphs: bool,
+    /// On CUDA: greedy and temperature / top-k / top-p draws without penalties, biases,
+    /// min-p, log-probabilities or a format are made on the device (a token comes back, not
+    /// a row of logits); the rest stay on the host. Off until a device run has checked it.
+    pub device_sampling: bool,
 }
 
 /// Why an engine could not be built.
@@ -83,6 +90,8 @@ impl Default for EngineConfig {
             disk_tier_dir: None,
             grammar_fast_forward: true,
             device: Device::Cpu,
+            cuda_graphs: false,
+            device_sampling: false,
         }
     }
 }
@@ -114,8 +123,13 @@ impl EngineConfig {
     ) -> Result<LlmEngine<LlamaRunner>, EngineBuildError> {
         let config = self.scheduler_config(loaded.fingerprint, loaded.model.config.max_context);
         config.validate()?;
-        let runner = LlamaRunner::on_device(
+        let options = RunnerOptions {
+            cuda_graphs: self.cuda_graphs,
+            device_sampling: self.device_sampling,
+        };
+        let runner = LlamaRunner::with_options(
             self.device,
+            options,
             loaded.model.clone(),
             self.num_blocks,
             self.block_size,

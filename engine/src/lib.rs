@@ -7,6 +7,7 @@ pub mod backend;
 pub mod block_pool;
 #[cfg(feature = "cuda")]
 mod cuda_backend;
+pub mod cuda_plan;
 pub mod device;
 pub mod engine_config;
 pub mod gguf;

@@ -1,13 +1,26 @@
 //! The real `ModelRunner`: the Llama forward pass over this runner's own paged KV cache, on
 //! the backend of its device (see `backend`).
 
-use crate::backend::{self, Backend, BackendError};
+use crate::backend::{self, Backend, BackendError, RowOut};
 use crate::device::Device;
 use crate::model::LlamaModel;
-use crate::runner::{KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput};
+use crate::runner::{
+    DeviceDraw, KvShape, KvSource, ModelRunner, RunnerError, StepInput, StepOutput,
+};
 use kvmesh_common::BlockId;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// How a runner computes, beyond its device. Ignored on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RunnerOptions {
+    /// Replay decode steps as CUDA graphs, captured once per batch-size bucket (see
+    /// `cuda_plan::graph_buckets`).
+    pub cuda_graphs: bool,
+    /// Draw the tokens the engine lets the device draw (`sampler::device_draw`) there,
+    /// copying back a token instead of a row of logits.
+    pub device_sampling: bool,
+}
 
 pub struct LlamaRunner {
     model: Arc<LlamaModel>,
@@ -30,6 +43,23 @@ impl LlamaRunner {
         num_blocks: usize,
         block_size: usize,
     ) -> Result<Self, BackendError> {
+        Self::with_options(
+            device,
+            RunnerOptions::default(),
+            model,
+            num_blocks,
+            block_size,
+        )
+    }
+
+    /// [`on_device`](Self::on_device) with `options`.
+    pub fn with_options(
+        device: Device,
+        options: RunnerOptions,
+        model: Arc<LlamaModel>,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<Self, BackendError> {
         let c = &model.config;
         let shape = KvShape {
             num_layers: c.num_layers,
@@ -39,7 +69,7 @@ impl LlamaRunner {
             num_blocks,
         };
         Ok(LlamaRunner {
-            backend: backend::open(device, model.clone(), shape)?,
+            backend: backend::open(device, options, model.clone(), shape)?,
             model,
             shape,
         })
@@ -113,6 +143,19 @@ impl ModelRunner for LlamaRunner {
         input: &StepInput,
         on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
     ) -> Result<StepOutput, RunnerError> {
+        self.execute_drawing(input, &[], on_layer)
+    }
+
+    fn draws_on_device(&self) -> bool {
+        self.backend.draws_on_device()
+    }
+
+    fn execute_drawing(
+        &mut self,
+        input: &StepInput,
+        draws: &[DeviceDraw],
+        on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
+    ) -> Result<StepOutput, RunnerError> {
         self.validate(input)?;
         let chunks: Vec<_> = input
             .chunks
@@ -120,11 +163,16 @@ impl ModelRunner for LlamaRunner {
             .filter(|c| !c.tokens.is_empty())
             .cloned()
             .collect();
-        let logits = self.backend.run(&chunks, on_layer)?;
+        let rows = self.backend.run(&chunks, draws, on_layer)?;
         let ids = chunks.iter().filter(|c| c.want_logits).map(|c| c.seq_id);
-        Ok(StepOutput {
-            logits: ids.zip(logits).collect(),
-        })
+        let mut out = StepOutput::default();
+        for (seq_id, row) in ids.zip(rows) {
+            match row {
+                RowOut::Logits(l) => out.logits.push((seq_id, l)),
+                RowOut::Drawn(t) => out.drawn.push((seq_id, t)),
+            }
+        }
+        Ok(out)
     }
 
     fn write_kv_blocks(

@@ -18,7 +18,8 @@
 //!   worker keeps the transfer's clock). See the scheduler's module docs.
 
 use crate::block_pool::Held;
-use crate::runner::{KvSource, ModelRunner, RunnerError, SeqId, StepInput};
+use crate::runner::{DeviceDraw, KvSource, ModelRunner, RunnerError, SeqId, StepInput};
+use crate::sampler::device_draw::device_draw;
 use crate::sampler::{Sampled, Sampler};
 use crate::scheduler::{
     Admission, Import, RemoteAdmission, Scheduler, SchedulerConfig, SchedulerError, StepShape,
@@ -773,18 +774,25 @@ impl<R: ModelRunner> LlmEngine<R> {
             })
             .map(|c| c.seq_id)
             .collect();
+        // The draws the runner's device makes itself, when it can: the rest come back as
+        // logits for the host's sampler.
+        let draws = if self.runner.draws_on_device() {
+            device_draws(&mut self.seqs, &self.scheduler, step)
+        } else {
+            Vec::new()
+        };
         let mut masks = Masks::new();
         let result = if self.mask_overlap && !drawing.is_empty() {
             let (runner, seqs) = (&mut self.runner, &mut self.seqs);
             // The model on this thread, the masks on the rayon pool.
             rayon::in_place_scope(|scope| {
                 scope.spawn(|_| masks = compute_masks(seqs, &drawing));
-                runner.execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv))
+                runner.execute_drawing(step, &draws, &mut |layer, kv| on_layer(layer, step, kv))
             })
         } else {
             let result = self
                 .runner
-                .execute_observed(step, &mut |layer, kv| on_layer(layer, step, kv));
+                .execute_drawing(step, &draws, &mut |layer, kv| on_layer(layer, step, kv));
             if result.is_ok() {
                 masks = compute_masks(&mut self.seqs, &drawing);
             }
@@ -800,20 +808,47 @@ impl<R: ModelRunner> LlmEngine<R> {
 
         let mut logits_by_seq = result.logits;
         apply_masks(&mut logits_by_seq, masks, self.tokenizer.eos_token_id());
-        let mut sampled = Vec::with_capacity(logits_by_seq.len());
-        let mut runs = Vec::with_capacity(logits_by_seq.len());
-        for (seq_id, mut logits) in logits_by_seq {
+        let rows = logits_by_seq.len() + result.drawn.len();
+        let picks = logits_by_seq
+            .into_iter()
+            .map(|(seq_id, logits)| (seq_id, Pick::Logits(logits)))
+            .chain(
+                result
+                    .drawn
+                    .into_iter()
+                    .map(|(seq_id, token)| (seq_id, Pick::Drawn(token))),
+            );
+        let mut sampled = Vec::with_capacity(rows);
+        let mut runs = Vec::with_capacity(rows);
+        for (seq_id, pick) in picks {
             let (Some(state), Some(tokens)) = (
                 self.seqs.get_mut(&seq_id),
                 self.scheduler.sequence_tokens(seq_id),
             ) else {
                 continue;
             };
-            // For a constrained sequence, the best the format allows (masked above).
-            let top_logits = top_n(&logits, state.top_logits);
-            let s = state
-                .sampler
-                .sample(&state.params, &mut logits, tokens.prompt, tokens.output);
+            let (top_logits, s) = match pick {
+                Pick::Logits(mut logits) => {
+                    // For a constrained sequence, the best the format allows (masked above).
+                    let top_logits = top_n(&logits, state.top_logits);
+                    let s = state.sampler.sample(
+                        &state.params,
+                        &mut logits,
+                        tokens.prompt,
+                        tokens.output,
+                    );
+                    (top_logits, s)
+                }
+                // Drawn on the device: only sequences that want no top logits or logprobs.
+                Pick::Drawn(token) => (
+                    Vec::new(),
+                    Sampled {
+                        token,
+                        logprob: None,
+                        top_logprobs: Vec::new(),
+                    },
+                ),
+            };
             sampled.push((seq_id, s.token));
             let mut run = Run::new(seq_id);
             let undelivered = std::mem::take(&mut state.undelivered);
@@ -933,6 +968,41 @@ impl<R: ModelRunner> LlmEngine<R> {
         }
         outputs
     }
+}
+
+/// A sequence's share of a step's output: logits for the host's sampler, or a token the
+/// runner drew.
+enum Pick {
+    Logits(Vec<f32>),
+    Drawn(TokenId),
+}
+
+/// The draws of `step` a device may make (see `sampler::device_draw`), each taking its
+/// number from its sequence's random stream.
+fn device_draws(
+    seqs: &mut HashMap<SeqId, SeqState>,
+    scheduler: &Scheduler,
+    step: &StepInput,
+) -> Vec<DeviceDraw> {
+    let mut draws = Vec::new();
+    for c in step.chunks.iter().filter(|c| c.want_logits) {
+        let (Some(state), Some(tokens)) =
+            (seqs.get_mut(&c.seq_id), scheduler.sequence_tokens(c.seq_id))
+        else {
+            continue;
+        };
+        if state.grammar.is_some() {
+            continue;
+        }
+        if let Some(params) = device_draw(&state.params, tokens.output.len(), state.top_logits) {
+            draws.push(DeviceDraw {
+                seq_id: c.seq_id,
+                params,
+                uniform: state.sampler.uniform(),
+            });
+        }
+    }
+    draws
 }
 
 /// The `n` largest logits, best first.

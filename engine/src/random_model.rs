@@ -5,8 +5,12 @@
 
 use crate::model::{Layer, LlamaModel};
 use crate::model_config::{ModelConfig, RopeStyle};
+use crate::Loaded;
 use half::f16;
+use kvmesh_common::ModelFingerprint;
 use kvmesh_kernels::{QMatrix, WeightFormat};
+use kvmesh_prompt::tokenizer::Tokenizer;
+use std::sync::Arc;
 
 /// SmolLM2-135M's shape (GGUF: interleaved RoPE, tied embeddings).
 pub fn smollm2_135m() -> ModelConfig {
@@ -127,18 +131,36 @@ fn matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize, std: f3
     QMatrix::new(format, rows, cols, data).unwrap_or_else(|e| panic!("random model: {e}"))
 }
 
+/// How much larger q and k are than unit-norm rows make them: attention scores with a
+/// standard deviation of 4 rather than 1, so each query attends to a few positions, as in a
+/// trained model, rather than averaging its whole context into noise (with flat attention a
+/// random model's output hardly depends on the context, so a check of KV could not see it).
+const QK_SCALE: f32 = 2.0;
+
+/// The fused q, k, v projection: q and k rows scaled by [`QK_SCALE`], v rows of `std`.
+fn qkv_matrix(rng: &mut Rng, format: WeightFormat, c: &ModelConfig, std: f32) -> QMatrix {
+    let (qk_rows, v_rows) = (
+        (c.num_heads + c.num_kv_heads) * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    );
+    let qk = matrix(rng, format, qk_rows, c.hidden_size, QK_SCALE * std);
+    let v = matrix(rng, format, v_rows, c.hidden_size, std);
+    let data = [qk.data(), v.data()].concat();
+    QMatrix::new(format, qk_rows + v_rows, c.hidden_size, data)
+        .unwrap_or_else(|e| panic!("random model: {e}"))
+}
+
 /// A model of `config` with random `format` weights (Q8_0 or Q4_1; the embedding is Q8_0, as
 /// llama.cpp keeps it in Q4_1 files), the same for the same seed.
 pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> LlamaModel {
     let mut rng = Rng(seed);
     let c = &config;
     let (hs, hd) = (c.hidden_size, c.head_dim);
-    let qkv = (c.num_heads + 2 * c.num_kv_heads) * hd;
     let inv = |n: usize| 1.0 / (n as f32).sqrt();
     let layers = (0..c.num_layers)
         .map(|_| Layer {
             attn_norm: vec![1.0; hs],
-            wqkv: matrix(&mut rng, format, qkv, hs, inv(hs)),
+            wqkv: qkv_matrix(&mut rng, format, c, inv(hs)),
             qkv_bias: None,
             wo: matrix(
                 &mut rng,
@@ -169,6 +191,64 @@ pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> Lla
     }
 }
 
+/// A random model of `config` ready to serve (see [`placeholder_tokenizer`]), its fingerprint
+/// derived from the seed so two such models never share prefix hashes.
+pub fn random_loaded(config: ModelConfig, format: WeightFormat, seed: u64) -> Loaded {
+    let tokenizer = Arc::new(placeholder_tokenizer(config.vocab_size));
+    Loaded {
+        model: Arc::new(random_model(config, format, seed)),
+        tokenizer,
+        fingerprint: ModelFingerprint(0x7a4d_0000_0000_0000 ^ seed),
+    }
+}
+
+/// A byte-level tokenizer of exactly `vocab_size` ids (at least 256) for a model without one:
+/// ids 0..256 are the bytes, id `i` above them reads as the text ` t{i}`. It has no merges,
+/// no special tokens and no EOS, so engines and workers can run a random model end to end
+/// (detokenizing whatever it draws); the text means nothing.
+pub fn placeholder_tokenizer(vocab_size: usize) -> Tokenizer {
+    assert!(
+        vocab_size >= 256,
+        "a byte-level vocabulary has 256 ids at least"
+    );
+    let spelled = |bytes: &[u8]| bytes.iter().map(|&b| byte_char(b)).collect::<String>();
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..vocab_size)
+        .map(|i| {
+            let text = match u8::try_from(i) {
+                Ok(b) => spelled(&[b]),
+                Err(_) => spelled(format!(" t{i}").as_bytes()),
+            };
+            (text, serde_json::json!(i))
+        })
+        .collect();
+    let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false,
+        "trim_offsets": true, "use_regex": true});
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": byte_level, "post_processor": null,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": []}
+    });
+    let bytes = serde_json::to_vec(&json).unwrap_or_else(|e| unreachable!("JSON of JSON: {e}"));
+    Tokenizer::from_hf_json(&bytes, None, None, None)
+        .unwrap_or_else(|e| panic!("the placeholder tokenizer is well formed: {e}"))
+}
+
+/// GPT-2's byte-level alphabet: printable bytes stand for themselves, the others for the
+/// characters from U+0100 on.
+fn byte_char(b: u8) -> char {
+    let printable = |b: u8| matches!(b, 0x21..=0x7e | 0xa1..=0xac | 0xae..=0xff);
+    if printable(b) {
+        char::from(b)
+    } else {
+        let shifted = (0..b).filter(|&x| !printable(x)).count() as u32;
+        char::from_u32(256 + shifted).unwrap_or(char::REPLACEMENT_CHARACTER)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -195,5 +275,15 @@ mod tests {
         // Each row about unit norm.
         let mean_norm2 = sq / w.rows as f64;
         assert!((0.8..1.2).contains(&mean_norm2), "{mean_norm2}");
+    }
+
+    #[test]
+    fn the_placeholder_tokenizer_spans_the_vocabulary_and_decodes_every_id() {
+        let t = placeholder_tokenizer(49152);
+        assert_eq!(t.vocab_size(), 49152);
+        assert_eq!(t.decode(&[72, 105], true), "Hi");
+        assert_eq!(t.decode(&[300, 49151], true), " t300 t49151");
+        assert_eq!(t.encode("Hi", false).unwrap(), vec![72, 105]);
+        assert_eq!(t.eos_token_id(), None);
     }
 }

@@ -147,10 +147,22 @@ impl StepInput {
     }
 }
 
-/// Logits of the last token of every chunk that asked for them, in chunk order.
+/// What the chunks that asked for logits got, in chunk order: their last token's logits, or
+/// the token the runner drew for them ([`DeviceDraw`]).
 #[derive(Clone, Debug, Default)]
 pub struct StepOutput {
     pub logits: Vec<(SeqId, Vec<f32>)>,
+    pub drawn: Vec<(SeqId, TokenId)>,
+}
+
+/// A token for the runner to draw itself for one sequence (on its device, next to the
+/// logits), instead of returning the logits for the host's sampler.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceDraw {
+    pub seq_id: SeqId,
+    pub params: crate::sampler::device_draw::DrawParams,
+    /// The draw's number in [0, 1), from the sequence's own random stream.
+    pub uniform: f32,
 }
 
 /// Shapes a scheduler and a KV transport need to know about a model.
@@ -225,6 +237,24 @@ pub trait ModelRunner: KvSource + Send {
 
     fn execute(&mut self, input: &StepInput) -> Result<StepOutput, RunnerError> {
         self.execute_observed(input, &mut |_, _| {})
+    }
+
+    /// Whether [`execute_drawing`](Self::execute_drawing) draws tokens itself.
+    fn draws_on_device(&self) -> bool {
+        false
+    }
+
+    /// `execute_observed`, drawing the tokens of `draws` (sequences of this step that ask for
+    /// logits) on the runner's device and returning them in `drawn` rather than their
+    /// logits. A runner that does not draw returns logits for them: the host draws.
+    fn execute_drawing(
+        &mut self,
+        input: &StepInput,
+        draws: &[DeviceDraw],
+        on_layer: &mut (dyn FnMut(usize, &dyn KvSource) + Send),
+    ) -> Result<StepOutput, RunnerError> {
+        let _ = draws;
+        self.execute_observed(input, on_layer)
     }
 
     /// Writes KV computed elsewhere into `blocks`: `payload` holds `layers` × `blocks` in the

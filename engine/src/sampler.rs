@@ -6,6 +6,8 @@
 //! min-p and a seeded draw. Greedy is one pass over the vocabulary; top-k selects with
 //! `select_nth_unstable` instead of sorting; only top-p without top-k sorts the vocabulary.
 
+pub mod device_draw;
+
 use kvmesh_common::{SamplingParams, TokenId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -61,6 +63,13 @@ impl Sampler {
             prompt_set: None,
             candidates: Vec::new(),
         }
+    }
+
+    /// The next number in [0, 1) of this sequence's random stream, for a draw made elsewhere
+    /// (on the device: `device_draw`). A seeded sequence stays reproducible on either path,
+    /// though the two paths pick differently from the same number.
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.gen::<f32>()
     }
 
     /// The seed in use: log it to reproduce a run whose seed was drawn.

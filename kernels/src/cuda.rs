@@ -14,16 +14,24 @@
 mod source;
 
 #[cfg(feature = "cuda")]
+mod copy_stream;
+#[cfg(feature = "cuda")]
 mod device;
+#[cfg(feature = "cuda")]
+mod graph;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 
 #[cfg(feature = "cuda")]
+pub use copy_stream::{KvEvent, KvStager};
+#[cfg(feature = "cuda")]
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 #[cfg(feature = "cuda")]
 pub use device::{CudaDevice, DeviceQMatrix, KvGeometry};
+#[cfg(feature = "cuda")]
+pub use graph::DeviceGraph;
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile_ptx, fill_cache, nvrtc_version};
 pub use source::{format_code, Source, COMMON, SOURCES};

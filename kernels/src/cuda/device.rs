@@ -17,7 +17,7 @@ use cudarc::nvrtc::Ptx;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn driver(e: DriverError) -> CudaError {
+pub(super) fn driver(e: DriverError) -> CudaError {
     CudaError::Driver(format!("{e:?}"))
 }
 
@@ -66,11 +66,20 @@ pub struct DeviceQMatrix {
     dense: CudaSlice<u16>,
 }
 
-/// A CUDA device: context, one stream, the compiled kernels and a cuBLAS handle.
+/// cuBLAS's workspace, given to it once so it never allocates inside a step: a step captured
+/// into a CUDA graph must not allocate. 32 MiB is what NVIDIA advises for Hopper.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// A CUDA device: context, the compute stream and the copy stream (KV read out for the
+/// transport while the compute stream runs on, see `copy_stream`), the compiled kernels and
+/// a cuBLAS handle.
 pub struct CudaDevice {
-    ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) copy: Arc<CudaStream>,
     blas: CudaBlas,
+    /// Owned here for as long as `blas` uses it.
+    _blas_workspace: CudaSlice<u8>,
     funcs: HashMap<&'static str, CudaFunction>,
     name: String,
     capability: (i32, i32),
@@ -105,14 +114,19 @@ impl CudaDevice {
             return Err(CudaError::NoDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(driver)?;
-        // All work goes to one stream in order, so cudarc's per-buffer events (recorded at
-        // every launch, for use across streams) would only add latency to each op.
-        // SAFETY: every buffer is allocated, used and freed on `stream` alone.
+        // Work goes to the compute stream in order; the copy stream only reads KV, after an
+        // explicit event (`copy_stream`). cudarc's per-buffer events (recorded at every
+        // launch) would only add latency to each op, and cannot be recorded inside a graph
+        // capture.
+        // SAFETY: every buffer is used on the compute stream, except the KV the copy stream
+        // reads once the compute stream's event says it is written, and the copy stream's
+        // own staging buffers.
         unsafe { ctx.disable_event_tracking() };
         let capability = ctx.compute_capability().map_err(driver)?;
         let name = ctx.name().map_err(driver)?;
         let arch = format!("compute_{}{}", capability.0, capability.1);
         let stream = ctx.new_stream().map_err(driver)?;
+        let copy = ctx.new_stream().map_err(driver)?;
         let mut funcs = HashMap::new();
         for s in SOURCES {
             let ptx = cached_ptx(s, &arch)?;
@@ -122,10 +136,25 @@ impl CudaDevice {
             }
         }
         let blas = CudaBlas::new(stream.clone()).map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        let mut workspace = stream
+            .alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)
+            .map_err(driver)?;
+        {
+            let (ptr, _record) = workspace.device_ptr_mut(&stream);
+            // SAFETY: the workspace outlives the handle (both are fields of the device, the
+            // handle declared first, so dropped first) and is used on the handle's stream.
+            unsafe {
+                blas_sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut _, BLAS_WORKSPACE_BYTES)
+            }
+            .result()
+            .map_err(|e| CudaError::Blas(format!("{e:?}")))?;
+        }
         Ok(CudaDevice {
             ctx,
             stream,
+            copy,
             blas,
+            _blas_workspace: workspace,
             funcs,
             name,
             capability,
@@ -155,7 +184,7 @@ impl CudaDevice {
         self.stream.synchronize().map_err(driver)
     }
 
-    fn f(&self, name: &str) -> Result<&CudaFunction, CudaError> {
+    pub(super) fn f(&self, name: &str) -> Result<&CudaFunction, CudaError> {
         self.funcs
             .get(name)
             .ok_or_else(|| CudaError::Driver(format!("kernel {name} is not loaded")))
@@ -492,7 +521,7 @@ impl KvGeometry {
         self.n_kv_heads * self.block_size * self.head_dim
     }
 
-    fn layer_elems(&self) -> usize {
+    pub(super) fn layer_elems(&self) -> usize {
         self.block_elems() * self.num_blocks
     }
 }
@@ -618,6 +647,21 @@ impl CudaDevice {
         n_blocks: usize,
         out: &mut CudaViewMut<'_, u16>,
     ) -> Result<(), CudaError> {
+        self.kv_pack_on(&self.stream, g, k_cache, v_cache, blocks, n_blocks, out)
+    }
+
+    /// [`kv_pack`](Self::kv_pack) queued on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn kv_pack_on(
+        &self,
+        stream: &Arc<CudaStream>,
+        g: &KvGeometry,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        blocks: &CudaView<'_, i32>,
+        n_blocks: usize,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<(), CudaError> {
         let be = g.block_elems();
         check_len("kv_pack blocks", blocks.len(), n_blocks)?;
         check_len("kv_pack out", out.len(), 2 * n_blocks * be)?;
@@ -627,7 +671,7 @@ impl CudaDevice {
             return Ok(());
         }
         let (nb, words) = (i32_of("n_blocks", n_blocks)?, (be / 2) as i64);
-        let mut b = self.stream.launch_builder(self.f("kv_pack")?);
+        let mut b = stream.launch_builder(self.f("kv_pack")?);
         b.arg(k_cache)
             .arg(v_cache)
             .arg(blocks)
