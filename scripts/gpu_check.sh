@@ -6,7 +6,7 @@
 #                                    target/gpu/kernels with the kernels' PTX for sm_90 (NVRTC
 #                                    from scripts/setup.sh), so the GPU machine needs neither
 #                                    a toolchain nor NVRTC. Carry target/gpu (about 30 MiB).
-#   scripts/gpu_check.sh [OUT_DIR [MODEL.gguf]]
+#   scripts/gpu_check.sh [OUT_DIR [MODEL.gguf]] [-- GPU_CHECK_FLAGS...]
 #                                    on the GPU machine: runs `kvmesh gpu-check` (ops against
 #                                    the CPU; whole-model agreement, with and without CUDA
 #                                    graphs, and throughput on random SmolLM2- and
@@ -14,6 +14,8 @@
 #                                    over QUIC to a CPU decode worker; the SmolLM2 golden
 #                                    prompts when MODEL.gguf is given) and writes
 #                                    OUT_DIR/gpu_check.json (default: the current directory).
+#                                    Flags after `--` go to `kvmesh gpu-check` (e.g.
+#                                    `-- --checks ops,handoff --shapes smollm2`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=target/gpu
@@ -35,8 +37,11 @@ if [ "${1:-}" = "--build" ]; then
   exit 0
 fi
 
-out="${1:-.}"
-model="${2:-}"
+out="."
+model=""
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then out="$1"; shift; fi
+if [ $# -gt 0 ] && [ "$1" != "--" ]; then model="$1"; shift; fi
+if [ $# -gt 0 ] && [ "$1" = "--" ]; then shift; fi
 mkdir -p "$out"
 [ -x "$GPU_DIR/kvmesh" ] || { echo "gpu_check: no $GPU_DIR/kvmesh: run scripts/gpu_check.sh --build and carry $GPU_DIR" >&2; exit 1; }
 
@@ -54,4 +59,4 @@ export KVMESH_KERNEL_CACHE="$PWD/$GPU_DIR/kernels"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
 model_args=()
 if [ -n "$model" ]; then model_args=(--model "$model"); fi
-"$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json" "${model_args[@]}"
+"$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json" "${model_args[@]}" "$@"

@@ -51,6 +51,11 @@ pub struct GpuCheckArgs {
     /// Skip the throughput figures (agreement only).
     #[arg(long)]
     pub no_perf: bool,
+    /// How much larger the random models' q and k rows are than unit norm: 1 gives flat
+    /// attention (the output hardly depends on the context), 2 peaked attention (it does,
+    /// but 30 layers of it amplify rounding differences between devices).
+    #[arg(long, default_value_t = 1.0)]
+    pub qk_scale: f32,
     /// A SmolLM2-135M GGUF: the golden prompts run on it, and the hand-off uses it instead of
     /// the random-weight SmolLM2-shaped model.
     #[arg(long, value_name = "PATH")]
@@ -148,7 +153,7 @@ fn models(
             other => bail!("unknown shape {other:?} (smollm2, llama3-8b)"),
         };
         eprintln!("gpu-check: {name}: building the random-weight model");
-        let model = Arc::new(random_model(config, WeightFormat::Q4_1, 42));
+        let model = Arc::new(random_model(config, WeightFormat::Q4_1, 42, args.qk_scale));
         let mut entry = Map::new();
         entry.insert(
             "agreement".into(),
@@ -170,7 +175,12 @@ fn engine_model(args: &GpuCheckArgs, check: &str) -> Result<kvmesh_engine::Loade
         Some(path) => load(path),
         None => {
             eprintln!("gpu-check: {check}: building the random-weight SmolLM2-shaped model");
-            Ok(random_loaded(smollm2_135m(), WeightFormat::Q4_1, 42))
+            Ok(random_loaded(
+                smollm2_135m(),
+                WeightFormat::Q4_1,
+                42,
+                args.qk_scale,
+            ))
         }
     }
 }

@@ -22,7 +22,12 @@ fn gpu_check(args: &[&str], out: &std::path::Path) -> std::process::Output {
 fn the_handoff_check_passes_with_both_nodes_on_the_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("gpu_check.json");
-    let run = gpu_check(&["--device", "cpu", "--checks", "handoff"], &out);
+    // Peaked attention: the output depends on the context, so zeroed KV changes tokens
+    // (rounding cannot differ between two CPU runs, so the model's chaos does not matter).
+    let run = gpu_check(
+        &["--device", "cpu", "--checks", "handoff", "--qk-scale", "2"],
+        &out,
+    );
     let stderr = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "gpu-check failed: {stderr}");
     let report: Value = serde_json::from_slice(&std::fs::read(&out).unwrap()).unwrap();
@@ -33,11 +38,10 @@ fn the_handoff_check_passes_with_both_nodes_on_the_cpu() {
     assert_eq!(handoff["transport"], "quic");
     assert!(handoff["kv_chunks_sent"].as_u64().unwrap() > 0);
     // The same KV, computed on the same kind of device: the same log-probabilities. KV zeroed
-    // in flight moves them past the bound (`null`: a token or an alternative changed).
-    let bound = handoff["logprob_bound"].as_f64().unwrap();
-    assert!(handoff["max_logprob_difference"].as_f64().unwrap() <= bound);
+    // in flight moves them (`null`: a token or an alternative changed).
+    assert_eq!(handoff["max_logprob_difference"].as_f64(), Some(0.0));
     let control = &handoff["control_zeroed_kv_max_logprob_difference"];
-    assert!(control.as_f64().is_none_or(|d| d > bound), "{control}");
+    assert!(control.as_f64().is_none_or(|d| d > 0.0), "{control}");
     let requests = handoff["requests"].as_array().unwrap();
     assert_eq!(requests.len(), 4);
     for r in requests {

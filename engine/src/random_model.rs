@@ -131,19 +131,19 @@ fn matrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize, std: f3
     QMatrix::new(format, rows, cols, data).unwrap_or_else(|e| panic!("random model: {e}"))
 }
 
-/// How much larger q and k are than unit-norm rows make them: attention scores with a
-/// standard deviation of 4 rather than 1, so each query attends to a few positions, as in a
-/// trained model, rather than averaging its whole context into noise (with flat attention a
-/// random model's output hardly depends on the context, so a check of KV could not see it).
-const QK_SCALE: f32 = 2.0;
-
-/// The fused q, k, v projection: q and k rows scaled by [`QK_SCALE`], v rows of `std`.
-fn qkv_matrix(rng: &mut Rng, format: WeightFormat, c: &ModelConfig, std: f32) -> QMatrix {
+/// The fused q, k, v projection: q and k rows `qk_scale` times `std`, v rows of `std`.
+fn qkv_matrix(
+    rng: &mut Rng,
+    format: WeightFormat,
+    c: &ModelConfig,
+    std: f32,
+    qk_scale: f32,
+) -> QMatrix {
     let (qk_rows, v_rows) = (
         (c.num_heads + c.num_kv_heads) * c.head_dim,
         c.num_kv_heads * c.head_dim,
     );
-    let qk = matrix(rng, format, qk_rows, c.hidden_size, QK_SCALE * std);
+    let qk = matrix(rng, format, qk_rows, c.hidden_size, qk_scale * std);
     let v = matrix(rng, format, v_rows, c.hidden_size, std);
     let data = [qk.data(), v.data()].concat();
     QMatrix::new(format, qk_rows + v_rows, c.hidden_size, data)
@@ -151,8 +151,17 @@ fn qkv_matrix(rng: &mut Rng, format: WeightFormat, c: &ModelConfig, std: f32) ->
 }
 
 /// A model of `config` with random `format` weights (Q8_0 or Q4_1; the embedding is Q8_0, as
-/// llama.cpp keeps it in Q4_1 files), the same for the same seed.
-pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> LlamaModel {
+/// llama.cpp keeps it in Q4_1 files), the same for the same seed, every row of about unit
+/// norm except q's and k's, `qk_scale` times that. At 1 attention scores have a standard
+/// deviation of 1 and a query averages most of its context (the output hardly depends on
+/// it); at 2 (4) each query picks a few positions as a trained model's do, and the output
+/// depends on the context, but a 30-layer stack of them amplifies rounding differences.
+pub fn random_model(
+    config: ModelConfig,
+    format: WeightFormat,
+    seed: u64,
+    qk_scale: f32,
+) -> LlamaModel {
     let mut rng = Rng(seed);
     let c = &config;
     let (hs, hd) = (c.hidden_size, c.head_dim);
@@ -160,7 +169,7 @@ pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> Lla
     let layers = (0..c.num_layers)
         .map(|_| Layer {
             attn_norm: vec![1.0; hs],
-            wqkv: qkv_matrix(&mut rng, format, c, inv(hs)),
+            wqkv: qkv_matrix(&mut rng, format, c, inv(hs), qk_scale),
             qkv_bias: None,
             wo: matrix(
                 &mut rng,
@@ -193,10 +202,15 @@ pub fn random_model(config: ModelConfig, format: WeightFormat, seed: u64) -> Lla
 
 /// A random model of `config` ready to serve (see [`placeholder_tokenizer`]), its fingerprint
 /// derived from the seed so two such models never share prefix hashes.
-pub fn random_loaded(config: ModelConfig, format: WeightFormat, seed: u64) -> Loaded {
+pub fn random_loaded(
+    config: ModelConfig,
+    format: WeightFormat,
+    seed: u64,
+    qk_scale: f32,
+) -> Loaded {
     let tokenizer = Arc::new(placeholder_tokenizer(config.vocab_size));
     Loaded {
-        model: Arc::new(random_model(config, format, seed)),
+        model: Arc::new(random_model(config, format, seed, qk_scale)),
         tokenizer,
         fingerprint: ModelFingerprint(0x7a4d_0000_0000_0000 ^ seed),
     }
@@ -258,12 +272,12 @@ mod tests {
         let mut c = smollm2_135m();
         c.num_layers = 1;
         c.vocab_size = 64;
-        let a = random_model(c.clone(), WeightFormat::Q4_1, 7);
-        let b = random_model(c.clone(), WeightFormat::Q4_1, 7);
+        let a = random_model(c.clone(), WeightFormat::Q4_1, 7, 1.0);
+        let b = random_model(c.clone(), WeightFormat::Q4_1, 7, 1.0);
         assert_eq!(a.layers[0].wqkv, b.layers[0].wqkv);
         assert_ne!(
             a.layers[0].wqkv,
-            random_model(c, WeightFormat::Q4_1, 8).layers[0].wqkv
+            random_model(c, WeightFormat::Q4_1, 8, 1.0).layers[0].wqkv
         );
         let w = &a.layers[0].w_gate_up;
         let mut row = vec![0.0; w.cols];

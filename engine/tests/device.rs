@@ -13,7 +13,7 @@ fn tiny() -> Arc<kvmesh_engine::model::LlamaModel> {
     let mut c = smollm2_135m();
     c.num_layers = 2;
     c.vocab_size = 256;
-    Arc::new(random_model(c, WeightFormat::Q4_1, 1))
+    Arc::new(random_model(c, WeightFormat::Q4_1, 1, 1.0))
 }
 
 #[test]

@@ -91,7 +91,7 @@ fn loaded() -> kvmesh_engine::Loaded {
     let mut c = smollm2_135m();
     c.num_layers = 2;
     c.vocab_size = 1024;
-    random_loaded(c, WeightFormat::Q4_1, 3)
+    random_loaded(c, WeightFormat::Q4_1, 3, 1.0)
 }
 
 /// Every sequence's tokens, running `requests` (params, top logits) to the end.
