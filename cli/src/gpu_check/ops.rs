@@ -345,5 +345,53 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         }
     }
     c.exact("sample_top_k_top_p_in_set", inside);
+    c.out
+        .insert("matmul_speed".into(), matmul_speed(&dev, &mut rng)?);
     Ok(Value::Object(c.out))
+}
+
+/// One Llama-3-8B FFN matrix (Q4_1, 14,336 x 4,096) alone, timed over repeated launches:
+/// the fused GEMV at one activation row as weight bytes read per second (against the HBM's
+/// bandwidth: what bounds decode), and cuBLAS at 2,048 rows (a prefill chunk) in TFLOP/s
+/// (the prefill target's baseline: the same GEMM shapes alone).
+fn matmul_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
+    let (rows, cols, chunk, repeats) = (14_336, 4_096, 2_048, 20);
+    let w = qmatrix(rng, WeightFormat::Q4_1, rows, cols);
+    let weight_bytes = w.data().len();
+    let wd = dev.upload_matrix(&w)?;
+    let mut bf = dev.zeros::<u16>(chunk * cols)?;
+    let xd = dev.upload(&rng.vec(chunk * cols))?;
+    let mut out = dev.zeros::<f32>(chunk * rows)?;
+    let mut seconds = |m: usize| -> Result<f64> {
+        // One launch first, untimed: module loading and cuBLAS's workspace.
+        dev.matmul(
+            &wd,
+            &xd.slice(..m * cols),
+            m,
+            &mut out.slice_mut(..m * rows),
+            &mut bf,
+        )?;
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..repeats {
+            dev.matmul(
+                &wd,
+                &xd.slice(..m * cols),
+                m,
+                &mut out.slice_mut(..m * rows),
+                &mut bf,
+            )?;
+        }
+        dev.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() / repeats as f64)
+    };
+    let gemv = seconds(1)?;
+    let gemm = seconds(chunk)?;
+    Ok(json!({
+        "shape": [rows, cols],
+        "gemv_m1_seconds": gemv,
+        "gemv_m1_weight_gb_per_s": weight_bytes as f64 / gemv / 1e9,
+        "cublas_m2048_seconds": gemm,
+        "cublas_m2048_tflop_per_s": 2.0 * (rows * cols * chunk) as f64 / gemm / 1e12,
+    }))
 }
