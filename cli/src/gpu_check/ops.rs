@@ -363,24 +363,21 @@ fn matmul_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
     let xd = dev.upload(&rng.vec(chunk * cols))?;
     let mut out = dev.zeros::<f32>(chunk * rows)?;
     let mut seconds = |m: usize| -> Result<f64> {
-        // One launch first, untimed: module loading and cuBLAS's workspace.
-        dev.matmul(
-            &wd,
-            &xd.slice(..m * cols),
-            m,
-            &mut out.slice_mut(..m * rows),
-            &mut bf,
-        )?;
-        dev.synchronize()?;
-        let t = std::time::Instant::now();
-        for _ in 0..repeats {
+        let mut launch = || {
             dev.matmul(
                 &wd,
                 &xd.slice(..m * cols),
                 m,
                 &mut out.slice_mut(..m * rows),
                 &mut bf,
-            )?;
+            )
+        };
+        // One launch first, untimed: module loading and cuBLAS's workspace.
+        launch()?;
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..repeats {
+            launch()?;
         }
         dev.synchronize()?;
         Ok(t.elapsed().as_secs_f64() / repeats as f64)
