@@ -2,45 +2,15 @@
 
 mod common;
 
-use common::{direction_changes, run, Load, Mesh};
+use common::{coefficients, config, direction_changes, run, Load, Mesh};
 use kvmesh_planner::{
-    Direction, LatencyQuantiles, Metric, Observation, PerfCoefficients, Planner, PlannerConfig,
-    Policy, PredictorConfig, Reason, Role, RoleBounds, StepSample,
+    Direction, LatencyQuantiles, Metric, Observation, PerfCoefficients, Planner, PredictorConfig,
+    Reason, Role, StepSample,
 };
 use std::time::Duration;
 
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
-}
-
-fn coefficients() -> PerfCoefficients {
-    PerfCoefficients {
-        step_overhead_us: 5000.0,
-        prefill_per_token_us: 50.0,
-        prefill_per_cached_token_us: 0.0,
-        decode_per_seq_us: 100.0,
-        decode_per_context_token_us: 0.1,
-    }
-}
-
-fn config(predictor: PredictorConfig) -> PlannerConfig {
-    let mut c = PlannerConfig {
-        policy: Policy::Slo,
-        prefill: RoleBounds { min: 1, max: 10 },
-        decode: RoleBounds { min: 1, max: 10 },
-        budget: 20,
-        ..PlannerConfig::default()
-    };
-    c.slo.interval = secs(10);
-    c.slo.ttft = Duration::from_millis(250);
-    c.slo.itl = Duration::from_millis(50);
-    c.slo.perf = coefficients();
-    c.slo.predictor = predictor;
-    c.slo.max_decode_batch = 1024;
-    c.cooldown.up = secs(10);
-    c.cooldown.down = secs(30);
-    c.cooldown.down_stable_for = secs(30);
-    c
 }
 
 /// 20 req/s of 2,000-token prompts and 200-token answers. By hand, with the coefficients:

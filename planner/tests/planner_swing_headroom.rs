@@ -5,8 +5,7 @@ mod common;
 
 use common::{run, Load, Mesh};
 use kvmesh_planner::{
-    Decision, PerfCoefficients, Planner, PlannerConfig, Policy, PredictorConfig, Reason, Role,
-    RoleBounds, SwingHeadroom,
+    Decision, Planner, PlannerConfig, PredictorConfig, Reason, Role, SwingHeadroom,
 };
 use std::time::Duration;
 
@@ -14,28 +13,10 @@ fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
 
-/// The coefficients and targets of planner_slo.rs: 20 req/s of 2,000-token prompts need
-/// 2.62 prefill nodes at the planned 15,255 tokens/s a node.
+/// The SLO tests' planner (20 req/s of 2,000-token prompts need 2.62 prefill nodes at the
+/// planned 15,255 tokens/s a node), with a swing headroom.
 fn config() -> PlannerConfig {
-    let mut c = PlannerConfig {
-        policy: Policy::Slo,
-        prefill: RoleBounds { min: 1, max: 10 },
-        decode: RoleBounds { min: 1, max: 10 },
-        budget: 20,
-        ..PlannerConfig::default()
-    };
-    c.slo.interval = secs(10);
-    c.slo.ttft = Duration::from_millis(250);
-    c.slo.itl = Duration::from_millis(50);
-    c.slo.perf = PerfCoefficients {
-        step_overhead_us: 5000.0,
-        prefill_per_token_us: 50.0,
-        prefill_per_cached_token_us: 0.0,
-        decode_per_seq_us: 100.0,
-        decode_per_context_token_us: 0.1,
-    };
-    c.slo.predictor = PredictorConfig::Constant;
-    c.slo.max_decode_batch = 1024;
+    let mut c = common::config(PredictorConfig::Constant);
     c.slo.swing_headroom = Some(SwingHeadroom {
         over: secs(30),
         remember: secs(300),
@@ -43,9 +24,6 @@ fn config() -> PlannerConfig {
         deviations: 1.0,
         max: 0.5,
     });
-    c.cooldown.up = secs(10);
-    c.cooldown.down = secs(30);
-    c.cooldown.down_stable_for = secs(30);
     c
 }
 

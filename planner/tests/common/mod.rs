@@ -2,7 +2,10 @@
 //! spread evenly over the nodes alive, and an acted decision takes effect at once.
 #![allow(dead_code)]
 
-use kvmesh_planner::{Decision, Direction, Observation, Planner, Role};
+use kvmesh_planner::{
+    Decision, Direction, Observation, PerfCoefficients, Planner, PlannerConfig, Policy,
+    PredictorConfig, Role, RoleBounds,
+};
 use std::time::Duration;
 
 /// What the mesh carries at one instant, whatever its size.
@@ -93,4 +96,35 @@ pub fn direction_changes(decisions: &[Decision], role: Role) -> usize {
         .filter(|&dir| dir != Direction::Hold)
         .collect();
     moves.windows(2).filter(|w| w[0] != w[1]).count()
+}
+
+pub fn coefficients() -> PerfCoefficients {
+    PerfCoefficients {
+        step_overhead_us: 5000.0,
+        prefill_per_token_us: 50.0,
+        prefill_per_cached_token_us: 0.0,
+        decode_per_seq_us: 100.0,
+        decode_per_context_token_us: 0.1,
+    }
+}
+
+/// The SLO tests' planner: the targets and coefficients their hand computations use.
+pub fn config(predictor: PredictorConfig) -> PlannerConfig {
+    let mut c = PlannerConfig {
+        policy: Policy::Slo,
+        prefill: RoleBounds { min: 1, max: 10 },
+        decode: RoleBounds { min: 1, max: 10 },
+        budget: 20,
+        ..PlannerConfig::default()
+    };
+    c.slo.interval = Duration::from_secs(10);
+    c.slo.ttft = Duration::from_millis(250);
+    c.slo.itl = Duration::from_millis(50);
+    c.slo.perf = coefficients();
+    c.slo.predictor = predictor;
+    c.slo.max_decode_batch = 1024;
+    c.cooldown.up = Duration::from_secs(10);
+    c.cooldown.down = Duration::from_secs(30);
+    c.cooldown.down_stable_for = Duration::from_secs(30);
+    c
 }
