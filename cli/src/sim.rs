@@ -31,7 +31,7 @@ use kvmesh_sim::mesh::SimPrompt;
 use kvmesh_sim::mesh::{simulate, simulate_closed, MeshConfig, MeshRun, PrefillPool, SimRequest};
 use kvmesh_sim::planner::Role;
 use kvmesh_sim::timing::TimingProfile;
-use kvmesh_sim::workload::{multiply, multiply_within, prompts, requests_sharing};
+use kvmesh_sim::workload::{multiply, multiply_within, requests_sharing, take_prompts};
 
 use crate::bench_serve::outputs;
 use crate::measure_args::{ApiArg, MeasureArgs, Mode};
@@ -596,11 +596,8 @@ pub fn run(args: &SimArgs) -> Result<()> {
         })
         .context("building the workload")?;
     tokenize(&mut workload, args.tokenizer.as_deref())?;
-    let prompts = prompts(&workload.items)?;
     // Their tokens live in `prompts` now: one copy of each, however many points use them.
-    for item in &mut workload.items {
-        item.prompt = Prompt::Tokens(Vec::new());
-    }
+    let prompts = take_prompts(&mut workload.items)?;
     let mut report = BenchReport::new(
         args.target(&hardware),
         workload.name.clone(),

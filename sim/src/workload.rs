@@ -70,6 +70,19 @@ pub fn prompts(items: &[WorkItem]) -> Result<Vec<SimPrompt>, WorkloadError> {
     items.iter().enumerate().map(prompt).collect()
 }
 
+/// As [`prompts`], moving each item's tokens out (the item keeps an empty prompt): each
+/// prompt is freed as it is copied, so a large trace is never held twice.
+pub fn take_prompts(items: &mut [WorkItem]) -> Result<Vec<SimPrompt>, WorkloadError> {
+    let take = |(item, w): (usize, &mut WorkItem)| match &mut w.prompt {
+        Prompt::Tokens(ids) => Ok(SimPrompt::from(std::mem::take(ids))),
+        _ => Err(WorkloadError::Item {
+            item,
+            source: MeshError::TextPrompt,
+        }),
+    };
+    items.iter_mut().enumerate().map(take).collect()
+}
+
 /// The send offsets of `items` under `shape`.
 fn offsets(
     items: &[WorkItem],
@@ -289,17 +302,18 @@ mod tests {
         let mut w = workload(vec![tokens(50), tokens(0), follows]);
         let shape = LoadShape::Trace(Pacing::Speedup(1.0));
         let expected = requests(&w.items, &shape, 0).unwrap();
-        let shared = prompts(&w.items).unwrap();
-        for item in &mut w.items {
-            item.prompt = Prompt::Tokens(Vec::new());
-        }
+        let shared = take_prompts(&mut w.items).unwrap();
+        assert!(w
+            .items
+            .iter()
+            .all(|i| matches!(&i.prompt, Prompt::Tokens(t) if t.is_empty())));
         assert_eq!(
             requests_sharing(&w.items, &shared, &shape, 0).unwrap(),
             expected
         );
         assert_eq!(expected[2].prompt.to_vec(), [7, 8]);
         assert!(matches!(
-            prompts(&[item(Prompt::Text("hi".into()), None)]),
+            take_prompts(&mut [item(Prompt::Text("hi".into()), None)]),
             Err(WorkloadError::Item { item: 0, .. })
         ));
     }

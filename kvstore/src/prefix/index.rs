@@ -214,6 +214,7 @@ impl InMemoryPrefixIndex {
     /// pool) are accepted as [`Tier::Device`](super::Tier::Device) events.
     pub fn apply<E: Copy + Into<TieredKvEvent>>(&self, node: NodeId, events: &[E]) {
         let mut state = self.state.write().expect("prefix index lock");
+        state.touch(events.iter().map(|&e| e.into().hash()));
         let slot = state.claim(node);
         let mut changed = false;
         for &event in events {
@@ -356,6 +357,17 @@ impl State {
             blocks.insert(hash, tiers)
         };
         self.update_holders(slot, hash, old.unwrap_or_default(), tiers)
+    }
+
+    /// Looks every block up once, before a batch's updates: the lookups do not depend on each
+    /// other, so in an index larger than the caches their misses overlap, and the updates
+    /// that follow find their entries cached.
+    fn touch(&self, hashes: impl ExactSizeIterator<Item = SequenceHash>) {
+        if hashes.len() > 1 {
+            for hash in hashes {
+                std::hint::black_box(self.holders.get(&hash));
+            }
+        }
     }
 
     /// Applies one event of a claimed slot ([`Self::set`] with the tiers after it, one lookup
