@@ -20,7 +20,8 @@ use crate::model_config::{ModelConfig, RopeStyle};
 use crate::runner::{DeviceDraw, KvShape, KvSource, RunnerError, SeqChunk, SeqId};
 use kvmesh_common::BlockId;
 use kvmesh_kernels::cuda::{
-    CudaDevice, CudaError, CudaSlice, DeviceGraph, DeviceQMatrix, KvEvent, KvGeometry, KvStager,
+    attention_tiles, tiles_pay, CudaDevice, CudaError, CudaSlice, DeviceGraph, DeviceQMatrix,
+    KvEvent, KvGeometry, KvStager,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -80,6 +81,9 @@ struct StepIndex {
     slots: CudaSlice<i32>,
     row_table: CudaSlice<i32>,
     tables: CudaSlice<i32>,
+    /// The rows' attention tiles and how many, where they pay (prefill; see
+    /// [`kvmesh_kernels::cuda::tiles_pay`]).
+    tiles: Option<(CudaSlice<i32>, usize)>,
     /// Rows the step computes.
     n: usize,
 }
@@ -163,12 +167,18 @@ impl StepIndex {
                 row_table.push(at);
             }
         }
+        let tiles = attention_tiles(chunks.iter().map(|ch| ch.tokens.len()));
+        let tiles = match tiles_pay(n, &tiles) {
+            true => Some((d.upload(&tiles)?, tiles.len() - 1)),
+            false => None,
+        };
         Ok(StepIndex {
             tokens: d.upload(&tokens)?,
             pos: d.upload(&pos)?,
             slots: d.upload(&slots)?,
             row_table: d.upload(&row_table)?,
             tables: d.upload(&tables)?,
+            tiles,
             n,
         })
     }
@@ -181,6 +191,7 @@ impl StepIndex {
             slots: d.zeros(rows)?,
             row_table: d.zeros(rows)?,
             tables: d.zeros(rows * table_width)?,
+            tiles: None,
             n: rows,
         })
     }
@@ -282,6 +293,7 @@ impl DeviceModel {
         let (hs, hd) = (c.hidden_size, c.head_dim);
         let q_dim = c.num_heads * hd;
         let qkv_dim = q_dim + 2 * c.num_kv_heads * hd;
+        let tiles = idx.tiles.as_ref().map(|(t, n)| (t.slice(..), *n));
         d.attention(
             &self.geo,
             &s.qkv.slice(..),
@@ -289,6 +301,7 @@ impl DeviceModel {
             &idx.pos.slice(..),
             &idx.row_table.slice(..),
             &idx.tables.slice(..),
+            tiles.as_ref().map(|(t, n)| (t, *n)),
             n,
             &kv.k[li],
             &kv.v[li],

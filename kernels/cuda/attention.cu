@@ -75,3 +75,137 @@ extern "C" __global__ void paged_attention(const float* q, long long q_stride, f
         orow[d] = o * inv;
     }
 }
+
+// The same attention for prefill: one block computes a tile of up to TILE_ROWS query rows of
+// one sequence (rows tiles[t]..tiles[t + 1], one block table) for head h, walking the
+// positions TILE_POS at a time. Each chunk of K and V is read once into shared memory for
+// the whole tile, where paged_attention reads the whole prefix again for every row. Warp w
+// owns rows w * ROWS_PER_WARP.. of the tile; lane j scores position j of the chunk, and the
+// lanes then own the head dimensions of the output (as in paged_attention).
+#define TILE_ROWS 32
+#define TILE_POS 32
+#define TILE_WARPS 4
+#define ROWS_PER_WARP (TILE_ROWS / TILE_WARPS)
+#define TILE_MAX_DPL 4 // head_dim <= 128 (checked by the host)
+#define TILE_MAX_HD (TILE_MAX_DPL * 32)
+// K rows padded by one 32-bit word, so the lanes reading K rows j = 0..31 hit distinct banks.
+#define TILE_K_STRIDE (TILE_MAX_HD + 2)
+
+extern "C" __global__ void paged_attention_tiled(const float* q, long long q_stride, float* out,
+                                                 long long out_stride, const u16* k_cache,
+                                                 const u16* v_cache, const int* row_pos,
+                                                 const int* row_table, const int* tables,
+                                                 const int* tiles, int n_heads, int n_kv_heads,
+                                                 int head_dim, int block_size, float scale) {
+    __shared__ float s_q[TILE_ROWS][TILE_MAX_HD];
+    __shared__ u16 s_k[TILE_POS][TILE_K_STRIDE];
+    __shared__ u16 s_v[TILE_POS][TILE_MAX_HD];
+    __shared__ int s_last;
+    int h = blockIdx.y;
+    int first = tiles[blockIdx.x], n_tile = tiles[blockIdx.x + 1] - first;
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int dpl = head_dim / 32;
+    int kvh = h / (n_heads / n_kv_heads);
+    const int* table = tables + row_table[first];
+
+    // The tile's queries, rounded to f16 as on the CPU; rows past the tile are zero.
+    for (int i = threadIdx.x; i < TILE_ROWS * head_dim; i += blockDim.x) {
+        int r = i / head_dim, d = i % head_dim;
+        float v = 0.0f;
+        if (r < n_tile) v = q[(long long)(first + r) * q_stride + (long long)h * head_dim + d];
+        s_q[r][d] = f16_to_f32(f32_to_f16(v));
+    }
+    if (threadIdx.x == 0) {
+        int last = 0;
+        for (int r = 0; r < n_tile; r++) last = max(last, row_pos[first + r]);
+        s_last = last;
+    }
+
+    int pos[ROWS_PER_WARP];
+    float m[ROWS_PER_WARP], l[ROWS_PER_WARP], acc[ROWS_PER_WARP][TILE_MAX_DPL];
+#pragma unroll
+    for (int k = 0; k < ROWS_PER_WARP; k++) {
+        int r = warp * ROWS_PER_WARP + k;
+        // A row past the tile attends to nothing (position -1) and writes nothing.
+        pos[k] = r < n_tile ? row_pos[first + r] : -1;
+        m[k] = NEG_INF;
+        l[k] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < TILE_MAX_DPL; i++) acc[k][i] = 0.0f;
+    }
+    __syncthreads();
+    int last = s_last;
+
+    for (int c0 = 0; c0 <= last; c0 += TILE_POS) {
+        // This chunk's K and V; positions past the tile's last row are never read (the block
+        // table may end before them) and are masked below.
+        for (int i = threadIdx.x; i < TILE_POS * head_dim; i += blockDim.x) {
+            int j = i / head_dim, d = i % head_dim, t = c0 + j;
+            u16 kv = 0, vv = 0;
+            if (t <= last) {
+                long long blk = table[t / block_size];
+                long long at =
+                    ((blk * n_kv_heads + kvh) * block_size + t % block_size) * head_dim + d;
+                kv = k_cache[at];
+                vv = v_cache[at];
+            }
+            s_k[j][d] = kv;
+            s_v[j][d] = vv;
+        }
+        __syncthreads();
+
+        // Lane j's scores of position c0 + j against the warp's rows.
+        float s[ROWS_PER_WARP];
+#pragma unroll
+        for (int k = 0; k < ROWS_PER_WARP; k++) s[k] = 0.0f;
+        for (int d = 0; d < head_dim; d++) {
+            float kd = f16_to_f32(s_k[lane][d]);
+#pragma unroll
+            for (int k = 0; k < ROWS_PER_WARP; k++)
+                s[k] = fmaf(s_q[warp * ROWS_PER_WARP + k][d], kd, s[k]);
+        }
+        int t = c0 + lane;
+#pragma unroll
+        for (int k = 0; k < ROWS_PER_WARP; k++) {
+            s[k] = t <= pos[k] ? s[k] * scale : NEG_INF;
+            float m_new = fmaxf(m[k], warp_max(s[k]));
+            // Nothing seen yet (a row past the tile): keep it empty.
+            if (m_new == NEG_INF) {
+                s[k] = 0.0f;
+                continue;
+            }
+            float corr = m[k] == NEG_INF ? 0.0f : expf(m[k] - m_new);
+            float p = s[k] == NEG_INF ? 0.0f : expf(s[k] - m_new);
+            l[k] = l[k] * corr + warp_sum(p);
+            m[k] = m_new;
+            s[k] = p;
+#pragma unroll
+            for (int i = 0; i < TILE_MAX_DPL; i++) acc[k][i] *= corr;
+        }
+        // Weighted V: lane owns dimensions lane + 32 * i; position j's weight comes from lane j.
+        for (int j = 0; j < TILE_POS; j++) {
+            float v[TILE_MAX_DPL];
+#pragma unroll
+            for (int i = 0; i < TILE_MAX_DPL; i++)
+                v[i] = i < dpl ? f16_to_f32(s_v[j][lane + 32 * i]) : 0.0f;
+#pragma unroll
+            for (int k = 0; k < ROWS_PER_WARP; k++) {
+                float p = __shfl_sync(0xffffffffu, s[k], j);
+#pragma unroll
+                for (int i = 0; i < TILE_MAX_DPL; i++) acc[k][i] = fmaf(p, v[i], acc[k][i]);
+            }
+        }
+        __syncthreads();
+    }
+
+#pragma unroll
+    for (int k = 0; k < ROWS_PER_WARP; k++) {
+        int r = warp * ROWS_PER_WARP + k;
+        if (r >= n_tile) continue;
+        float inv = 1.0f / l[k];
+        float* orow = out + (long long)(first + r) * out_stride + (long long)h * head_dim;
+#pragma unroll
+        for (int i = 0; i < TILE_MAX_DPL; i++)
+            if (i < dpl) orow[lane + 32 * i] = acc[k][i] * inv;
+    }
+}

@@ -23,6 +23,7 @@ mod graph;
 mod nvrtc;
 #[cfg(not(feature = "cuda"))]
 mod stub;
+mod tiles;
 
 #[cfg(feature = "cuda")]
 pub use copy_stream::{KvEvent, KvStager};
@@ -37,6 +38,7 @@ pub use nvrtc::{compile_ptx, fill_cache, nvrtc_version};
 pub use source::{format_code, Source, COMMON, SOURCES};
 #[cfg(not(feature = "cuda"))]
 pub use stub::CudaDevice;
+pub use tiles::{attention_tiles, tiles_pay, ATTN_TILE_ROWS};
 
 /// Names the NVRTC shared library to load (a path to `libnvrtc.so.13`), ahead of the default
 /// places: `~/.cache/kvmesh/nvrtc` (where `scripts/setup.sh` installs it) and the system's

@@ -4,7 +4,7 @@
 use anyhow::Result;
 use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
-use kvmesh_kernels::cuda::{CudaDevice, KvGeometry};
+use kvmesh_kernels::cuda::{attention_tiles, CudaDevice, KvGeometry};
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use serde_json::{json, Value};
 
@@ -257,22 +257,32 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         dev.upload(&row_table)?,
         dev.upload(&flat)?,
     );
-    let mut out = dev.zeros::<f32>(q.len())?;
-    dev.attention(
-        &g,
-        &qd.slice(..),
-        q_row,
-        &pd.slice(..),
-        &rd.slice(..),
-        &fd.slice(..),
-        rows,
-        &kd,
-        &vd,
-        &mut out.slice_mut(..),
-        q_row,
-    )?;
-    dev.download(&out.slice(..), &mut got)?;
-    c.compare("paged_attention", &want, &got, 5e-3);
+    // Row by row, then a tile at a time (the 100-row prefill in tiles of 32, 32, 32 and 4).
+    let tiles = attention_tiles(seqs_spec.iter().map(|&(_, nq)| nq));
+    let tiles_dev = dev.upload(&tiles)?;
+    let tiled = (tiles_dev.slice(..), tiles.len() - 1);
+    for (name, tiles) in [
+        ("paged_attention", None),
+        ("paged_attention_tiled", Some((&tiled.0, tiled.1))),
+    ] {
+        let mut out = dev.zeros::<f32>(q.len())?;
+        dev.attention(
+            &g,
+            &qd.slice(..),
+            q_row,
+            &pd.slice(..),
+            &rd.slice(..),
+            &fd.slice(..),
+            tiles,
+            rows,
+            &kd,
+            &vd,
+            &mut out.slice_mut(..),
+            q_row,
+        )?;
+        dev.download(&out.slice(..), &mut got)?;
+        c.compare(name, &want, &got, 5e-3);
+    }
 
     // KV pack to the transfer layout equals the CPU's gather; unpack restores it elsewhere.
     let ids: Vec<u32> = vec![5, 0, 63, 7];

@@ -52,6 +52,9 @@ const GEMV_MAX_M: usize = 8;
 const GEMV_WARPS: usize = 4;
 /// Head dims the attention kernel handles: a multiple of 32, at most 256 (`ATTN_MAX_DPL`).
 const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Head dims the tiled prefill attention handles (`TILE_MAX_HD`); larger ones go row by row.
+pub const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
+/// Threads of both attention kernels (`ATTN_WARPS` and `TILE_WARPS` warps).
 const ATTN_THREADS: u32 = 128;
 const SAMPLE_THREADS: u32 = 1024;
 
@@ -572,7 +575,9 @@ impl CudaDevice {
 
     /// Paged causal attention for `n_rows` query rows: row `r`'s q at `r * q_stride` of `q`,
     /// at position `row_pos[r]`, through the block table at `tables[row_table[r]..]`; output
-    /// rows `out_stride` apart. See attention.cu.
+    /// rows `out_stride` apart. With `tiles` ([`attention_tiles`](super::attention_tiles) of
+    /// the step's sequences, and how many), rows are computed a tile at a time where head dims
+    /// allow (at most [`ATTN_TILED_MAX_HEAD_DIM`]). See attention.cu.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -582,6 +587,7 @@ impl CudaDevice {
         row_pos: &CudaView<'_, i32>,
         row_table: &CudaView<'_, i32>,
         tables: &CudaView<'_, i32>,
+        tiles: Option<(&CudaView<'_, i32>, usize)>,
         n_rows: usize,
         k_cache: &CudaSlice<u16>,
         v_cache: &CudaSlice<u16>,
@@ -619,7 +625,15 @@ impl CudaDevice {
             i32_of("block_size", g.block_size)?,
         );
         let scale = 1.0f32 / (g.head_dim as f32).sqrt();
-        let mut b = self.stream.launch_builder(self.f("paged_attention")?);
+        let tiles = tiles.filter(|_| g.head_dim <= ATTN_TILED_MAX_HEAD_DIM);
+        if let Some((t, n_tiles)) = tiles {
+            check_len("attention tiles", t.len(), n_tiles + 1)?;
+        }
+        let kernel = match tiles {
+            Some(_) => "paged_attention_tiled",
+            None => "paged_attention",
+        };
+        let mut b = self.stream.launch_builder(self.f(kernel)?);
         b.arg(q)
             .arg(&qs)
             .arg(out)
@@ -627,13 +641,18 @@ impl CudaDevice {
             .arg(k_cache)
             .arg(v_cache);
         b.arg(row_pos).arg(row_table).arg(tables);
+        if let Some((t, _)) = tiles {
+            b.arg(t);
+        }
         b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale);
+        let blocks = tiles.map_or(n_rows, |(_, n_tiles)| n_tiles);
         let cfg = LaunchConfig {
-            grid_dim: (n_rows as u32, g.n_heads as u32, 1),
+            grid_dim: (blocks as u32, g.n_heads as u32, 1),
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: lengths checked above; positions and block tables validated by the caller.
+        // SAFETY: lengths checked above; positions, block tables and tiles (each within the
+        // rows, of one sequence) validated by the caller.
         unsafe { b.launch(cfg) }.map(drop).map_err(driver)
     }
 

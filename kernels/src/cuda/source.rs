@@ -46,7 +46,7 @@ pub const SOURCES: &[Source] = &[
     Source {
         name: "attention.cu",
         text: include_str!("../../cuda/attention.cu"),
-        kernels: &["paged_attention"],
+        kernels: &["paged_attention", "paged_attention_tiled"],
     },
     Source {
         name: "sample.cu",
