@@ -390,18 +390,20 @@ fn time_step(r: &mut LlamaRunner, input: &StepInput) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Decode tok/s at batch 1, 32 and 128 (context 512) with `options`.
+/// Decode tok/s at each of `batches` (context 512) with `options`.
 fn decode_tok_s(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
     options: RunnerOptions,
+    batches: &[usize],
 ) -> Result<Map<String, Value>> {
     const CTX: usize = 512;
     const STEPS: usize = 16;
     let per_seq = (CTX + STEPS).div_ceil(BLOCK);
-    let mut r = LlamaRunner::with_options(device, options, model.clone(), 128 * per_seq, BLOCK)?;
+    let most = batches.iter().copied().max().unwrap_or(1);
+    let mut r = LlamaRunner::with_options(device, options, model.clone(), most * per_seq, BLOCK)?;
     let mut decode = Map::new();
-    for batch in [1usize, 32, 128] {
+    for &batch in batches {
         // Fill each sequence's context (KV values do not matter for timing).
         for s in 0..batch {
             let input = StepInput {
@@ -440,18 +442,25 @@ fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> 
     let wb = weight_bytes(c);
     let roofline = HBM_BYTES_PER_S / wb;
     let mut decode = Map::new();
-    for graphs in [false, true] {
+    // The int8 GEMV (the default) eager and with graphs at every batch; the reference GEMV
+    // at batch 1 (larger batches go to cuBLAS either way) to compare.
+    let runs = [
+        ("eager", false, false, &[1usize, 32, 128][..]),
+        ("cuda_graphs", true, false, &[1, 32, 128][..]),
+        ("reference_gemv_cuda_graphs", true, true, &[1][..]),
+    ];
+    for (key, cuda_graphs, reference_gemv, batches) in runs {
         let options = RunnerOptions {
-            cuda_graphs: graphs,
+            cuda_graphs,
+            reference_gemv,
             ..RunnerOptions::default()
         };
-        let mut d = decode_tok_s(model, device, options)?;
+        let mut d = decode_tok_s(model, device, options, batches)?;
         let b1 = d
             .get("batch_1_tok_s")
             .and_then(Value::as_f64)
             .unwrap_or(0.0);
         d.insert("batch_1_fraction_of_roofline".into(), json!(b1 / roofline));
-        let key = if graphs { "cuda_graphs" } else { "eager" };
         decode.insert(key.into(), Value::Object(d));
     }
     decode.insert("weight_bytes".into(), json!(wb));

@@ -3,8 +3,9 @@
 //! (`[num_blocks, n_kv_heads, block_size, head_dim]` f16 per layer), so blocks move to and from
 //! other nodes in the same transfer layout.
 //!
-//! Weights are uploaded once: their ggml bytes for the fused dequantizing GEMV (decode) and a
-//! bf16 copy for cuBLAS (prefill). A step follows `cuda_plan::kv_pipeline`: each layer's KV
+//! Weights are uploaded once: their ggml bytes (the embedding gather, the reference GEMV), for
+//! the int8 GEMV of decode the same bits split into quants and scales, and a bf16 copy for
+//! cuBLAS (prefill). A step follows `cuda_plan::kv_pipeline`: each layer's KV
 //! is read out for the observer on the copy stream while the next layer computes. With
 //! `RunnerOptions::cuda_graphs`, decode steps replay a graph per batch bucket
 //! (`cuda_plan::graph_buckets`). Not yet proven on a GPU (docs/gpu.md).
@@ -20,7 +21,8 @@ use crate::model_config::{ModelConfig, RopeStyle};
 use crate::runner::{DeviceDraw, KvShape, KvSource, RunnerError, SeqChunk, SeqId};
 use kvmesh_common::BlockId;
 use kvmesh_kernels::cuda::{
-    CudaDevice, CudaError, CudaSlice, DeviceGraph, DeviceQMatrix, KvEvent, KvGeometry, KvStager,
+    CudaDevice, CudaError, CudaSlice, DeviceGraph, DeviceQMatrix, GemvKernel, KvEvent, KvGeometry,
+    KvStager,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -429,11 +431,17 @@ enum Rows {
 impl CudaBackend {
     /// Uploads `model`'s weights and allocates a zeroed KV pool of `shape` on `dev`.
     pub fn new(
-        dev: CudaDevice,
+        mut dev: CudaDevice,
         options: RunnerOptions,
         model: Arc<LlamaModel>,
         shape: KvShape,
     ) -> Result<Self, CudaError> {
+        // Before the uploads: the int8 GEMV reads a copy of the weights made there.
+        dev.set_gemv(if options.reference_gemv {
+            GemvKernel::Reference
+        } else {
+            GemvKernel::Dp4a
+        });
         let c = &model.config;
         let geo = KvGeometry {
             n_heads: c.num_heads,
