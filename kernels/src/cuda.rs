@@ -21,6 +21,8 @@ mod device;
 #[cfg(feature = "cuda")]
 mod graph;
 #[cfg(feature = "cuda")]
+mod kv_write;
+#[cfg(feature = "cuda")]
 mod nvrtc;
 #[cfg(not(feature = "cuda"))]
 mod stub;
@@ -33,6 +35,8 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{CudaDevice, DeviceQMatrix, KvGeometry};
 #[cfg(feature = "cuda")]
 pub use graph::DeviceGraph;
+#[cfg(feature = "cuda")]
+pub use kv_write::KvUnstager;
 pub use layout::{
     act_layout, dp4a_launch, quantize_blocks, split_blocks, split_layout, ActLayout, GemvKernel,
     GemvLaunch, SplitLayout, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
