@@ -56,6 +56,10 @@ pub struct GpuCheckArgs {
     /// but 30 layers of it amplify rounding differences between devices).
     #[arg(long, default_value_t = 1.0)]
     pub qk_scale: f32,
+    /// Decode's matmuls on the device take the f32 reference GEMV instead of the int8 one, in
+    /// every check but `ops` (which checks both). Also recorded in the report as `gemv`.
+    #[arg(long)]
+    pub reference_gemv: bool,
     /// A SmolLM2-135M GGUF: the golden prompts run on it, and the hand-off uses it instead of
     /// the random-weight SmolLM2-shaped model.
     #[arg(long, value_name = "PATH")]
@@ -105,13 +109,20 @@ pub fn run(args: &GpuCheckArgs) -> Result<()> {
     let mut report = Map::new();
     let mut failures = Vec::<String>::new();
     report.insert("device".into(), json!(args.device.to_string()));
+    let gemv = if args.reference_gemv {
+        "reference"
+    } else {
+        "dp4a"
+    };
+    report.insert("gemv".into(), json!(gemv));
     for &check in &args.checks {
         let key = format!("{check:?}").to_lowercase();
         let result = match (check, cuda) {
             (Check::Ops, Some(ordinal)) => ops_report(ordinal, &mut failures),
             (Check::Models, Some(_)) => models(args, &mut report, &mut failures),
-            (Check::Sampling, Some(_)) => engine_model(args, "sampling")
-                .and_then(|loaded| sampling::check(&loaded, args.device, &mut failures)),
+            (Check::Sampling, Some(_)) => engine_model(args, "sampling").and_then(|loaded| {
+                sampling::check(&loaded, args.device, args.reference_gemv, &mut failures)
+            }),
             (Check::Ops | Check::Models | Check::Sampling, None) => {
                 unreachable!("refused above")
             }
@@ -157,10 +168,10 @@ fn models(
         let mut entry = Map::new();
         entry.insert(
             "agreement".into(),
-            agreement(&model, args.device, name, failures)?,
+            agreement(&model, args.device, args.reference_gemv, name, failures)?,
         );
         if !args.no_perf {
-            let t = throughput(&model, args.device, name, failures)?;
+            let t = throughput(&model, args.device, args.reference_gemv, name, failures)?;
             entry.insert("throughput".into(), t);
         }
         shapes.insert(name.clone(), Value::Object(entry));
@@ -200,12 +211,18 @@ fn handoff(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
         "gpu-check: handoff: {} prefill -> cpu decode over QUIC",
         args.device
     );
-    handoff::check(&loaded, args.device, &requests, failures)
+    handoff::check(
+        &loaded,
+        args.device,
+        args.reference_gemv,
+        &requests,
+        failures,
+    )
 }
 
 fn golden_report(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
     match &args.model {
-        Some(path) => golden::check(&load(path)?, args.device, failures),
+        Some(path) => golden::check(&load(path)?, args.device, args.reference_gemv, failures),
         None => Ok(json!({"ran": false, "reason": "no --model given"})),
     }
 }
@@ -278,6 +295,7 @@ fn argmax(l: &[f32]) -> usize {
 fn agreement(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
+    reference_gemv: bool,
     name: &str,
     failures: &mut Vec<String>,
 ) -> Result<Value> {
@@ -289,6 +307,7 @@ fn agreement(
     for (key, cuda_graphs) in [("eager", false), ("cuda_graphs", true)] {
         let options = RunnerOptions {
             cuda_graphs,
+            reference_gemv,
             ..RunnerOptions::default()
         };
         let runner = LlamaRunner::with_options(device, options, model.clone(), blocks, BLOCK)?;
@@ -442,6 +461,7 @@ fn decode_tok_s(
 fn throughput(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
+    reference_gemv: bool,
     name: &str,
     failures: &mut Vec<String>,
 ) -> Result<Value> {
@@ -449,11 +469,11 @@ fn throughput(
     let wb = weight_bytes(c);
     let roofline = HBM_BYTES_PER_S / wb;
     let mut decode = Map::new();
-    // The int8 GEMV (the default) eager and with graphs at every batch; the reference GEMV
-    // at batch 1 (larger batches go to cuBLAS either way) to compare.
+    // The run's GEMV eager and with graphs at every batch; the reference GEMV at batch 1
+    // (larger batches go to cuBLAS either way) to compare.
     let runs = [
-        ("eager", false, false, &[1usize, 32, 128][..]),
-        ("cuda_graphs", true, false, &[1, 32, 128][..]),
+        ("eager", false, reference_gemv, &[1usize, 32, 128][..]),
+        ("cuda_graphs", true, reference_gemv, &[1, 32, 128][..]),
         ("reference_gemv_cuda_graphs", true, true, &[1][..]),
     ];
     for (key, cuda_graphs, reference_gemv, batches) in runs {
@@ -473,7 +493,11 @@ fn throughput(
     decode.insert("weight_bytes".into(), json!(wb));
     decode.insert("batch_1_roofline_tok_s".into(), json!(roofline));
     let blocks = (8192 / BLOCK).max(256);
-    let mut r = LlamaRunner::on_device(device, model.clone(), blocks, BLOCK)?;
+    let options = RunnerOptions {
+        reference_gemv,
+        ..RunnerOptions::default()
+    };
+    let mut r = LlamaRunner::with_options(device, options, model.clone(), blocks, BLOCK)?;
     let mut prefill = serde_json::Map::new();
     for len in [512usize, 2048, 8192] {
         let n = len.div_ceil(BLOCK);
