@@ -382,7 +382,7 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
 /// that bounds decode, against the HBM's bandwidth); and cuBLAS at 2,048 rows (a prefill
 /// chunk) in TFLOP/s, the prefill target's baseline.
 ///
-/// A GEMV of ~10 us is shorter than the host's launch of it, so the GEMVs are timed as
+/// A GEMV of ~10 us takes about as long as the host's launch of it, so the GEMVs are timed as
 /// `REPEATS` launches captured in one CUDA graph (replayed once untimed first): GPU time with
 /// the gaps between kernels a decode graph has too. The int8 GEMV's figure includes its
 /// quantization of the activations (a second kernel).

@@ -176,10 +176,6 @@ impl CudaDevice {
         self.gemv = kernel;
     }
 
-    pub fn gemv(&self) -> GemvKernel {
-        self.gemv
-    }
-
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -275,13 +271,9 @@ impl CudaDevice {
             GemvKernel::Dp4a => split_blocks(format, &bytes),
             GemvKernel::Reference => None,
         };
-        let split = match split {
-            Some(s) => {
-                let blocks = w.rows * w.cols / 32;
-                let at = split_layout(format, blocks).map_or(0, |l| l.quant_bytes);
-                Some((self.upload(&s)?, at))
-            }
-            None => None,
+        let split = match (split, split_layout(format, w.rows * w.cols / 32)) {
+            (Some(s), Some(l)) => Some((self.upload(&s)?, l.quant_bytes)),
+            _ => None,
         };
         let raw = self.upload(&bytes)?;
         let mut dense = self.zeros::<u16>(w.rows * w.cols)?;
