@@ -38,8 +38,8 @@ pub use graph::DeviceGraph;
 #[cfg(feature = "cuda")]
 pub use kv_write::KvUnstager;
 pub use layout::{
-    act_layout, dp4a_launch, quantize_blocks, split_blocks, split_layout, ActLayout, GemvKernel,
-    GemvLaunch, SplitLayout, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
+    act_layout, attention_threads, dp4a_launch, quantize_blocks, split_blocks, split_layout,
+    ActLayout, GemvKernel, GemvLaunch, SplitLayout, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
 };
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile_ptx, fill_cache, nvrtc_version};

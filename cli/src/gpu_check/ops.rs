@@ -4,7 +4,7 @@
 use anyhow::Result;
 use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
-use kvmesh_kernels::cuda::{CudaDevice, GemvKernel, KvGeometry, GEMV_MAX_M};
+use kvmesh_kernels::cuda::{attention_threads, CudaDevice, GemvKernel, KvGeometry, GEMV_MAX_M};
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use serde_json::{json, Value};
 
@@ -295,6 +295,27 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
     )?;
     dev.download(&out.slice(..), &mut got)?;
     c.compare("paged_attention", &want, &got, 5e-3);
+    // The four decode rows alone: a launch of few thread blocks, which takes more warps per
+    // row (`attention_threads`) than the launch above.
+    let decode_rows = 4;
+    let mut out = dev.zeros::<f32>(decode_rows * q_row)?;
+    dev.attention(
+        &g,
+        &qd.slice(..),
+        q_row,
+        &pd.slice(..),
+        &rd.slice(..),
+        &fd.slice(..),
+        decode_rows,
+        &kd,
+        &vd,
+        &mut out.slice_mut(..),
+        q_row,
+    )?;
+    dev.download(&out.slice(..), &mut got)?;
+    let warps = attention_threads(decode_rows, g.n_heads) / 32;
+    let key = format!("paged_attention_decode_rows_{warps}_warps");
+    c.compare(&key, &want[..decode_rows * q_row], &got, 5e-3);
 
     // KV pack to the transfer layout equals the CPU's gather; unpack restores it elsewhere.
     let ids: Vec<u32> = vec![5, 0, 63, 7];

@@ -5,8 +5,8 @@
 //! All work is queued on one stream in order; reads back to the host synchronize.
 
 use super::layout::{
-    act_layout, dp4a_launch, quantize_blocks, split_blocks, split_layout, GemvKernel, DP4A_THREADS,
-    GEMV_MAX_M, QUANTIZE_THREADS,
+    act_layout, attention_threads, dp4a_launch, quantize_blocks, split_blocks, split_layout,
+    GemvKernel, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
 };
 use super::nvrtc::cached_ptx;
 use super::source::{format_code, SOURCES};
@@ -53,7 +53,6 @@ fn grid(n: usize, threads: u32) -> LaunchConfig {
 const GEMV_WARPS: usize = 4;
 /// Head dims the attention kernel handles: a multiple of 32, at most 256 (`ATTN_MAX_DPL`).
 const ATTN_MAX_HEAD_DIM: usize = 256;
-const ATTN_THREADS: u32 = 128;
 const SAMPLE_THREADS: u32 = 1024;
 
 /// A weight matrix on the device: its ggml bytes as stored (read by the reference GEMV and
@@ -721,7 +720,7 @@ impl CudaDevice {
         b.arg(&nh).arg(&nkv).arg(&hd).arg(&bs).arg(&scale);
         let cfg = LaunchConfig {
             grid_dim: (n_rows as u32, g.n_heads as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            block_dim: (attention_threads(n_rows, g.n_heads), 1, 1),
             shared_mem_bytes: 0,
         };
         // SAFETY: lengths checked above; positions and block tables validated by the caller.

@@ -1,6 +1,7 @@
-//! The host side of decode's int8 GEMV (`gemv.cu`), pure arithmetic with no driver: the split
-//! layout weights are uploaded in, where the quantized activations sit in the scratch buffer,
-//! and which kernel runs with what grid.
+//! Launch geometry and layouts of the decode kernels, pure arithmetic with no driver: for the
+//! int8 GEMV (`gemv.cu`) the split layout weights are uploaded in, where the quantized
+//! activations sit in the scratch buffer and which kernel runs with what grid; the warps of
+//! a paged attention launch (`attention.cu`).
 //!
 //! ggml's blocks are 20 bytes (Q4_1) and 34 bytes (Q8_0), so a block's quants sit at any
 //! 4-byte (Q4_1) or 2-byte (Q8_0) offset and a warp cannot read them as aligned 128-bit words.
@@ -149,6 +150,24 @@ pub fn quantize_blocks(m: usize, cols: usize) -> usize {
     (m * cols / 32).div_ceil(warps).max(1)
 }
 
+/// Most warps of one attention thread block (`ATTN_MAX_WARPS` in attention.cu).
+pub const ATTN_MAX_WARPS: usize = 16;
+/// Fewest warps of one attention thread block (a prefill launch: many rows).
+pub const ATTN_MIN_WARPS: usize = 4;
+/// Warps that fill a large GPU (132 SMs of 64 resident warps, about 8,192).
+const ATTN_FILL_WARPS: usize = 8192;
+
+/// Threads per thread block of an attention launch over `rows` query rows and `heads` heads
+/// (one block each). Each block's warps split its row's positions, walking them one after
+/// another, so a launch of few blocks (decode at small batch: 32 blocks for one sequence of
+/// Llama-3-8B) takes up to [`ATTN_MAX_WARPS`] to have more positions read at once, and one
+/// of many blocks (prefill) keeps [`ATTN_MIN_WARPS`].
+pub fn attention_threads(rows: usize, heads: usize) -> u32 {
+    let blocks = (rows * heads).max(1);
+    let warps = (ATTN_FILL_WARPS / blocks).clamp(ATTN_MIN_WARPS, ATTN_MAX_WARPS);
+    32 * warps as u32
+}
+
 /// Every kernel name of the int8 GEMV, for the source list.
 pub const DP4A_KERNELS: [&str; 9] = [
     "quantize_q8_1",
@@ -260,6 +279,18 @@ mod tests {
                 let covered = l.blocks as usize * DP4A_ROWS;
                 assert!(covered >= rows && covered < rows + DP4A_ROWS);
             }
+        }
+    }
+
+    #[test]
+    fn attention_takes_more_warps_for_fewer_rows() {
+        assert_eq!(attention_threads(1, 32), 32 * ATTN_MAX_WARPS as u32);
+        assert_eq!(attention_threads(1, 9), 32 * ATTN_MAX_WARPS as u32);
+        assert_eq!(attention_threads(32, 32), 32 * 8);
+        assert_eq!(attention_threads(2048, 32), 32 * ATTN_MIN_WARPS as u32);
+        for rows in [0, 1, 7, 100, 5000] {
+            let t = attention_threads(rows, 32);
+            assert!(t.is_multiple_of(32) && (4..=16).contains(&(t / 32)));
         }
     }
 

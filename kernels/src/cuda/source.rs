@@ -97,7 +97,8 @@ mod tests {
         }
     }
 
-    /// The constants layout.rs shares with gemv.cu: its geometry and its instantiations.
+    /// The constants layout.rs shares with gemv.cu (its geometry and its instantiations),
+    /// attention.cu and quant.cu.
     #[test]
     fn gemv_geometry_matches_its_source() {
         use super::super::layout::{DP4A_MAX_M, DP4A_ROWS, DP4A_THREADS, GEMV_MAX_M};
@@ -112,6 +113,13 @@ mod tests {
                 assert!(line.contains(&body), "{line}");
             }
         }
+        let attention = SOURCES
+            .iter()
+            .find(|s| s.name == "attention.cu")
+            .unwrap()
+            .text;
+        let max_warps = super::super::layout::ATTN_MAX_WARPS;
+        assert!(attention.contains(&format!("#define ATTN_MAX_WARPS {max_warps}\n")));
         let quant = SOURCES.iter().find(|s| s.name == "quant.cu").unwrap().text;
         assert!(quant.contains(&format!("#define GEMV_MAX_M {GEMV_MAX_M}\n")));
         assert_eq!(DP4A_MAX_M.last(), Some(&GEMV_MAX_M));

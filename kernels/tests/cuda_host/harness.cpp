@@ -1,9 +1,14 @@
-// Runs gemv.cu's quantize_q8_1 and one of its GEMV kernels on the host through shim.h, as
-// CudaDevice::matmul launches them, on the inputs kernels/tests/gemv_host.rs writes:
-//   harness DIR KERNEL GEMV_BLOCKS QUANTIZE_BLOCKS ROWS COLS M SCALES_AT DS_OFFSET SCRATCH_BYTES
-// DIR/w.bin: the weights in the split layout; DIR/x.bin: m * cols f32. Writes DIR/y.bin.
+// Runs kernels of gemv.cu and attention.cu on the host through shim.h, launched as
+// CudaDevice launches them, on the inputs kernels/tests/cuda_host.rs writes into DIR:
+//   harness DIR gemv KERNEL GEMV_BLOCKS QUANTIZE_BLOCKS ROWS COLS M SCALES_AT DS_OFFSET SCRATCH_BYTES
+//     w.bin: the weights in the split layout; x.bin: m * cols f32. Runs quantize_q8_1, then
+//     KERNEL; writes y.bin (m * rows f32).
+//   harness DIR attention THREADS N_ROWS N_HEADS N_KV_HEADS HEAD_DIM BLOCK_SIZE SCALE
+//     q.bin (f32 rows of n_heads * head_dim), k.bin / v.bin (f16 caches), pos.bin, rtab.bin,
+//     tables.bin (i32); writes out.bin (f32, as q).
 #include "shim.h"
 #include "../../cuda/gemv.cu"
+#include "../../cuda/attention.cu"
 
 #include <cstdio>
 #include <cstdlib>
@@ -13,7 +18,7 @@
 #include <string>
 #include <thread>
 
-template <class F> void launch(unsigned grid, unsigned threads, F body) {
+template <class F> void launch(unsigned grid_x, unsigned grid_y, unsigned threads, F body) {
     Block b(threads);
     block_state = &b;
     blockDim.x = threads;
@@ -21,10 +26,13 @@ template <class F> void launch(unsigned grid, unsigned threads, F body) {
     for (unsigned t = 0; t < threads; t++) {
         ts.emplace_back([&, t] {
             threadIdx.x = t;
-            for (unsigned g = 0; g < grid; g++) {
-                blockIdx.x = g;
-                body();
-                b.all.arrive_and_wait(); // the next block starts when this one is done
+            for (unsigned gy = 0; gy < grid_y; gy++) {
+                for (unsigned gx = 0; gx < grid_x; gx++) {
+                    blockIdx.x = gx;
+                    blockIdx.y = gy;
+                    body();
+                    b.all.arrive_and_wait(); // the next block starts when this one is done
+                }
             }
         });
     }
@@ -37,22 +45,30 @@ static std::vector<char> slurp(const std::string& path) {
     return std::vector<char>(std::istreambuf_iterator<char>(f), {});
 }
 
-int main(int argc, char** argv) {
-    if (argc != 11) { std::fprintf(stderr, "usage: see harness.cpp\n"); return 2; }
-    std::string dir = argv[1], kernel = argv[2];
-    unsigned gemv_blocks = std::stoul(argv[3]), quantize_blocks = std::stoul(argv[4]);
-    int rows = std::stoi(argv[5]), cols = std::stoi(argv[6]), m = std::stoi(argv[7]);
-    size_t scales_at = std::stoull(argv[8]), ds_offset = std::stoull(argv[9]), scratch_bytes = std::stoull(argv[10]);
-    std::vector<char> w = slurp(dir + "/w.bin"), xb = slurp(dir + "/x.bin");
-    // 16-byte aligned copies, as device allocations are.
-    std::vector<uint4> wbuf((w.size() + 15) / 16), scratch((scratch_bytes + 15) / 16);
-    std::memcpy(wbuf.data(), w.data(), w.size());
-    const float* x = reinterpret_cast<const float*>(xb.data());
+// 16-byte aligned, as device allocations are.
+static std::vector<uint4> aligned(const std::vector<char>& bytes) {
+    std::vector<uint4> out((bytes.size() + 15) / 16);
+    std::memcpy(out.data(), bytes.data(), bytes.size());
+    return out;
+}
+
+static void spill(const std::string& path, const std::vector<float>& v) {
+    std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+static int gemv(const std::string& dir, char** a) {
+    std::string kernel = a[0];
+    unsigned gemv_blocks = std::stoul(a[1]), quantize_blocks = std::stoul(a[2]);
+    int rows = std::stoi(a[3]), cols = std::stoi(a[4]), m = std::stoi(a[5]);
+    size_t scales_at = std::stoull(a[6]), ds_offset = std::stoull(a[7]), scratch_bytes = std::stoull(a[8]);
+    std::vector<uint4> wbuf = aligned(slurp(dir + "/w.bin")), xbuf = aligned(slurp(dir + "/x.bin"));
+    std::vector<uint4> scratch((scratch_bytes + 15) / 16);
+    const float* x = reinterpret_cast<const float*>(xbuf.data());
     char* s = reinterpret_cast<char*>(scratch.data());
     const char* wp = reinterpret_cast<const char*>(wbuf.data());
     std::vector<float> y((size_t)m * rows, NAN);
     int nb = cols / 32, n_blocks = m * nb;
-    launch(quantize_blocks, 256, [&] {
+    launch(quantize_blocks, 1, 256, [&] {
         quantize_q8_1(x, reinterpret_cast<signed char*>(s), reinterpret_cast<float2*>(s + ds_offset), n_blocks);
     });
     auto qs = reinterpret_cast<const uint4*>(wp);
@@ -60,7 +76,7 @@ int main(int argc, char** argv) {
     auto ds = reinterpret_cast<const float2*>(s + ds_offset);
     auto q41 = reinterpret_cast<const u32*>(wp + scales_at);
     auto q80 = reinterpret_cast<const u16*>(wp + scales_at);
-    auto run = [&](auto body) { launch(gemv_blocks, DP4A_THREADS, body); };
+    auto run = [&](auto body) { launch(gemv_blocks, 1, DP4A_THREADS, body); };
     if (kernel == "gemv_q4_1_dp4a_m1") run([&] { gemv_q4_1_dp4a_m1(qs, q41, xq, ds, y.data(), rows, nb, m); });
     else if (kernel == "gemv_q4_1_dp4a_m2") run([&] { gemv_q4_1_dp4a_m2(qs, q41, xq, ds, y.data(), rows, nb, m); });
     else if (kernel == "gemv_q4_1_dp4a_m4") run([&] { gemv_q4_1_dp4a_m4(qs, q41, xq, ds, y.data(), rows, nb, m); });
@@ -70,6 +86,34 @@ int main(int argc, char** argv) {
     else if (kernel == "gemv_q8_0_dp4a_m4") run([&] { gemv_q8_0_dp4a_m4(qs, q80, xq, ds, y.data(), rows, nb, m); });
     else if (kernel == "gemv_q8_0_dp4a_m8") run([&] { gemv_q8_0_dp4a_m8(qs, q80, xq, ds, y.data(), rows, nb, m); });
     else { std::fprintf(stderr, "unknown kernel %s\n", kernel.c_str()); return 2; }
-    std::ofstream(dir + "/y.bin", std::ios::binary).write(reinterpret_cast<const char*>(y.data()), y.size() * 4);
+    spill(dir + "/y.bin", y);
     return 0;
+}
+
+static int attention(const std::string& dir, char** a) {
+    unsigned threads = std::stoul(a[0]);
+    int n_rows = std::stoi(a[1]), n_heads = std::stoi(a[2]), n_kv = std::stoi(a[3]);
+    int head_dim = std::stoi(a[4]), block_size = std::stoi(a[5]);
+    float scale = std::stof(a[6]);
+    std::vector<uint4> q = aligned(slurp(dir + "/q.bin")), k = aligned(slurp(dir + "/k.bin")),
+                       v = aligned(slurp(dir + "/v.bin")), pos = aligned(slurp(dir + "/pos.bin")),
+                       rtab = aligned(slurp(dir + "/rtab.bin")), tables = aligned(slurp(dir + "/tables.bin"));
+    long long stride = (long long)n_heads * head_dim;
+    std::vector<float> out((size_t)n_rows * stride, NAN);
+    launch(n_rows, n_heads, threads, [&] {
+        paged_attention(reinterpret_cast<const float*>(q.data()), stride, out.data(), stride,
+                        reinterpret_cast<const u16*>(k.data()), reinterpret_cast<const u16*>(v.data()),
+                        reinterpret_cast<const int*>(pos.data()), reinterpret_cast<const int*>(rtab.data()),
+                        reinterpret_cast<const int*>(tables.data()), n_heads, n_kv, head_dim, block_size,
+                        scale);
+    });
+    spill(dir + "/out.bin", out);
+    return 0;
+}
+
+int main(int argc, char** argv) {
+    if (argc >= 3 && std::string(argv[2]) == "gemv" && argc == 12) return gemv(argv[1], argv + 3);
+    if (argc >= 3 && std::string(argv[2]) == "attention" && argc == 10) return attention(argv[1], argv + 3);
+    std::fprintf(stderr, "usage: see harness.cpp\n");
+    return 2;
 }

@@ -1,8 +1,8 @@
-// Just enough CUDA to run gemv.cu's kernels on the host (kernels/tests/gemv_host.rs): one
-// std::thread per CUDA thread of a block, the grid's blocks one after another, warp shuffles
-// through a per-warp exchange between two barriers, shared memory as statics (one block runs
-// at a time). Stands in for common.cuh, with the same helpers as plain C++; f16 rounding as
-// the device's cvt.rn (nearest even, through _Float16).
+// Just enough CUDA to run gemv.cu's and attention.cu's kernels on the host
+// (kernels/tests/cuda_host.rs): one std::thread per CUDA thread of a block, the grid's blocks
+// one after another, warp shuffles through a per-warp exchange between two barriers, shared
+// memory as statics (one block runs at a time). Stands in for common.cuh, with the same
+// helpers as plain C++; f16 rounding as the device's cvt.rn (nearest even, through _Float16).
 #pragma once
 #include <algorithm>
 #include <barrier>
@@ -93,6 +93,8 @@ inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+#define NEG_INF (-INFINITY)
 
 inline float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
