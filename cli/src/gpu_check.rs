@@ -56,6 +56,10 @@ pub struct GpuCheckArgs {
     /// but 30 layers of it amplify rounding differences between devices).
     #[arg(long, default_value_t = 1.0)]
     pub qk_scale: f32,
+    /// Decode's matmuls on the device take the f32 reference GEMV instead of the int8 one, in
+    /// every check but `ops` (which checks both). Also recorded in the report as `gemv`.
+    #[arg(long)]
+    pub reference_gemv: bool,
     /// A SmolLM2-135M GGUF: the golden prompts run on it, and the hand-off uses it instead of
     /// the random-weight SmolLM2-shaped model.
     #[arg(long, value_name = "PATH")]
@@ -105,13 +109,20 @@ pub fn run(args: &GpuCheckArgs) -> Result<()> {
     let mut report = Map::new();
     let mut failures = Vec::<String>::new();
     report.insert("device".into(), json!(args.device.to_string()));
+    let gemv = if args.reference_gemv {
+        "reference"
+    } else {
+        "dp4a"
+    };
+    report.insert("gemv".into(), json!(gemv));
     for &check in &args.checks {
         let key = format!("{check:?}").to_lowercase();
         let result = match (check, cuda) {
             (Check::Ops, Some(ordinal)) => ops_report(ordinal, &mut failures),
             (Check::Models, Some(_)) => models(args, &mut report, &mut failures),
-            (Check::Sampling, Some(_)) => engine_model(args, "sampling")
-                .and_then(|loaded| sampling::check(&loaded, args.device, &mut failures)),
+            (Check::Sampling, Some(_)) => engine_model(args, "sampling").and_then(|loaded| {
+                sampling::check(&loaded, args.device, args.reference_gemv, &mut failures)
+            }),
             (Check::Ops | Check::Models | Check::Sampling, None) => {
                 unreachable!("refused above")
             }
@@ -157,10 +168,11 @@ fn models(
         let mut entry = Map::new();
         entry.insert(
             "agreement".into(),
-            agreement(&model, args.device, name, failures)?,
+            agreement(&model, args.device, args.reference_gemv, name, failures)?,
         );
         if !args.no_perf {
-            entry.insert("throughput".into(), throughput(&model, args.device)?);
+            let t = throughput(&model, args.device, args.reference_gemv, name, failures)?;
+            entry.insert("throughput".into(), t);
         }
         shapes.insert(name.clone(), Value::Object(entry));
         report.insert("models".into(), Value::Object(shapes.clone()));
@@ -199,12 +211,18 @@ fn handoff(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
         "gpu-check: handoff: {} prefill -> cpu decode over QUIC",
         args.device
     );
-    handoff::check(&loaded, args.device, &requests, failures)
+    handoff::check(
+        &loaded,
+        args.device,
+        args.reference_gemv,
+        &requests,
+        failures,
+    )
 }
 
 fn golden_report(args: &GpuCheckArgs, failures: &mut Vec<String>) -> Result<Value> {
     match &args.model {
-        Some(path) => golden::check(&load(path)?, args.device, failures),
+        Some(path) => golden::check(&load(path)?, args.device, args.reference_gemv, failures),
         None => Ok(json!({"ran": false, "reason": "no --model given"})),
     }
 }
@@ -277,6 +295,7 @@ fn argmax(l: &[f32]) -> usize {
 fn agreement(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
+    reference_gemv: bool,
     name: &str,
     failures: &mut Vec<String>,
 ) -> Result<Value> {
@@ -288,6 +307,7 @@ fn agreement(
     for (key, cuda_graphs) in [("eager", false), ("cuda_graphs", true)] {
         let options = RunnerOptions {
             cuda_graphs,
+            reference_gemv,
             ..RunnerOptions::default()
         };
         let runner = LlamaRunner::with_options(device, options, model.clone(), blocks, BLOCK)?;
@@ -390,18 +410,20 @@ fn time_step(r: &mut LlamaRunner, input: &StepInput) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Decode tok/s at batch 1, 32 and 128 (context 512) with `options`.
+/// Decode tok/s at each of `batches` (context 512) with `options`.
 fn decode_tok_s(
     model: &Arc<kvmesh_engine::model::LlamaModel>,
     device: Device,
     options: RunnerOptions,
+    batches: &[usize],
 ) -> Result<Map<String, Value>> {
     const CTX: usize = 512;
     const STEPS: usize = 16;
     let per_seq = (CTX + STEPS).div_ceil(BLOCK);
-    let mut r = LlamaRunner::with_options(device, options, model.clone(), 128 * per_seq, BLOCK)?;
+    let most = batches.iter().copied().max().unwrap_or(1);
+    let mut r = LlamaRunner::with_options(device, options, model.clone(), most * per_seq, BLOCK)?;
     let mut decode = Map::new();
-    for batch in [1usize, 32, 128] {
+    for &batch in batches {
         // Fill each sequence's context (KV values do not matter for timing).
         for s in 0..batch {
             let input = StepInput {
@@ -433,31 +455,49 @@ fn decode_tok_s(
     Ok(decode)
 }
 
-/// Decode tok/s at batch 1, 32 and 128 (context 512), prefill tok/s at 512, 2048 and 8192
-/// tokens, KV pack/unpack GB/s.
-fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> Result<Value> {
+/// Decode tok/s at batch 1, 32 and 128 (context 512; batch 1 also with the reference GEMV),
+/// prefill tok/s at 512, 2048 and 8192 tokens, KV pack/unpack GB/s; an unpack that does not
+/// read back exactly is a failure.
+fn throughput(
+    model: &Arc<kvmesh_engine::model::LlamaModel>,
+    device: Device,
+    reference_gemv: bool,
+    name: &str,
+    failures: &mut Vec<String>,
+) -> Result<Value> {
     let c = &model.config;
     let wb = weight_bytes(c);
     let roofline = HBM_BYTES_PER_S / wb;
     let mut decode = Map::new();
-    for graphs in [false, true] {
+    // The run's GEMV eager and with graphs at every batch; the reference GEMV at batch 1
+    // (larger batches go to cuBLAS either way) to compare.
+    let runs = [
+        ("eager", false, reference_gemv, &[1usize, 32, 128][..]),
+        ("cuda_graphs", true, reference_gemv, &[1, 32, 128][..]),
+        ("reference_gemv_cuda_graphs", true, true, &[1][..]),
+    ];
+    for (key, cuda_graphs, reference_gemv, batches) in runs {
         let options = RunnerOptions {
-            cuda_graphs: graphs,
+            cuda_graphs,
+            reference_gemv,
             ..RunnerOptions::default()
         };
-        let mut d = decode_tok_s(model, device, options)?;
+        let mut d = decode_tok_s(model, device, options, batches)?;
         let b1 = d
             .get("batch_1_tok_s")
             .and_then(Value::as_f64)
             .unwrap_or(0.0);
         d.insert("batch_1_fraction_of_roofline".into(), json!(b1 / roofline));
-        let key = if graphs { "cuda_graphs" } else { "eager" };
         decode.insert(key.into(), Value::Object(d));
     }
     decode.insert("weight_bytes".into(), json!(wb));
     decode.insert("batch_1_roofline_tok_s".into(), json!(roofline));
     let blocks = (8192 / BLOCK).max(256);
-    let mut r = LlamaRunner::on_device(device, model.clone(), blocks, BLOCK)?;
+    let options = RunnerOptions {
+        reference_gemv,
+        ..RunnerOptions::default()
+    };
+    let mut r = LlamaRunner::with_options(device, options, model.clone(), blocks, BLOCK)?;
     let mut prefill = serde_json::Map::new();
     for len in [512usize, 2048, 8192] {
         let n = len.div_ceil(BLOCK);
@@ -494,8 +534,16 @@ fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> 
         json!(len as f64 / secs),
     );
     prefill.insert("per_layer_kv_read_bytes".into(), json!(pushed));
-    // KV: 256 blocks of every layer packed to the transfer layout and back.
+    // KV through the transfer layout: 256 blocks of every layer packed (appended to one
+    // growing payload, the figure of the first device run; and each layer into one reused
+    // buffer: the device path and one warm host copy), then unpacked into 256 other blocks,
+    // which must read back as the payload, bit for bit. Timed warm: the staging buffers,
+    // grown once in a node's life, are grown by an untimed read and write first.
     let ids: Vec<BlockId> = (0..256).map(BlockId).collect();
+    let other: Vec<BlockId> = (256..512).map(BlockId).collect();
+    let mut one = Vec::new();
+    r.read_kv_blocks(0, &ids, &mut one)?;
+    r.write_kv_blocks(0..1, &other, &one)?;
     let mut payload = Vec::new();
     let t = Instant::now();
     for layer in 0..c.num_layers {
@@ -503,11 +551,33 @@ fn throughput(model: &Arc<kvmesh_engine::model::LlamaModel>, device: Device) -> 
     }
     let pack = payload.len() as f64 / t.elapsed().as_secs_f64() / 1e9;
     let t = Instant::now();
-    r.write_kv_blocks(0..c.num_layers, &ids, &payload)?;
+    for layer in 0..c.num_layers {
+        one.clear();
+        r.read_kv_blocks(layer, &ids, &mut one)?;
+    }
+    let pack_reused = payload.len() as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let t = Instant::now();
+    r.write_kv_blocks(0..c.num_layers, &other, &payload)?;
     let unpack = payload.len() as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let mut back = Vec::with_capacity(payload.len());
+    for layer in 0..c.num_layers {
+        r.read_kv_blocks(layer, &other, &mut back)?;
+    }
+    let roundtrip_exact = back == payload;
+    if !roundtrip_exact {
+        failures.push(format!(
+            "{name}: KV unpacked into other blocks does not read back as the payload"
+        ));
+    }
     Ok(json!({
         "decode": decode,
         "prefill": prefill,
-        "kv": {"bytes": payload.len(), "pack_gb_s": pack, "unpack_gb_s": unpack},
+        "kv": {
+            "bytes": payload.len(),
+            "pack_gb_s": pack,
+            "pack_reused_buffer_gb_s": pack_reused,
+            "unpack_gb_s": unpack,
+            "roundtrip_exact": roundtrip_exact,
+        },
     }))
 }

@@ -3,8 +3,9 @@
 //! (`[num_blocks, n_kv_heads, block_size, head_dim]` f16 per layer), so blocks move to and from
 //! other nodes in the same transfer layout.
 //!
-//! Weights are uploaded once: their ggml bytes for the fused dequantizing GEMV (decode) and a
-//! bf16 copy for cuBLAS (prefill). A step follows `cuda_plan::kv_pipeline`: each layer's KV
+//! Weights are uploaded once: their ggml bytes (the embedding gather, the reference GEMV), for
+//! the int8 GEMV of decode the same bits split into quants and scales, and a bf16 copy for
+//! cuBLAS (prefill). A step follows `cuda_plan::kv_pipeline`: each layer's KV
 //! is read out for the observer on the copy stream while the next layer computes. With
 //! `RunnerOptions::cuda_graphs`, decode steps replay a graph per batch bucket
 //! (`cuda_plan::graph_buckets`). Not yet proven on a GPU (docs/gpu.md).
@@ -13,6 +14,7 @@ use crate::backend::{Backend, RowOut};
 use crate::cuda_plan::graph_buckets::{bucket_for, DecodeInputs, MAX_GRAPH_BATCH};
 use crate::cuda_plan::kv_pipeline::{step_plan, StepOp};
 use crate::cuda_plan::staging::{staging_capacity, StagingLayout};
+use crate::cuda_plan::unstaging::{blocks_per_piece, pieces, PIECE_BYTES};
 use crate::kv_blocks::{check_range, payload_len};
 use crate::llama_runner::RunnerOptions;
 use crate::model::LlamaModel;
@@ -21,7 +23,7 @@ use crate::runner::{DeviceDraw, KvShape, KvSource, RunnerError, SeqChunk, SeqId}
 use kvmesh_common::BlockId;
 use kvmesh_kernels::cuda::{
     attention_tiles, tiles_pay, CudaDevice, CudaError, CudaSlice, DeviceGraph, DeviceQMatrix,
-    KvEvent, KvGeometry, KvStager,
+    GemvKernel, KvEvent, KvGeometry, KvStager, KvUnstager,
 };
 use std::collections::HashMap;
 use std::ops::Range;
@@ -107,6 +109,8 @@ pub struct CudaBackend {
     appended: Vec<KvEvent>,
     /// The copy stream's buffers (a `KvSource` reads through `&self`).
     stager: Mutex<KvStager>,
+    /// The buffers KV arriving from other nodes is written through (made on the first write).
+    unstager: Option<KvUnstager>,
     graphs: Option<Graphs>,
     /// Set when a capture failed: decode steps run eagerly from then on.
     graphs_failed: bool,
@@ -442,11 +446,17 @@ enum Rows {
 impl CudaBackend {
     /// Uploads `model`'s weights and allocates a zeroed KV pool of `shape` on `dev`.
     pub fn new(
-        dev: CudaDevice,
+        mut dev: CudaDevice,
         options: RunnerOptions,
         model: Arc<LlamaModel>,
         shape: KvShape,
     ) -> Result<Self, CudaError> {
+        // Before the uploads: the int8 GEMV reads a copy of the weights made there.
+        dev.set_gemv(if options.reference_gemv {
+            GemvKernel::Reference
+        } else {
+            GemvKernel::Dp4a
+        });
         let c = &model.config;
         let geo = KvGeometry {
             n_heads: c.num_heads,
@@ -501,6 +511,7 @@ impl CudaBackend {
             scratch: None,
             appended,
             stager,
+            unstager: None,
             graphs: None,
             graphs_failed: false,
         })
@@ -783,26 +794,39 @@ impl Backend for CudaBackend {
         if blocks.is_empty() {
             return Ok(());
         }
-        let halves: Vec<u16> = payload
-            .chunks_exact(2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]))
-            .collect();
-        let per_layer = 2 * blocks.len() * geo.block_elems();
-        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        let block_bytes = 4 * geo.block_elems();
+        let piece = blocks_per_piece(block_bytes, PIECE_BYTES).min(blocks.len()) * block_bytes;
         let d = &self.model.dev;
-        let ids = d.upload(&ids).map_err(cuda)?;
-        let payload = d.upload(&halves).map_err(cuda)?;
-        for (i, layer) in layers.enumerate() {
-            d.kv_unpack(
+        let mut st = match self.unstager.take() {
+            Some(u) if u.piece_bytes() >= piece && u.capacity_blocks() >= blocks.len() => u,
+            old => {
+                // Grown in powers of two and kept: pinning memory costs far more than a copy.
+                let have = old
+                    .as_ref()
+                    .map_or((0, 0), |u| (u.piece_bytes(), u.capacity_blocks()));
+                drop(old); // unpinned before the larger buffers are pinned
+                d.kv_unstager(
+                    staging_capacity(have.0, piece),
+                    blocks.len().max(have.1).next_power_of_two(),
+                )
+                .map_err(cuda)?
+            }
+        };
+        let ids: Vec<i32> = blocks.iter().map(|b| b.0 as i32).collect();
+        d.write_kv_ids(&mut st, &ids).map_err(cuda)?;
+        for p in pieces(layers.len(), blocks.len(), block_bytes, piece) {
+            let layer = layers.start + p.layer;
+            d.write_kv_piece(
+                &mut st,
                 &geo,
-                &payload.slice(i * per_layer..(i + 1) * per_layer),
-                &ids.slice(..),
-                blocks.len(),
+                &payload[p.bytes],
+                p.blocks,
                 &mut self.kv.k[layer],
                 &mut self.kv.v[layer],
             )
             .map_err(cuda)?;
         }
+        self.unstager = Some(st);
         d.synchronize().map_err(cuda)
     }
 }

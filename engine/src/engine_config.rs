@@ -64,6 +64,10 @@ pub struct EngineConfig {
     /// min-p, log-probabilities or a format are made on the device (a token comes back, not
     /// a row of logits); the rest stay on the host. Off until a device run has checked it.
     pub device_sampling: bool,
+    /// On CUDA: decode's matmuls read the GGUF blocks as stored with f32 activations (the
+    /// first kernels: slow) instead of quantizing the activations to int8 as the CPU does
+    /// and using `dp4a` over a split copy of the weights. To compare the two.
+    pub cuda_reference_gemv: bool,
 }
 
 /// Why an engine could not be built.
@@ -92,6 +96,7 @@ impl Default for EngineConfig {
             device: Device::Cpu,
             cuda_graphs: false,
             device_sampling: false,
+            cuda_reference_gemv: false,
         }
     }
 }
@@ -126,6 +131,7 @@ impl EngineConfig {
         let options = RunnerOptions {
             cuda_graphs: self.cuda_graphs,
             device_sampling: self.device_sampling,
+            reference_gemv: self.cuda_reference_gemv,
         };
         let runner = LlamaRunner::with_options(
             self.device,

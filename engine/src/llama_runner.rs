@@ -20,6 +20,9 @@ pub struct RunnerOptions {
     /// Draw the tokens the engine lets the device draw (`sampler::device_draw`) there,
     /// copying back a token instead of a row of logits.
     pub device_sampling: bool,
+    /// On CUDA: decode's matmuls take the f32 reference GEMV instead of the int8 one
+    /// (`kvmesh_kernels::cuda::GemvKernel`). To compare.
+    pub reference_gemv: bool,
 }
 
 pub struct LlamaRunner {

@@ -39,6 +39,15 @@ __device__ __forceinline__ float f16_at(const u8* p) {
     return f16_to_f32((u16)p[0] | ((u16)p[1] << 8));
 }
 
+// 16 bytes read once (weights streamed through a GEMV): past L1, so what is reused stays there.
+__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -11,6 +11,7 @@
 //! Nothing here touches the driver or NVRTC before checking that its library loads: cudarc
 //! panics on a missing library, and a missing GPU must be an error, not a crash.
 
+mod layout;
 mod source;
 
 #[cfg(feature = "cuda")]
@@ -19,6 +20,8 @@ mod copy_stream;
 mod device;
 #[cfg(feature = "cuda")]
 mod graph;
+#[cfg(feature = "cuda")]
+mod kv_write;
 #[cfg(feature = "cuda")]
 mod nvrtc;
 #[cfg(not(feature = "cuda"))]
@@ -33,6 +36,12 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use device::{CudaDevice, DeviceQMatrix, KvGeometry};
 #[cfg(feature = "cuda")]
 pub use graph::DeviceGraph;
+#[cfg(feature = "cuda")]
+pub use kv_write::KvUnstager;
+pub use layout::{
+    act_layout, attention_threads, dp4a_launch, quantize_blocks, split_blocks, split_layout,
+    ActLayout, GemvKernel, GemvLaunch, SplitLayout, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
+};
 #[cfg(feature = "cuda")]
 pub use nvrtc::{compile_ptx, fill_cache, nvrtc_version};
 pub use source::{format_code, Source, COMMON, SOURCES};

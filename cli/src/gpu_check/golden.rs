@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use kvmesh_common::BlockId;
 use kvmesh_engine::device::Device;
-use kvmesh_engine::llama_runner::LlamaRunner;
+use kvmesh_engine::llama_runner::{LlamaRunner, RunnerOptions};
 use kvmesh_engine::runner::{ModelRunner, SeqChunk, StepInput};
 use kvmesh_engine::Loaded;
 use serde_json::{json, Value};
@@ -50,7 +50,12 @@ fn same_top5(want_logits: &[f32], got: &[u32]) -> bool {
         || (boundary_tie && want[..4].iter().all(|id| got.contains(id)) && got.contains(&want[5]))
 }
 
-pub fn check(loaded: &Loaded, device: Device, failures: &mut Vec<String>) -> Result<Value> {
+pub fn check(
+    loaded: &Loaded,
+    device: Device,
+    reference_gemv: bool,
+    failures: &mut Vec<String>,
+) -> Result<Value> {
     let golden: Value = serde_json::from_str(GOLDEN).context("the golden file is JSON")?;
     let cases = golden["generation"]
         .as_array()
@@ -62,7 +67,11 @@ pub fn check(loaded: &Loaded, device: Device, failures: &mut Vec<String>) -> Res
         .unwrap_or(0);
     let blocks = longest.div_ceil(BLOCK).max(1);
     let mut cpu = LlamaRunner::new(loaded.model.clone(), blocks, BLOCK);
-    let mut dev = LlamaRunner::on_device(device, loaded.model.clone(), blocks, BLOCK)?;
+    let options = RunnerOptions {
+        reference_gemv,
+        ..RunnerOptions::default()
+    };
+    let mut dev = LlamaRunner::with_options(device, options, loaded.model.clone(), blocks, BLOCK)?;
     let mut results = Vec::new();
     let mut all = true;
     for case in cases {

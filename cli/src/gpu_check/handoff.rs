@@ -93,6 +93,7 @@ fn ids(tokens: &[Token]) -> Vec<TokenId> {
 pub fn check(
     loaded: &Loaded,
     prefill_device: Device,
+    reference_gemv: bool,
     requests: &[GenerateRequest],
     failures: &mut Vec<String>,
 ) -> Result<Value> {
@@ -100,9 +101,21 @@ pub fn check(
         .iter()
         .map(|r| lone_cpu_run(loaded, r))
         .collect::<Result<_>>()?;
-    let mesh = run_mesh(loaded, prefill_device, requests, KvFault::None)?;
+    let mesh = run_mesh(
+        loaded,
+        prefill_device,
+        reference_gemv,
+        requests,
+        KvFault::None,
+    )?;
     // Well-formed chunks of wrong KV: a check that passed them would not be checking the KV.
-    let control = run_mesh(loaded, prefill_device, requests, KvFault::Zeroed)?;
+    let control = run_mesh(
+        loaded,
+        prefill_device,
+        reference_gemv,
+        requests,
+        KvFault::Zeroed,
+    )?;
 
     let mut per_request = Vec::new();
     let (mut all_equal, mut worst, mut control_worst) = (true, 0f32, 0f32);
@@ -183,6 +196,7 @@ struct MeshRun {
 fn run_mesh(
     loaded: &Loaded,
     prefill_device: Device,
+    reference_gemv: bool,
     requests: &[GenerateRequest],
     fault: KvFault,
 ) -> Result<MeshRun> {
@@ -198,7 +212,7 @@ fn run_mesh(
     let sent = Arc::new(Counted::new(prefill_quic.clone(), fault));
     let prefill = PrefillWorker::spawn(
         PrefillConfig::new(PREFILL_NODE),
-        engine(loaded, prefill_device)?,
+        engine(loaded, prefill_device, reference_gemv)?,
         sent.clone(),
     )
     .context("starting the prefill worker")?;
@@ -209,7 +223,7 @@ fn run_mesh(
     };
     let decode = DecodeWorker::spawn(
         decode_config,
-        engine(loaded, Device::Cpu)?,
+        engine(loaded, Device::Cpu, false)?,
         Arc::new(decode_quic),
     )
     .context("starting the decode worker")?;
@@ -296,11 +310,12 @@ async fn generate(
 }
 
 /// An engine over `loaded` on `device`, as the nodes build theirs (prompts prefill in chunks).
-fn engine(loaded: &Loaded, device: Device) -> Result<LlmEngine<LlamaRunner>> {
+fn engine(loaded: &Loaded, device: Device, reference_gemv: bool) -> Result<LlmEngine<LlamaRunner>> {
     let config = EngineConfig {
         num_blocks: 512,
         max_model_len: Some(4096),
         device,
+        cuda_reference_gemv: reference_gemv,
         ..EngineConfig::default()
     };
     Ok(config.llama_engine(loaded)?)
@@ -308,7 +323,7 @@ fn engine(loaded: &Loaded, device: Device) -> Result<LlmEngine<LlamaRunner>> {
 
 /// What one CPU engine alone generates for `request`: the reference.
 fn lone_cpu_run(loaded: &Loaded, request: &GenerateRequest) -> Result<Vec<Token>> {
-    let mut e = engine(loaded, Device::Cpu)?;
+    let mut e = engine(loaded, Device::Cpu, false)?;
     e.add_request(0, request.prompt.clone(), request.params.clone(), 0)?;
     let mut tokens = Vec::new();
     while e.has_work() {

@@ -4,9 +4,13 @@
 use anyhow::Result;
 use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
-use kvmesh_kernels::cuda::{attention_tiles, CudaDevice, KvGeometry};
+use kvmesh_kernels::cuda::{
+    attention_threads, attention_tiles, CudaDevice, GemvKernel, KvGeometry, GEMV_MAX_M,
+};
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use serde_json::{json, Value};
+
+use super::HBM_BYTES_PER_S;
 
 struct Rng(u64);
 
@@ -78,7 +82,9 @@ fn qmatrix(rng: &mut Rng, format: WeightFormat, rows: usize, cols: usize) -> QMa
 }
 
 pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
-    let dev = CudaDevice::open(ordinal)?;
+    // The int8 GEMV (the default): every matrix uploaded here carries its split copy, so both
+    // GEMVs run on the same uploads.
+    let mut dev = CudaDevice::open(ordinal)?;
     let mut rng = Rng(7);
     let mut c = Checks {
         out: serde_json::Map::new(),
@@ -136,22 +142,40 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         c.compare(name, &want, &got, 1e-5);
     }
 
-    // Matmuls: the fused GEMV (m <= 8) and cuBLAS (m = 64), against the CPU's (which rounds
-    // activations to 8 bits, so the bound is loose).
-    for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
-        let (n_out, k) = (1024, 2048);
-        let w = qmatrix(&mut rng, format, n_out, k);
-        let wd = dev.upload_matrix(&w)?;
-        let mut bf = dev.zeros::<u16>(64 * k)?;
-        for m in [1usize, 8, 64] {
-            let x = rng.vec(m * k);
-            let mut want = vec![0.0; m * n_out];
-            cpu::matmul(&w, &x, m, &mut want);
-            let xd = dev.upload(&x)?;
-            let mut out = dev.zeros::<f32>(m * n_out)?;
-            dev.matmul(&wd, &xd.slice(..), m, &mut out.slice_mut(..), &mut bf)?;
-            dev.download(&out.slice(..), &mut got)?;
-            c.compare(&format!("matmul_{format:?}_m{m}"), &want, &got, 2e-2);
+    // Matmuls against the CPU's, which quantizes the activations to int8 per block of 32. The
+    // int8 GEMV (m <= 8) does the CPU's arithmetic per block, bit for bit, and differs only in
+    // the order of its f32 sums (and Q8_0's half blocks scaled apart): a tight bound. The
+    // reference GEMV (f32 activations) and cuBLAS (bf16 weights and activations, m = 64) miss
+    // the CPU's rounding of the activations: a loose one. 1003 x 2080: rows not a multiple of
+    // the int8 GEMV's 4 per thread block, 65 blocks per row (threads without one).
+    for (n_out, k) in [(1024, 2048), (1003, 2080)] {
+        for format in [WeightFormat::Q8_0, WeightFormat::Q4_1] {
+            let w = qmatrix(&mut rng, format, n_out, k);
+            let wd = dev.upload_matrix(&w)?;
+            let mut scratch = dev.zeros::<u16>(64 * k)?;
+            for m in [1usize, 2, 3, 5, 8, 64] {
+                let x = rng.vec(m * k);
+                let mut want = vec![0.0; m * n_out];
+                cpu::matmul(&w, &x, m, &mut want);
+                let xd = dev.upload(&x)?;
+                let mut out = dev.zeros::<f32>(m * n_out)?;
+                let runs: &[(GemvKernel, &str, f32)] = match m {
+                    1 | 8 => &[
+                        (GemvKernel::Dp4a, "dp4a", 1e-4),
+                        (GemvKernel::Reference, "reference", 2e-2),
+                    ],
+                    _ if m <= GEMV_MAX_M => &[(GemvKernel::Dp4a, "dp4a", 1e-4)],
+                    _ => &[(GemvKernel::Dp4a, "cublas", 2e-2)],
+                };
+                for &(kernel, name, bound) in runs {
+                    dev.set_gemv(kernel);
+                    dev.matmul(&wd, &xd.slice(..), m, &mut out.slice_mut(..), &mut scratch)?;
+                    dev.download(&out.slice(..), &mut got)?;
+                    let key = format!("matmul_{format:?}_{n_out}x{k}_m{m}_{name}");
+                    c.compare(&key, &want, &got, bound);
+                }
+                dev.set_gemv(GemvKernel::Dp4a);
+            }
         }
     }
 
@@ -283,6 +307,28 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         dev.download(&out.slice(..), &mut got)?;
         c.compare(name, &want, &got, 5e-3);
     }
+    // The four decode rows alone: a launch of few thread blocks, which takes more warps per
+    // row (`attention_threads`) than the launch above.
+    let decode_rows = 4;
+    let mut out = dev.zeros::<f32>(decode_rows * q_row)?;
+    dev.attention(
+        &g,
+        &qd.slice(..),
+        q_row,
+        &pd.slice(..),
+        &rd.slice(..),
+        &fd.slice(..),
+        None,
+        decode_rows,
+        &kd,
+        &vd,
+        &mut out.slice_mut(..),
+        q_row,
+    )?;
+    dev.download(&out.slice(..), &mut got)?;
+    let warps = attention_threads(decode_rows, g.n_heads) / 32;
+    let key = format!("paged_attention_decode_rows_{warps}_warps");
+    c.compare(&key, &want[..decode_rows * q_row], &got, 5e-3);
 
     // KV pack to the transfer layout equals the CPU's gather; unpack restores it elsewhere.
     let ids: Vec<u32> = vec![5, 0, 63, 7];
@@ -355,50 +401,107 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         }
     }
     c.exact("sample_top_k_top_p_in_set", inside);
-    c.out
-        .insert("matmul_speed".into(), matmul_speed(&dev, &mut rng)?);
+    // Speed is a figure, not a check: when it cannot be measured, the ops above still stand.
+    let speed = matmul_speed(&mut dev, &mut rng).unwrap_or_else(|e| {
+        c.failures.push(format!("matmul_speed: {e:#}"));
+        json!({"error": format!("{e:#}")})
+    });
+    c.out.insert("matmul_speed".into(), speed);
     Ok(Value::Object(c.out))
 }
 
-/// One Llama-3-8B FFN matrix (Q4_1, 14,336 x 4,096) alone, timed over repeated launches:
-/// the fused GEMV at one activation row as weight bytes read per second (against the HBM's
-/// bandwidth: what bounds decode), and cuBLAS at 2,048 rows (a prefill chunk) in TFLOP/s
-/// (the prefill target's baseline: the same GEMM shapes alone).
-fn matmul_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
-    let (rows, cols, chunk, repeats) = (14_336, 4_096, 2_048, 20);
+/// Decode's matrices alone: Llama-3-8B's FFN matrices in Q4_1 (gate/up 14,336 x 4,096 and
+/// down 4,096 x 14,336: short and long rows) and one in Q8_0, through the int8 and the
+/// reference GEMV at 1 and 8 activation rows, as weight bytes read per second (the figure
+/// that bounds decode, against the HBM's bandwidth); and cuBLAS at 2,048 rows (a prefill
+/// chunk) in TFLOP/s, the prefill target's baseline.
+///
+/// A GEMV of ~10 us takes about as long as the host's launch of it, so the GEMVs are timed as
+/// `REPEATS` launches captured in one CUDA graph (replayed once untimed first): GPU time with
+/// the gaps between kernels a decode graph has too. The int8 GEMV's figure includes its
+/// quantization of the activations (a second kernel).
+fn matmul_speed(dev: &mut CudaDevice, rng: &mut Rng) -> Result<Value> {
+    const REPEATS: usize = 20;
+    const REPLAYS: usize = 5;
+    let mut gemv = serde_json::Map::new();
+    let shapes = [
+        ("q4_1_14336x4096", WeightFormat::Q4_1, 14_336, 4_096),
+        ("q4_1_4096x14336", WeightFormat::Q4_1, 4_096, 14_336),
+        ("q8_0_14336x4096", WeightFormat::Q8_0, 14_336, 4_096),
+    ];
+    for (name, format, rows, cols) in shapes {
+        let w = qmatrix(rng, format, rows, cols);
+        let bytes = w.data().len() as f64;
+        dev.set_gemv(GemvKernel::Dp4a);
+        let wd = dev.upload_matrix(&w)?;
+        let m_max = GEMV_MAX_M;
+        let xd = dev.upload(&rng.vec(m_max * cols))?;
+        let mut scratch = dev.zeros::<u16>(m_max * cols)?;
+        let mut out = dev.zeros::<f32>(m_max * rows)?;
+        let mut entry = serde_json::Map::new();
+        for m in [1usize, 8] {
+            let mut per_m = serde_json::Map::new();
+            for (kernel, key) in [
+                (GemvKernel::Dp4a, "dp4a"),
+                (GemvKernel::Reference, "reference"),
+            ] {
+                dev.set_gemv(kernel);
+                let graph = dev.capture(|d| {
+                    for _ in 0..REPEATS {
+                        d.matmul(
+                            &wd,
+                            &xd.slice(..m * cols),
+                            m,
+                            &mut out.slice_mut(..m * rows),
+                            &mut scratch,
+                        )?;
+                    }
+                    Ok(())
+                })?;
+                dev.replay(&graph)?;
+                dev.synchronize()?;
+                let t = std::time::Instant::now();
+                for _ in 0..REPLAYS {
+                    dev.replay(&graph)?;
+                }
+                dev.synchronize()?;
+                let secs = t.elapsed().as_secs_f64() / (REPLAYS * REPEATS) as f64;
+                per_m.insert(
+                    key.into(),
+                    json!({
+                        "seconds": secs,
+                        "weight_gb_per_s": bytes / secs / 1e9,
+                        "fraction_of_hbm": bytes / secs / HBM_BYTES_PER_S,
+                    }),
+                );
+            }
+            entry.insert(format!("m{m}"), Value::Object(per_m));
+        }
+        entry.insert("weight_bytes".into(), json!(bytes));
+        gemv.insert(name.into(), Value::Object(entry));
+    }
+    dev.set_gemv(GemvKernel::Dp4a);
+    // cuBLAS on the first shape; one launch is long enough to time from the host.
+    let (rows, cols, chunk) = (14_336, 4_096, 2_048);
     let w = qmatrix(rng, WeightFormat::Q4_1, rows, cols);
-    let weight_bytes = w.data().len();
     let wd = dev.upload_matrix(&w)?;
     let mut bf = dev.zeros::<u16>(chunk * cols)?;
     let xd = dev.upload(&rng.vec(chunk * cols))?;
     let mut out = dev.zeros::<f32>(chunk * rows)?;
-    let mut seconds = |m: usize| -> Result<f64> {
-        let mut launch = || {
-            dev.matmul(
-                &wd,
-                &xd.slice(..m * cols),
-                m,
-                &mut out.slice_mut(..m * rows),
-                &mut bf,
-            )
-        };
-        // One launch first, untimed: module loading and cuBLAS's workspace.
+    let mut launch = || dev.matmul(&wd, &xd.slice(..), chunk, &mut out.slice_mut(..), &mut bf);
+    // One launch first, untimed: module loading and cuBLAS's heuristics.
+    launch()?;
+    dev.synchronize()?;
+    let t = std::time::Instant::now();
+    for _ in 0..REPEATS {
         launch()?;
-        dev.synchronize()?;
-        let t = std::time::Instant::now();
-        for _ in 0..repeats {
-            launch()?;
-        }
-        dev.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() / repeats as f64)
-    };
-    let gemv = seconds(1)?;
-    let gemm = seconds(chunk)?;
+    }
+    dev.synchronize()?;
+    let gemm = t.elapsed().as_secs_f64() / REPEATS as f64;
     Ok(json!({
-        "shape": [rows, cols],
-        "gemv_m1_seconds": gemv,
-        "gemv_m1_weight_gb_per_s": weight_bytes as f64 / gemv / 1e9,
-        "cublas_m2048_seconds": gemm,
-        "cublas_m2048_tflop_per_s": 2.0 * (rows * cols * chunk) as f64 / gemm / 1e12,
+        "timing": format!("GEMVs: {REPEATS} launches in one CUDA graph, {REPLAYS} replays"),
+        "gemv": gemv,
+        "cublas_14336x4096_m2048_seconds": gemm,
+        "cublas_14336x4096_m2048_tflop_per_s": 2.0 * (rows * cols * chunk) as f64 / gemm / 1e12,
     }))
 }

@@ -17,6 +17,7 @@ const MAX_TOKENS: u32 = 24;
 fn generate(
     loaded: &Loaded,
     device: Device,
+    reference_gemv: bool,
     device_sampling: bool,
     params: &SamplingParams,
 ) -> Result<Vec<Vec<TokenId>>> {
@@ -25,6 +26,7 @@ fn generate(
         max_model_len: Some(2048),
         device,
         device_sampling,
+        cuda_reference_gemv: reference_gemv,
         ..EngineConfig::default()
     };
     let mut e = config.llama_engine(loaded)?;
@@ -44,13 +46,18 @@ fn generate(
     Ok(out)
 }
 
-pub fn check(loaded: &Loaded, device: Device, failures: &mut Vec<String>) -> Result<Value> {
+pub fn check(
+    loaded: &Loaded,
+    device: Device,
+    reference_gemv: bool,
+    failures: &mut Vec<String>,
+) -> Result<Value> {
     let greedy = SamplingParams {
         ignore_eos: true,
         ..SamplingParams::greedy(MAX_TOKENS)
     };
-    let host = generate(loaded, device, false, &greedy)?;
-    let on_device = generate(loaded, device, true, &greedy)?;
+    let host = generate(loaded, device, reference_gemv, false, &greedy)?;
+    let on_device = generate(loaded, device, reference_gemv, true, &greedy)?;
     let greedy_equal = host == on_device;
     let drawn = SamplingParams {
         temperature: 0.8,
@@ -59,8 +66,8 @@ pub fn check(loaded: &Loaded, device: Device, failures: &mut Vec<String>) -> Res
         seed: Some(7),
         ..greedy
     };
-    let first = generate(loaded, device, true, &drawn)?;
-    let second = generate(loaded, device, true, &drawn)?;
+    let first = generate(loaded, device, reference_gemv, true, &drawn)?;
+    let second = generate(loaded, device, reference_gemv, true, &drawn)?;
     let vocab = loaded.model.config.vocab_size as TokenId;
     let reproducible = first == second;
     let in_vocab = first.iter().flatten().all(|&t| t < vocab);

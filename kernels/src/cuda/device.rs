@@ -4,6 +4,10 @@
 //! out-of-bounds write on a GPU corrupts memory silently), and returns a [`CudaError`] instead.
 //! All work is queued on one stream in order; reads back to the host synchronize.
 
+use super::layout::{
+    act_layout, attention_threads, dp4a_launch, quantize_blocks, split_blocks, split_layout,
+    GemvKernel, DP4A_THREADS, GEMV_MAX_M, QUANTIZE_THREADS,
+};
 use super::nvrtc::cached_ptx;
 use super::source::{format_code, SOURCES};
 use super::CudaError;
@@ -45,27 +49,28 @@ fn grid(n: usize, threads: u32) -> LaunchConfig {
     }
 }
 
-/// Most activation rows the fused dequantizing GEMV serves (`GEMV_MAX_M` in quant.cu); more
-/// rows go to cuBLAS.
-const GEMV_MAX_M: usize = 8;
-/// Warps (output rows) per GEMV block (`GEMV_WARPS`).
+/// Warps (output rows) per reference GEMV block (`GEMV_WARPS` in quant.cu).
 const GEMV_WARPS: usize = 4;
 /// Head dims the attention kernel handles: a multiple of 32, at most 256 (`ATTN_MAX_DPL`).
 const ATTN_MAX_HEAD_DIM: usize = 256;
 /// Head dims the tiled prefill attention handles (`TILE_MAX_HD`); larger ones go row by row.
 pub const ATTN_TILED_MAX_HEAD_DIM: usize = 128;
-/// Threads of both attention kernels (`ATTN_WARPS` and `TILE_WARPS` warps).
-const ATTN_THREADS: u32 = 128;
+/// Threads of the tiled prefill attention (`TILE_WARPS` warps).
+const ATTN_TILED_THREADS: u32 = 128;
 const SAMPLE_THREADS: u32 = 1024;
 
-/// A weight matrix on the device: its ggml bytes as stored (read by the fused GEMV and the
-/// embedding gather), and a bf16 copy dequantized once at upload for cuBLAS.
+/// A weight matrix on the device: its ggml bytes as stored (read by the reference GEMV and
+/// the embedding gather), for Q4_1/Q8_0 on a device whose GEMV is [`GemvKernel::Dp4a`] the
+/// same bits in the split layout (`layout.rs`) that kernel reads, and a bf16 copy dequantized
+/// once at upload for cuBLAS.
 pub struct DeviceQMatrix {
     pub format: WeightFormat,
     pub rows: usize,
     pub cols: usize,
     row_bytes: usize,
     raw: CudaSlice<u8>,
+    /// The split copy and where its scales start.
+    split: Option<(CudaSlice<u8>, usize)>,
     dense: CudaSlice<u16>,
 }
 
@@ -86,6 +91,8 @@ pub struct CudaDevice {
     funcs: HashMap<&'static str, CudaFunction>,
     name: String,
     capability: (i32, i32),
+    /// The kernel decode's matmuls take; matrices uploaded under `Dp4a` carry its layout.
+    gemv: GemvKernel,
 }
 
 impl std::fmt::Debug for CudaDevice {
@@ -161,7 +168,15 @@ impl CudaDevice {
             funcs,
             name,
             capability,
+            gemv: GemvKernel::default(),
         })
+    }
+
+    /// Chooses the kernel of decode's matmuls ([`GemvKernel::Dp4a`] unless set). The int8
+    /// GEMV reads a copy of the weights made at upload: a matrix uploaded while `Reference`
+    /// was chosen has none, and `matmul` refuses it under `Dp4a`.
+    pub fn set_gemv(&mut self, kernel: GemvKernel) {
+        self.gemv = kernel;
     }
 
     pub fn name(&self) -> &str {
@@ -238,8 +253,9 @@ impl CudaDevice {
         self.stream.memcpy_dtod(src, &mut head).map_err(driver)
     }
 
-    /// Uploads a weight matrix: its ggml bytes (K-quants, which no kernel reads, as f32) and a
-    /// bf16 copy for cuBLAS, dequantized on the device.
+    /// Uploads a weight matrix: its ggml bytes (K-quants, which no kernel reads, as f32), for
+    /// the int8 GEMV the same bytes split (Q4_1/Q8_0, when it is the chosen GEMV), and a bf16
+    /// copy for cuBLAS, dequantized on the device.
     pub fn upload_matrix(&self, w: &QMatrix) -> Result<DeviceQMatrix, CudaError> {
         let (format, bytes) = match format_code(w.format) {
             Some(_) => (w.format, w.data().to_vec()),
@@ -254,6 +270,14 @@ impl CudaDevice {
         let row_bytes = format
             .row_bytes(w.cols)
             .map_err(|e| shape(format!("upload_matrix: {e}")))?;
+        let split = match self.gemv {
+            GemvKernel::Dp4a => split_blocks(format, &bytes),
+            GemvKernel::Reference => None,
+        };
+        let split = match (split, split_layout(format, w.rows * w.cols / 32)) {
+            (Some(s), Some(l)) => Some((self.upload(&s)?, l.quant_bytes)),
+            _ => None,
+        };
         let raw = self.upload(&bytes)?;
         let mut dense = self.zeros::<u16>(w.rows * w.cols)?;
         let n = w.rows * w.cols;
@@ -272,21 +296,23 @@ impl CudaDevice {
             cols: w.cols,
             row_bytes,
             raw,
+            split,
             dense,
         })
     }
 
-    /// `out[m, w.rows] = x[m, w.cols] · wᵀ`. Q8_0/Q4_1 weights with `m` up to 8 take the fused
-    /// dequantizing GEMV (the weights read once, as stored: decode); everything else rounds
-    /// `x` to bf16 into `x_bf16` and runs a cuBLAS GEMM on the bf16 weights with f32
-    /// accumulation (prefill).
+    /// `out[m, w.rows] = x[m, w.cols] · wᵀ`. Q8_0/Q4_1 weights with `m` up to 8 take a GEMV
+    /// (the weights read once, as uploaded: decode): the int8 one quantizes `x` into `scratch`
+    /// first, the reference one reads `x` as it is. Everything else rounds `x` to bf16 into
+    /// `scratch` and runs a cuBLAS GEMM on the bf16 weights with f32 accumulation (prefill).
+    /// `scratch` holds `m * w.cols` halves.
     pub fn matmul(
         &self,
         w: &DeviceQMatrix,
         x: &CudaView<'_, f32>,
         m: usize,
         out: &mut CudaViewMut<'_, f32>,
-        x_bf16: &mut CudaSlice<u16>,
+        scratch: &mut CudaSlice<u16>,
     ) -> Result<(), CudaError> {
         check_len("matmul x", x.len(), m * w.cols)?;
         check_len("matmul out", out.len(), m * w.rows)?;
@@ -294,12 +320,16 @@ impl CudaDevice {
             return Ok(());
         }
         let (rows, cols) = (i32_of("rows", w.rows)?, i32_of("cols", w.cols)?);
-        let gemv = match w.format {
-            WeightFormat::Q8_0 if m <= GEMV_MAX_M => Some("gemv_q8_0"),
-            WeightFormat::Q4_1 if m <= GEMV_MAX_M => Some("gemv_q4_1"),
+        let gemv = matches!(w.format, WeightFormat::Q8_0 | WeightFormat::Q4_1) && m <= GEMV_MAX_M;
+        if gemv && self.gemv == GemvKernel::Dp4a {
+            return self.gemv_dp4a(w, x, m, out, scratch);
+        }
+        let reference = match w.format {
+            WeightFormat::Q8_0 if gemv => Some("gemv_q8_0"),
+            WeightFormat::Q4_1 if gemv => Some("gemv_q4_1"),
             _ => None,
         };
-        if let Some(name) = gemv {
+        if let Some(name) = reference {
             let mi = m as i32;
             let mut b = self.stream.launch_builder(self.f(name)?);
             b.arg(&w.raw).arg(x).arg(out).arg(&rows).arg(&cols).arg(&mi);
@@ -311,16 +341,16 @@ impl CudaDevice {
             // SAFETY: lengths checked above; the kernel reads rows * row_bytes weight bytes.
             return unsafe { b.launch(cfg) }.map(drop).map_err(driver);
         }
-        check_len("matmul x_bf16", x_bf16.len(), m * w.cols)?;
+        check_len("matmul scratch", scratch.len(), m * w.cols)?;
         let n = (m * w.cols) as i64;
         let mut b = self.stream.launch_builder(self.f("f32_to_bf16")?);
-        b.arg(x).arg(&mut *x_bf16).arg(&n);
+        b.arg(x).arg(&mut *scratch).arg(&n);
         // SAFETY: both buffers hold at least m * cols elements.
         unsafe { b.launch(grid(m * w.cols, 256)) }.map_err(driver)?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let mi = i32_of("m", m)?;
         let (a, _ra) = w.dense.device_ptr(&self.stream);
-        let (bx, _rb) = x_bf16.device_ptr(&self.stream);
+        let (bx, _rb) = scratch.device_ptr(&self.stream);
         let (c, _rc) = out.device_ptr_mut(&self.stream);
         // cuBLAS is column-major: row-major out[m, rows] is C = [rows, m]; the row-major
         // weights read as column-major are [cols, rows], transposed to A = [rows, cols]; the
@@ -350,6 +380,67 @@ impl CudaDevice {
             )
         }
         .map_err(|e| CudaError::Blas(format!("{e:?}")))
+    }
+
+    /// The int8 GEMV (gemv.cu): `x` quantized per block of 32 into `scratch` (the int8 values,
+    /// then a `(d, s)` pair per block: `layout::act_layout`), then the dot products over the
+    /// split weights.
+    fn gemv_dp4a(
+        &self,
+        w: &DeviceQMatrix,
+        x: &CudaView<'_, f32>,
+        m: usize,
+        out: &mut CudaViewMut<'_, f32>,
+        scratch: &mut CudaSlice<u16>,
+    ) -> Result<(), CudaError> {
+        let Some((split, scales_at)) = &w.split else {
+            return Err(shape(
+                "matmul: the int8 GEMV was chosen after this matrix was uploaded without its \
+                 split copy"
+                    .into(),
+            ));
+        };
+        let launch = dp4a_launch(w.format, w.rows, m)
+            .ok_or_else(|| shape(format!("matmul: no int8 GEMV for {:?}", w.format)))?;
+        let act = act_layout(m, w.cols);
+        // Halves of scratch, from bytes (both offsets are even: cols is a multiple of 32).
+        check_len("matmul scratch", scratch.len(), act.bytes.div_ceil(2))?;
+        let ds_at = act.ds_offset / 2;
+        let nb = w.cols / 32;
+        let (blocks, nbi, mi) = (i32_of("blocks", m * nb)?, i32_of("nb", nb)?, m as i32);
+        let rows = i32_of("rows", w.rows)?;
+        {
+            let (mut xq, mut ds) = scratch.split_at_mut(ds_at);
+            let mut b = self.stream.launch_builder(self.f("quantize_q8_1")?);
+            b.arg(x).arg(&mut xq).arg(&mut ds).arg(&blocks);
+            let cfg = LaunchConfig {
+                grid_dim: (quantize_blocks(m, w.cols) as u32, 1, 1),
+                block_dim: (QUANTIZE_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: x holds m * cols floats; scratch m * cols int8 then m * nb (d, s) pairs
+            // (checked above).
+            unsafe { b.launch(cfg) }.map_err(driver)?;
+        }
+        let (xq, ds) = (scratch.slice(..ds_at), scratch.slice(ds_at..));
+        let (quants, scales) = (split.slice(..*scales_at), split.slice(*scales_at..));
+        let mut b = self.stream.launch_builder(self.f(launch.kernel)?);
+        b.arg(&quants)
+            .arg(&scales)
+            .arg(&xq)
+            .arg(&ds)
+            .arg(out)
+            .arg(&rows)
+            .arg(&nbi)
+            .arg(&mi);
+        let cfg = LaunchConfig {
+            grid_dim: (launch.blocks, 1, 1),
+            block_dim: (DP4A_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the split copy holds rows * nb blocks' quants and scales, the scratch the
+        // quantized m rows, out m * rows floats (checked in `matmul`).
+        unsafe { b.launch(cfg) }.map(drop).map_err(driver)
     }
 
     /// `out = x / sqrt(mean(x²) + eps) * w` for `rows` rows of `w.len()`.
@@ -648,7 +739,10 @@ impl CudaDevice {
         let blocks = tiles.map_or(n_rows, |(_, n_tiles)| n_tiles);
         let cfg = LaunchConfig {
             grid_dim: (blocks as u32, g.n_heads as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            block_dim: match tiles {
+                Some(_) => (ATTN_TILED_THREADS, 1, 1),
+                None => (attention_threads(n_rows, g.n_heads), 1, 1),
+            },
             shared_mem_bytes: 0,
         };
         // SAFETY: lengths checked above; positions, block tables and tiles (each within the

@@ -34,6 +34,11 @@ pub const SOURCES: &[Source] = &[
         kernels: &["gemv_q8_0", "gemv_q4_1", "dequant_bf16", "dequant_f16"],
     },
     Source {
+        name: "gemv.cu",
+        text: include_str!("../../cuda/gemv.cu"),
+        kernels: &super::layout::DP4A_KERNELS,
+    },
+    Source {
         name: "rope.cu",
         text: include_str!("../../cuda/rope.cu"),
         kernels: &["rope_f32"],
@@ -90,6 +95,34 @@ mod tests {
             let defined = s.text.matches("__global__ void").count();
             assert_eq!(defined, s.kernels.len(), "{}: unlisted kernels", s.name);
         }
+    }
+
+    /// The constants layout.rs shares with gemv.cu (its geometry and its instantiations),
+    /// attention.cu and quant.cu.
+    #[test]
+    fn gemv_geometry_matches_its_source() {
+        use super::super::layout::{DP4A_MAX_M, DP4A_ROWS, DP4A_THREADS, GEMV_MAX_M};
+        let gemv = SOURCES.iter().find(|s| s.name == "gemv.cu").unwrap().text;
+        assert!(gemv.contains(&format!("#define DP4A_THREADS {DP4A_THREADS}\n")));
+        assert!(gemv.contains(&format!("#define DP4A_ROWS {DP4A_ROWS}\n")));
+        for max_m in DP4A_MAX_M {
+            for f in ["q4_1", "q8_0"] {
+                let wrapper = format!("void gemv_{f}_dp4a_m{max_m}(");
+                let body = format!("{{ gemv_{f}_dp4a<{max_m}>(");
+                let line = gemv.lines().find(|l| l.contains(&wrapper)).unwrap();
+                assert!(line.contains(&body), "{line}");
+            }
+        }
+        let attention = SOURCES
+            .iter()
+            .find(|s| s.name == "attention.cu")
+            .unwrap()
+            .text;
+        let max_warps = super::super::layout::ATTN_MAX_WARPS;
+        assert!(attention.contains(&format!("#define ATTN_MAX_WARPS {max_warps}\n")));
+        let quant = SOURCES.iter().find(|s| s.name == "quant.cu").unwrap().text;
+        assert!(quant.contains(&format!("#define GEMV_MAX_M {GEMV_MAX_M}\n")));
+        assert_eq!(DP4A_MAX_M.last(), Some(&GEMV_MAX_M));
     }
 
     #[test]
