@@ -88,30 +88,18 @@ fn host_gemv(w: &QMatrix, x: &[f32], m: usize, dir: &Path) -> Vec<f32> {
     let act = act_layout(m, w.cols);
     std::fs::write(dir.join("w.bin"), &split).unwrap();
     std::fs::write(dir.join("x.bin"), bytemuck::cast_slice(x)).unwrap();
-    let out = Command::new(harness())
-        .arg(dir)
-        .arg("gemv")
-        .arg(launch.kernel)
-        .args(
-            [
-                launch.blocks as usize,
-                quantize_blocks(m, w.cols),
-                w.rows,
-                w.cols,
-                m,
-                scales_at,
-                act.ds_offset,
-                act.bytes,
-            ]
-            .map(|v| v.to_string()),
-        )
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "harness: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let sizes = [
+        launch.blocks as usize,
+        quantize_blocks(m, w.cols),
+        w.rows,
+        w.cols,
+        m,
+        scales_at,
+        act.ds_offset,
+        act.bytes,
+    ];
+    let args = ["gemv".to_string(), launch.kernel.to_string()];
+    run_harness(dir, args.into_iter().chain(sizes.map(|v| v.to_string())));
     floats(&dir.join("y.bin"))
 }
 
@@ -154,6 +142,20 @@ fn int8_gemv_matches_the_cpu_matmul() {
             }
         }
     }
+}
+
+/// Runs the harness on the inputs in `dir`, failing the test with its error output.
+fn run_harness(dir: &Path, args: impl IntoIterator<Item = String>) {
+    let out = Command::new(harness())
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "harness: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 fn write_i32(path: PathBuf, v: &[i32]) {
@@ -240,28 +242,18 @@ impl AttentionCase {
     fn error(&self, dir: &Path, mode: &str, first: usize) -> f32 {
         let s = &self.shape;
         let scale = 1.0f32 / (s.head_dim as f32).sqrt();
-        let out = Command::new(harness())
-            .arg(dir)
-            .arg(mode)
-            .args(
-                [
-                    first,
-                    self.rows,
-                    s.n_heads,
-                    s.n_kv_heads,
-                    s.head_dim,
-                    s.block_size,
-                ]
-                .map(|v| v.to_string()),
-            )
-            .arg(scale.to_string())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "harness: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let sizes = [
+            first,
+            self.rows,
+            s.n_heads,
+            s.n_kv_heads,
+            s.head_dim,
+            s.block_size,
+        ];
+        let args = std::iter::once(mode.to_string())
+            .chain(sizes.map(|v| v.to_string()))
+            .chain([scale.to_string()]);
+        run_harness(dir, args);
         rel_error(&self.want, &floats(&dir.join("out.bin")))
     }
 }

@@ -5,7 +5,7 @@ use anyhow::Result;
 use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
 use kvmesh_kernels::cuda::{
-    attention_threads, attention_tiles, CudaDevice, GemvKernel, KvGeometry, GEMV_MAX_M,
+    attention_threads, attention_tiles, CudaDevice, CudaView, GemvKernel, KvGeometry, GEMV_MAX_M,
 };
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use serde_json::{json, Value};
@@ -281,15 +281,12 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         dev.upload(&row_table)?,
         dev.upload(&flat)?,
     );
-    // Row by row, then a tile at a time (the 100-row prefill in tiles of 32, 32, 32 and 4).
-    let tiles = attention_tiles(seqs_spec.iter().map(|&(_, nq)| nq));
-    let tiles_dev = dev.upload(&tiles)?;
-    let tiled = (tiles_dev.slice(..), tiles.len() - 1);
-    for (name, tiles) in [
-        ("paged_attention", None),
-        ("paged_attention_tiled", Some((&tiled.0, tiled.1))),
-    ] {
-        let mut out = dev.zeros::<f32>(q.len())?;
+    // The first `rows` rows' attention, row by row or (`tiles`) a tile at a time.
+    let attend = |tiles: Option<(&CudaView<'_, i32>, usize)>,
+                  rows: usize,
+                  got: &mut Vec<f32>|
+     -> Result<()> {
+        let mut out = dev.zeros::<f32>(rows * q_row)?;
         dev.attention(
             &g,
             &qd.slice(..),
@@ -304,28 +301,24 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
             &mut out.slice_mut(..),
             q_row,
         )?;
-        dev.download(&out.slice(..), &mut got)?;
-        c.compare(name, &want, &got, 5e-3);
-    }
+        dev.download(&out.slice(..), got)?;
+        Ok(())
+    };
+    attend(None, rows, &mut got)?;
+    c.compare("paged_attention", &want, &got, 5e-3);
+    // A tile at a time: the 100-row prefill in tiles of 32, 32, 32 and 4.
+    let tiles = attention_tiles(seqs_spec.iter().map(|&(_, nq)| nq));
+    let tiles_dev = dev.upload(&tiles)?;
+    attend(
+        Some((&tiles_dev.slice(..), tiles.len() - 1)),
+        rows,
+        &mut got,
+    )?;
+    c.compare("paged_attention_tiled", &want, &got, 5e-3);
     // The four decode rows alone: a launch of few thread blocks, which takes more warps per
     // row (`attention_threads`) than the launch above.
     let decode_rows = 4;
-    let mut out = dev.zeros::<f32>(decode_rows * q_row)?;
-    dev.attention(
-        &g,
-        &qd.slice(..),
-        q_row,
-        &pd.slice(..),
-        &rd.slice(..),
-        &fd.slice(..),
-        None,
-        decode_rows,
-        &kd,
-        &vd,
-        &mut out.slice_mut(..),
-        q_row,
-    )?;
-    dev.download(&out.slice(..), &mut got)?;
+    attend(None, decode_rows, &mut got)?;
     let warps = attention_threads(decode_rows, g.n_heads) / 32;
     let key = format!("paged_attention_decode_rows_{warps}_warps");
     c.compare(&key, &want[..decode_rows * q_row], &got, 5e-3);
