@@ -22,7 +22,7 @@ command -v etcdctl >/dev/null 2>&1 || need+=(etcd-client)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 # deploy/build-images.sh --dockerfile: a Debian base image made here (none can be pulled).
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
-# The CUDA GEMV's host test (kernels/tests/gemv_host.rs) compiles gemv.cu as C++20.
+# The CUDA GEMV's host test (kernels/tests/cuda_host.rs) compiles the .cu sources as C++20.
 command -v c++ >/dev/null 2>&1 || need+=(g++)
 # The `rdma` feature (ibverbs bindings are generated with bindgen and built with cmake).
 for pkg in libibverbs-dev cmake pkg-config libclang-dev; do
