@@ -16,6 +16,14 @@
 #                                    OUT_DIR/gpu_check.json (default: the current directory).
 #                                    Flags after `--` go to `kvmesh gpu-check` (e.g.
 #                                    `-- --checks ops,handoff --shapes smollm2`).
+#   scripts/gpu_check.sh --split-model [MODEL.gguf]
+#                                    here: cuts the GGUF (default: the model `kvmesh
+#                                    fetch-model` keeps) into parts of 24 MiB under
+#                                    target/gpu-model, with its sha256, since a device run
+#                                    carries at most 64 MiB. Carry the parts over successive
+#                                    calls to the warm machine (a call keeps what earlier calls
+#                                    carried); a run given no MODEL.gguf joins them, checks the
+#                                    sha256 and uses the model (docs/gpu.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GPU_DIR=target/gpu
@@ -34,6 +42,18 @@ if [ "${1:-}" = "--build" ]; then
     echo "gpu_check: $GPU_DIR is $size_mib MiB, over the 64 MiB a device run can carry" >&2
     exit 1
   fi
+  exit 0
+fi
+
+MODEL_DIR=target/gpu-model
+if [ "${1:-}" = "--split-model" ]; then
+  src="${2:-$(target/release/kvmesh fetch-model 2>/dev/null | tail -n 1)}"
+  [ -f "$src" ] || { echo "gpu_check: no model at '$src'" >&2; exit 1; }
+  rm -rf "$MODEL_DIR"
+  mkdir -p "$MODEL_DIR"
+  split -b 24M -d -a 1 "$src" "$MODEL_DIR/model.gguf.part-"
+  (cd "$(dirname "$src")" && sha256sum "$(basename "$src")") | cut -d' ' -f1 > "$MODEL_DIR/model.gguf.sha256"
+  ls -la "$MODEL_DIR"
   exit 0
 fi
 
@@ -57,6 +77,17 @@ LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH
 export LD_LIBRARY_PATH
 export KVMESH_KERNEL_CACHE="$PWD/$GPU_DIR/kernels"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
+# No model given but parts carried: join them, and refuse a model that is not the one cut.
+if [ -z "$model" ] && [ -f "$MODEL_DIR/model.gguf.sha256" ]; then
+  model="$MODEL_DIR/model.gguf"
+  cat "$MODEL_DIR"/model.gguf.part-* > "$model"
+  if [ "$(sha256sum "$model" | cut -d' ' -f1)" != "$(cat "$MODEL_DIR/model.gguf.sha256")" ]; then
+    echo "gpu_check: the model's parts in $MODEL_DIR do not join into the model cut (a part missing?):" >&2
+    ls -la "$MODEL_DIR" >&2
+    rm -f "$model"
+    exit 1
+  fi
+fi
 model_args=()
 if [ -n "$model" ]; then model_args=(--model "$model"); fi
 "$GPU_DIR/kvmesh" gpu-check --out "$out/gpu_check.json" "${model_args[@]}" "$@"
