@@ -400,7 +400,75 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         json!({"error": format!("{e:#}")})
     });
     c.out.insert("matmul_speed".into(), speed);
+    let speed = attention_speed(&dev, &mut rng).unwrap_or_else(|e| {
+        c.failures.push(format!("attention_speed: {e:#}"));
+        json!({"error": format!("{e:#}")})
+    });
+    c.out.insert("attention_speed".into(), speed);
     Ok(Value::Object(c.out))
+}
+
+/// Prefill's attention alone: one layer of a 2,048-token Llama-3-8B prompt (32 heads over 8
+/// KV heads, head dim 128), row by row and a tile at a time, in seconds a launch and TFLOP/s
+/// (the causal product's multiply-adds, QK and PV), against the step's prefill figure.
+fn attention_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
+    const ROWS: usize = 2_048;
+    const REPEATS: usize = 10;
+    let g = KvGeometry {
+        n_heads: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+        block_size: 16,
+        num_blocks: ROWS / 16,
+    };
+    let q_row = g.n_heads * g.head_dim;
+    let qd = dev.upload(&rng.vec(ROWS * q_row))?;
+    let layer = g.block_elems() * g.num_blocks;
+    let (kd, vd) = (dev.zeros::<u16>(layer)?, dev.zeros::<u16>(layer)?);
+    let pd = dev.upload(&(0..ROWS as i32).collect::<Vec<_>>())?;
+    let rd = dev.upload(&vec![0i32; ROWS])?;
+    let fd = dev.upload(&(0..g.num_blocks as i32).collect::<Vec<_>>())?;
+    let tiles = attention_tiles([ROWS]);
+    let td = dev.upload(&tiles)?;
+    let mut out = dev.zeros::<f32>(ROWS * q_row)?;
+    // Every row attends to its position and those before: sum(pos + 1) scores per head.
+    let scores = (ROWS * (ROWS + 1) / 2 * g.n_heads) as f64;
+    let flop = 4.0 * scores * g.head_dim as f64;
+    let mut result = serde_json::Map::new();
+    for (key, tiled) in [
+        ("per_row", None),
+        ("tiled", Some((&td.slice(..), tiles.len() - 1))),
+    ] {
+        let mut launch = || {
+            dev.attention(
+                &g,
+                &qd.slice(..),
+                q_row,
+                &pd.slice(..),
+                &rd.slice(..),
+                &fd.slice(..),
+                tiled,
+                ROWS,
+                &kd,
+                &vd,
+                &mut out.slice_mut(..),
+                q_row,
+            )
+        };
+        launch()?; // module loading
+        dev.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..REPEATS {
+            launch()?;
+        }
+        dev.synchronize()?;
+        let secs = t.elapsed().as_secs_f64() / REPEATS as f64;
+        result.insert(
+            key.into(),
+            json!({"seconds": secs, "tflop_per_s": flop / secs / 1e12}),
+        );
+    }
+    Ok(Value::Object(result))
 }
 
 /// Decode's matrices alone: Llama-3-8B's FFN matrices in Q4_1 (gate/up 14,336 x 4,096 and
