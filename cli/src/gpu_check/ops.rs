@@ -5,7 +5,8 @@ use anyhow::Result;
 use half::f16;
 use kvmesh_kernels::cpu::{self, AttentionSeq, AttentionShape};
 use kvmesh_kernels::cuda::{
-    attention_threads, attention_tiles, CudaDevice, CudaView, GemvKernel, KvGeometry, GEMV_MAX_M,
+    attention_threads, attention_tiles, CudaDevice, CudaSlice, CudaView, GemvKernel, KvGeometry,
+    GEMV_MAX_M,
 };
 use kvmesh_kernels::{QMatrix, WeightFormat};
 use serde_json::{json, Value};
@@ -281,26 +282,22 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
         dev.upload(&row_table)?,
         dev.upload(&flat)?,
     );
+    let inputs = AttentionInputs {
+        g: &g,
+        q: &qd,
+        row_pos: &pd,
+        row_table: &rd,
+        tables: &fd,
+        k: &kd,
+        v: &vd,
+    };
     // The first `rows` rows' attention, row by row or (`tiles`) a tile at a time.
     let attend = |tiles: Option<(&CudaView<'_, i32>, usize)>,
                   rows: usize,
                   got: &mut Vec<f32>|
      -> Result<()> {
         let mut out = dev.zeros::<f32>(rows * q_row)?;
-        dev.attention(
-            &g,
-            &qd.slice(..),
-            q_row,
-            &pd.slice(..),
-            &rd.slice(..),
-            &fd.slice(..),
-            tiles,
-            rows,
-            &kd,
-            &vd,
-            &mut out.slice_mut(..),
-            q_row,
-        )?;
+        inputs.run(&dev, tiles, rows, &mut out)?;
         dev.download(&out.slice(..), got)?;
         Ok(())
     };
@@ -408,6 +405,46 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
     Ok(Value::Object(c.out))
 }
 
+/// One attention launch's inputs on the device (see [`CudaDevice::attention`]).
+struct AttentionInputs<'a> {
+    g: &'a KvGeometry,
+    q: &'a CudaSlice<f32>,
+    row_pos: &'a CudaSlice<i32>,
+    row_table: &'a CudaSlice<i32>,
+    tables: &'a CudaSlice<i32>,
+    k: &'a CudaSlice<u16>,
+    v: &'a CudaSlice<u16>,
+}
+
+impl AttentionInputs<'_> {
+    /// The attention of the first `rows` query rows into `out`, row by row or (`tiles`) a
+    /// tile at a time.
+    fn run(
+        &self,
+        dev: &CudaDevice,
+        tiles: Option<(&CudaView<'_, i32>, usize)>,
+        rows: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let q_row = self.g.n_heads * self.g.head_dim;
+        dev.attention(
+            self.g,
+            &self.q.slice(..),
+            q_row,
+            &self.row_pos.slice(..),
+            &self.row_table.slice(..),
+            &self.tables.slice(..),
+            tiles,
+            rows,
+            self.k,
+            self.v,
+            &mut out.slice_mut(..rows * q_row),
+            q_row,
+        )?;
+        Ok(())
+    }
+}
+
 /// Prefill's attention alone: one layer of a 2,048-token Llama-3-8B prompt (32 heads over 8
 /// KV heads, head dim 128), row by row and a tile at a time, in seconds a launch and TFLOP/s
 /// (the causal product's multiply-adds, QK and PV), against the step's prefill figure.
@@ -431,6 +468,15 @@ fn attention_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
     let tiles = attention_tiles([ROWS]);
     let td = dev.upload(&tiles)?;
     let mut out = dev.zeros::<f32>(ROWS * q_row)?;
+    let inputs = AttentionInputs {
+        g: &g,
+        q: &qd,
+        row_pos: &pd,
+        row_table: &rd,
+        tables: &fd,
+        k: &kd,
+        v: &vd,
+    };
     // Every row attends to its position and those before: sum(pos + 1) scores per head.
     let scores = (ROWS * (ROWS + 1) / 2 * g.n_heads) as f64;
     let flop = 4.0 * scores * g.head_dim as f64;
@@ -439,22 +485,7 @@ fn attention_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
         ("per_row", None),
         ("tiled", Some((&td.slice(..), tiles.len() - 1))),
     ] {
-        let mut launch = || {
-            dev.attention(
-                &g,
-                &qd.slice(..),
-                q_row,
-                &pd.slice(..),
-                &rd.slice(..),
-                &fd.slice(..),
-                tiled,
-                ROWS,
-                &kd,
-                &vd,
-                &mut out.slice_mut(..),
-                q_row,
-            )
-        };
+        let mut launch = || inputs.run(dev, tiled, ROWS, &mut out);
         launch()?; // module loading
         dev.synchronize()?;
         let t = std::time::Instant::now();
