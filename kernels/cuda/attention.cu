@@ -99,9 +99,12 @@ extern "C" __global__ void paged_attention_tiled(const float* q, long long q_str
                                                  const int* row_table, const int* tables,
                                                  const int* tiles, int n_heads, int n_kv_heads,
                                                  int head_dim, int block_size, float scale) {
-    __shared__ float s_q[TILE_ROWS][TILE_MAX_HD];
-    __shared__ u16 s_k[TILE_POS][TILE_K_STRIDE];
-    __shared__ u16 s_v[TILE_POS][TILE_MAX_HD];
+    // float4 reads of queries and weights, u32 reads of K: 16-byte aligned.
+    __shared__ __align__(16) float s_q[TILE_ROWS][TILE_MAX_HD];
+    __shared__ __align__(16) u16 s_k[TILE_POS][TILE_K_STRIDE];
+    __shared__ __align__(16) u16 s_v[TILE_POS][TILE_MAX_HD];
+    // Each warp's rows' weights of the chunk's positions, read back four at a time.
+    __shared__ __align__(16) float s_p[TILE_WARPS][ROWS_PER_WARP][TILE_POS];
     __shared__ int s_last;
     int h = blockIdx.y;
     int first = tiles[blockIdx.x], n_tile = tiles[blockIdx.x + 1] - first;
@@ -156,15 +159,24 @@ extern "C" __global__ void paged_attention_tiled(const float* q, long long q_str
         }
         __syncthreads();
 
-        // Lane j's scores of position c0 + j against the warp's rows.
+        // Lane j's scores of position c0 + j against the warp's rows, four dimensions at a
+        // time (head_dim is a multiple of 32).
         float s[ROWS_PER_WARP];
 #pragma unroll
         for (int k = 0; k < ROWS_PER_WARP; k++) s[k] = 0.0f;
-        for (int d = 0; d < head_dim; d++) {
-            float kd = f16_to_f32(s_k[lane][d]);
+        for (int d = 0; d < head_dim; d += 4) {
+            const u32* kw = (const u32*)&s_k[lane][d];
+            u32 k01 = kw[0], k23 = kw[1];
+            float k0 = f16_to_f32((u16)(k01 & 0xffffu)), k1 = f16_to_f32((u16)(k01 >> 16));
+            float k2 = f16_to_f32((u16)(k23 & 0xffffu)), k3 = f16_to_f32((u16)(k23 >> 16));
 #pragma unroll
-            for (int k = 0; k < ROWS_PER_WARP; k++)
-                s[k] = fmaf(s_q[warp * ROWS_PER_WARP + k][d], kd, s[k]);
+            for (int k = 0; k < ROWS_PER_WARP; k++) {
+                float4 qv = *(const float4*)&s_q[warp * ROWS_PER_WARP + k][d];
+                s[k] = fmaf(qv.x, k0, s[k]);
+                s[k] = fmaf(qv.y, k1, s[k]);
+                s[k] = fmaf(qv.z, k2, s[k]);
+                s[k] = fmaf(qv.w, k3, s[k]);
+            }
         }
         int t = c0 + lane;
 #pragma unroll
@@ -184,17 +196,27 @@ extern "C" __global__ void paged_attention_tiled(const float* q, long long q_str
 #pragma unroll
             for (int i = 0; i < TILE_MAX_DPL; i++) acc[k][i] *= corr;
         }
-        // Weighted V: lane owns dimensions lane + 32 * i; position j's weight comes from lane j.
-        for (int j = 0; j < TILE_POS; j++) {
-            float v[TILE_MAX_DPL];
 #pragma unroll
-            for (int i = 0; i < TILE_MAX_DPL; i++)
-                v[i] = i < dpl ? f16_to_f32(s_v[j][lane + 32 * i]) : 0.0f;
+        for (int k = 0; k < ROWS_PER_WARP; k++) s_p[warp][k][lane] = s[k];
+        __syncwarp();
+        // Weighted V: lane owns dimensions lane + 32 * i; positions' weights four at a time.
+        for (int j = 0; j < TILE_POS; j += 4) {
+            float v[4][TILE_MAX_DPL];
+#pragma unroll
+            for (int jj = 0; jj < 4; jj++)
+#pragma unroll
+                for (int i = 0; i < TILE_MAX_DPL; i++)
+                    v[jj][i] = i < dpl ? f16_to_f32(s_v[j + jj][lane + 32 * i]) : 0.0f;
 #pragma unroll
             for (int k = 0; k < ROWS_PER_WARP; k++) {
-                float p = __shfl_sync(0xffffffffu, s[k], j);
+                float4 p = *(const float4*)&s_p[warp][k][j];
 #pragma unroll
-                for (int i = 0; i < TILE_MAX_DPL; i++) acc[k][i] = fmaf(p, v[i], acc[k][i]);
+                for (int i = 0; i < TILE_MAX_DPL; i++) {
+                    acc[k][i] = fmaf(p.x, v[0][i], acc[k][i]);
+                    acc[k][i] = fmaf(p.y, v[1][i], acc[k][i]);
+                    acc[k][i] = fmaf(p.z, v[2][i], acc[k][i]);
+                    acc[k][i] = fmaf(p.w, v[3][i], acc[k][i]);
+                }
             }
         }
         __syncthreads();

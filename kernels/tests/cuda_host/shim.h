@@ -19,6 +19,7 @@ typedef unsigned long long u64;
 
 struct alignas(16) uint4 { u32 x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
 struct dim { unsigned x = 0, y = 0, z = 0; };
 
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
@@ -30,6 +31,7 @@ inline dim blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 using std::max;
 using std::min;
@@ -96,6 +98,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     return shfl_float(v, (threadIdx.x % 32) ^ (unsigned)o);
 }
 inline float __shfl_sync(unsigned, float v, int src) { return shfl_float(v, (unsigned)src); }
+inline void __syncwarp() { block_state->warp[threadIdx.x / 32]->arrive_and_wait(); }
 
 inline float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
