@@ -8,7 +8,7 @@ use kvmesh_common::{NodeId, RequestId};
 use kvmesh_engine::llm_engine::{LlmEngine, SeqOutput};
 use kvmesh_engine::runner::{KvShape, KvSource, ModelRunner, SeqId, StepInput};
 use kvmesh_engine::sampler::Sampled;
-use kvmesh_transfer::{BlockShape, KvChunk, KvDtype, KvReceiver, Transport, TransportError};
+use kvmesh_transfer::{BlockShape, KvChunk, KvReceiver, Transport, TransportError};
 use kvmesh_worker::{
     CancelToken, Control, EngineReturn, EngineThread, ExportError, ExportJob, ExportReply,
     ExportRequest, Gather, KvExporter, KvOutbox, KvPull, LoadPublisher, NodeState, PrefillClient,
@@ -738,7 +738,7 @@ impl Pusher<'_> {
             }
             let (src, dst) = job.push.addresses(chunk, blocks.clone());
             // Sized once: a long prompt's layer is megabytes, and growing it copies them.
-            let layer_bytes = src.len() * self.block_shape.block_bytes_per_layer(KvDtype::F16);
+            let layer_bytes = src.len() * self.block_shape.block_bytes_per_layer(KvChunk::DTYPE);
             let mut payload = Vec::with_capacity(layer_bytes);
             if let Err(e) = kv.read_kv_blocks(layer, &src, &mut payload) {
                 // The engine validated these blocks when it planned the step.

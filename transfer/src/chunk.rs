@@ -82,6 +82,9 @@ pub enum ChunkError {
 }
 
 impl KvChunk {
+    /// The element type [`KvChunk::seal`] declares: the engines keep their KV in f16.
+    pub const DTYPE: KvDtype = KvDtype::F16;
+
     /// A chunk of `payload` (transfer layout) for `layers` × `blocks`, with its checksum.
     pub fn seal(
         request_id: RequestId,
@@ -95,7 +98,7 @@ impl KvChunk {
             first_layer: layers.start as u32,
             num_layers: layers.len() as u32,
             blocks,
-            dtype: KvDtype::F16,
+            dtype: KvChunk::DTYPE,
             shape,
             checksum: xxh3_64(&payload),
         };
