@@ -405,6 +405,23 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
     Ok(Value::Object(c.out))
 }
 
+/// Seconds a launch takes, over `repeats` launched back to back after one untimed (module
+/// loading, cuBLAS's heuristics); for launches long enough to time from the host.
+fn seconds_per_launch(
+    dev: &CudaDevice,
+    repeats: usize,
+    launch: &mut dyn FnMut() -> Result<()>,
+) -> Result<f64> {
+    launch()?;
+    dev.synchronize()?;
+    let t = std::time::Instant::now();
+    for _ in 0..repeats {
+        launch()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / repeats as f64)
+}
+
 /// One attention launch's inputs on the device (see [`CudaDevice::attention`]).
 struct AttentionInputs<'a> {
     g: &'a KvGeometry,
@@ -458,14 +475,7 @@ fn prefill_layer_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
     const LAYERS: f64 = 32.0;
     const REPEATS: usize = 10;
     let time = |launch: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        launch()?; // module loading, cuBLAS's heuristics
-        dev.synchronize()?;
-        let t = std::time::Instant::now();
-        for _ in 0..REPEATS {
-            launch()?;
-        }
-        dev.synchronize()?;
-        Ok(t.elapsed().as_secs_f64() / REPEATS as f64 * 1e3)
+        Ok(seconds_per_launch(dev, REPEATS, launch)? * 1e3)
     };
     let g = KvGeometry {
         n_heads: 32,
@@ -648,16 +658,9 @@ fn matmul_speed(dev: &mut CudaDevice, rng: &mut Rng) -> Result<Value> {
     let mut bf = dev.zeros::<u16>(chunk * cols)?;
     let xd = dev.upload(&rng.vec(chunk * cols))?;
     let mut out = dev.zeros::<f32>(chunk * rows)?;
-    let mut launch = || dev.matmul(&wd, &xd.slice(..), chunk, &mut out.slice_mut(..), &mut bf);
-    // One launch first, untimed: module loading and cuBLAS's heuristics.
-    launch()?;
-    dev.synchronize()?;
-    let t = std::time::Instant::now();
-    for _ in 0..REPEATS {
-        launch()?;
-    }
-    dev.synchronize()?;
-    let gemm = t.elapsed().as_secs_f64() / REPEATS as f64;
+    let gemm = seconds_per_launch(dev, REPEATS, &mut || {
+        Ok(dev.matmul(&wd, &xd.slice(..), chunk, &mut out.slice_mut(..), &mut bf)?)
+    })?;
     Ok(json!({
         "timing": format!("GEMVs: {REPEATS} launches in one CUDA graph, {REPLAYS} replays"),
         "gemv": gemv,
