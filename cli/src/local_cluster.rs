@@ -8,7 +8,7 @@ use crate::config::env_vars;
 use anyhow::{bail, Context, Result};
 use kvmesh_common::NodeRole;
 use kvmesh_kvstore::{Discovery, EtcdConfig, EtcdDiscovery, EtcdServer};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -166,11 +166,9 @@ impl Drop for Children {
     }
 }
 
-/// A port on `ip` free now (the caller's child binds it next).
+/// A port on `ip` free now and not handed out before (the caller's child binds it next).
 pub fn free_addr(ip: &str) -> Result<SocketAddr> {
-    Ok(TcpListener::bind((ip, 0))
-        .with_context(|| format!("binding {ip}"))?
-        .local_addr()?)
+    kvmesh_common::net::free_addr(ip).with_context(|| format!("binding {ip}"))
 }
 
 fn command(role: &str, listen: SocketAddr, options: &ChildOptions) -> Result<Command> {

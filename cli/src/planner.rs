@@ -185,7 +185,7 @@ pub fn run(args: &PlannerArgs) -> Result<()> {
     }
     crate::node::runtime()?.block_on(async {
         if let Some(addr) = args.metrics_listen {
-            crate::node::metrics::serve(addr, None);
+            crate::node::metrics::serve(addr, None)?;
         }
         let etcd = EtcdConfig {
             endpoints: args.etcd.clone(),

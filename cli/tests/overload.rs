@@ -44,10 +44,7 @@ struct Server {
 impl Server {
     /// Starts `kvmesh serve` with `args` on a free port and returns once it listens.
     fn start(args: &[&str]) -> Server {
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap();
+        let addr = kvmesh_common::net::free_addr("127.0.0.1").unwrap();
         // One compute thread: on a 2-core machine the other core is left to HTTP and to
         // this test's load generator, which would otherwise preempt the engine's threads
         // and measure its own CPU starvation rather than queueing.

@@ -3,7 +3,7 @@
 //! the flags' errors.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -189,10 +189,7 @@ fn check_pareto(svg: &Path) {
 }
 
 fn free_addr() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
+    kvmesh_common::net::free_addr("127.0.0.1").unwrap()
 }
 
 fn get_status(addr: SocketAddr, path: &str) -> Option<u16> {

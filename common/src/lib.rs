@@ -7,6 +7,7 @@ pub mod grpc;
 pub mod ids;
 pub mod kv_tier;
 pub mod metrics;
+pub mod net;
 pub mod protocol;
 pub mod sampling;
 pub mod shutdown;

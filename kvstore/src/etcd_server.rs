@@ -7,7 +7,7 @@
 //! stopped and restarted on the same port and data, to test "etcd goes away and comes back".
 
 use std::io::{self, Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -203,11 +203,11 @@ fn find_on(path: &std::ffi::OsStr) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Two distinct free ports on `ip` (both held until both are chosen).
+/// Two free ports on `ip`, never handed out before in this process.
 fn free_ports(ip: Ipv4Addr) -> io::Result<[u16; 2]> {
-    let a = TcpListener::bind((ip, 0))?;
-    let b = TcpListener::bind((ip, 0))?;
-    Ok([a.local_addr()?.port(), b.local_addr()?.port()])
+    let ip = ip.to_string();
+    let port = || kvmesh_common::net::free_addr(&ip).map(|a| a.port());
+    Ok([port()?, port()?])
 }
 
 /// etcd's `/health` says true once the member has a leader and no alarm.

@@ -51,7 +51,7 @@ pub async fn run_node<R: ModelRunner + 'static>(
         auth.clone(),
     )?);
     if let Some(addr) = args.metrics_listen {
-        super::metrics::serve(addr, Some(board.clone()));
+        super::metrics::serve(addr, Some(board.clone()))?;
     }
     let mut worker = Some(first);
     let role_metrics = RoleMetrics::new(node);
@@ -150,6 +150,11 @@ fn serve_front(
     tls: Option<&ClusterTls>,
     auth: Arc<Authorizer>,
 ) -> Result<Front> {
+    // Bound here, not in the server's task: a taken port fails the node's start, where it
+    // would otherwise register in the mesh and answer nothing.
+    let incoming = tonic::transport::server::TcpIncoming::bind(listen)
+        .with_context(|| format!("binding the gRPC address {listen}"))?
+        .with_nodelay(Some(true));
     let (stop, stopped) = oneshot::channel::<()>();
     // Keepalive from this side too: a caller that hangs (a stopped router) has its streams
     // dropped, which cancels its requests and frees their KV.
@@ -184,7 +189,7 @@ fn serve_front(
         .add_service(pb::prefill_server::PrefillServer::from_arc(board.clone()))
         .add_service(kv_cache)
         .add_service(pb::node_server::NodeServer::from_arc(board.clone()))
-        .serve_with_shutdown(listen, async {
+        .serve_with_incoming_shutdown(incoming, async {
             let _ = stopped.await;
         });
     tracing::info!(%listen, "gRPC: Decode, Prefill, KvCache, Node");

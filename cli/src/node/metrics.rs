@@ -149,7 +149,8 @@ pub fn export_index_stats(index: EtcdPrefixIndex, node: NodeId) {
 /// Serves `GET /metrics` (Prometheus text) on `addr`. With `board` (a prefill or decode
 /// node) also `GET /health`, a readiness check: 200 with the role while the node serves one,
 /// 503 while it switches roles or drains; and `GET /live`, 200 while the process answers.
-pub fn serve(addr: SocketAddr, board: Option<Arc<Switchboard>>) {
+/// The address is bound before this returns, so a taken port fails the caller's start.
+pub fn serve(addr: SocketAddr, board: Option<Arc<Switchboard>>) -> anyhow::Result<()> {
     use axum::routing::get;
     let mut app = axum::Router::new().route(
         "/metrics",
@@ -163,17 +164,17 @@ pub fn serve(addr: SocketAddr, board: Option<Arc<Switchboard>>) {
             )
             .route("/live", get(|| async { "ok" }));
     }
+    let listener = std::net::TcpListener::bind(addr)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
+        .and_then(tokio::net::TcpListener::from_std)
+        .map_err(|e| anyhow::anyhow!("binding the metrics address {addr}: {e}"))?;
+    tracing::info!(%addr, "metrics on /metrics");
     tokio::spawn(async move {
-        match tokio::net::TcpListener::bind(addr).await {
-            Ok(listener) => {
-                tracing::info!(%addr, "metrics on /metrics");
-                if let Err(e) = axum::serve(listener, app).await {
-                    tracing::warn!("metrics server: {e}");
-                }
-            }
-            Err(e) => tracing::warn!(%addr, "cannot serve metrics: {e}"),
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!("metrics server: {e}");
         }
     });
+    Ok(())
 }
 
 fn health(state: RoleState) -> (StatusCode, String) {

@@ -9,7 +9,7 @@ use kvmesh_common::{GenerateRequest, NodeRole, RequestId, SamplingParams};
 use kvmesh_kvstore::{Discovery, EtcdDiscovery};
 use serde_json::Value;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -18,10 +18,10 @@ pub const LEASE_TTL: Duration = Duration::from_secs(2);
 pub const START_TIMEOUT: Duration = Duration::from_secs(120);
 pub const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 
-/// A free TCP port on `ip` (the node also binds UDP on it; that is free too in practice).
+/// A free TCP port on `ip`, never one handed out before in this test (the node also binds UDP
+/// on it; that is free too in practice).
 pub fn free_addr(ip: &str) -> SocketAddr {
-    let l = TcpListener::bind((ip, 0)).expect("bind a loopback address");
-    l.local_addr().unwrap()
+    kvmesh_common::net::free_addr(ip).expect("bind a loopback address")
 }
 
 pub struct Node {
