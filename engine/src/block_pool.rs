@@ -19,10 +19,11 @@
 //! not accumulate events nobody drains.
 
 mod free_list;
+mod hash_slots;
 mod tier_index;
 
 use free_list::{FreeList, Links};
-use kvmesh_common::fast_hash::U64Map;
+use hash_slots::HashSlots;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
 use tier_index::TierIndex;
@@ -85,9 +86,9 @@ pub struct BlockPool {
     free_uncached: FreeList,
     /// Free blocks that are still prefix hits, least recently freed at the front.
     free_cached: FreeList,
-    /// Probed for every block of every admission and written for every block computed: a
-    /// fast hasher, as SipHash dominated the probe.
-    cached: U64Map<SequenceHash, BlockId>,
+    /// Probed for every block of every admission and written for every block computed and
+    /// evicted (a block has at most one hash, so it never outgrows the pool).
+    cached: HashSlots,
     host: TierIndex,
     disk: TierIndex,
     /// Blocks promoted from each tier since start, by `Tier as usize`.
@@ -118,7 +119,7 @@ impl BlockPool {
             blocks,
             free_uncached,
             free_cached: FreeList::default(),
-            cached: U64Map::default(),
+            cached: HashSlots::with_room_for(num_blocks),
             host: TierIndex::new(0),
             disk: TierIndex::new(0),
             promoted: [0; 3],
@@ -190,8 +191,8 @@ impl BlockPool {
 
     /// Where this pool holds `hash`'s KV, if anywhere.
     pub fn locate(&self, hash: SequenceHash) -> Option<Held> {
-        match self.cached.get(&hash) {
-            Some(&block) => Some(Held::Device(block)),
+        match self.cached.get(hash) {
+            Some(block) => Some(Held::Device(BlockId(block))),
             None => self.lower_tier_of(hash).map(Held::Lower),
         }
     }
@@ -227,7 +228,8 @@ impl BlockPool {
         let meta = &mut self.blocks[block.0 as usize];
         debug_assert!(meta.ref_count > 0 && meta.hash.is_none());
         meta.hash = Some(hash);
-        self.cached.insert(hash, block);
+        let added = self.cached.insert_new(hash, block.0);
+        debug_assert!(added, "a promoted hash was not cached");
         self.moves.push(TierMove::Promote { hash, block, from });
         self.promoted[from as usize] += 1;
         self.record(TieredKvEvent::removed(from, hash));
@@ -309,7 +311,7 @@ impl BlockPool {
     pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<BlockId> {
         hashes
             .iter()
-            .map_while(|h| self.cached.get(h).copied())
+            .map_while(|&h| self.cached.get(h).map(BlockId))
             .collect()
     }
 
@@ -353,7 +355,7 @@ impl BlockPool {
             Some(_) => return Err(BlockPoolError::AlreadyCached { block }),
             None => {}
         }
-        if self.cached.contains_key(&hash) {
+        if self.cached.contains(hash) {
             return Ok(false);
         }
         // Recomputed while a lower tier holds a copy (it was not promoted): keep one copy.
@@ -362,7 +364,7 @@ impl BlockPool {
         }
         let meta = &mut self.blocks[block.0 as usize];
         meta.hash = Some(hash);
-        self.cached.insert(hash, block);
+        self.cached.insert_new(hash, block.0);
         self.record(TieredKvEvent::stored(Tier::Device, hash));
         Ok(true)
     }
@@ -427,7 +429,6 @@ impl BlockPool {
     pub fn cached_hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
         self.cached
             .keys()
-            .copied()
             .chain(self.host.hashes())
             .chain(self.disk.hashes())
     }
@@ -441,7 +442,7 @@ impl BlockPool {
     /// Unregisters block `id`'s hash from the prefix cache, announcing it; returns it.
     fn forget_hash(&mut self, id: u32) -> Option<SequenceHash> {
         let hash = self.blocks[id as usize].hash.take()?;
-        self.cached.remove(&hash);
+        self.cached.remove(hash);
         self.record(TieredKvEvent::removed(Tier::Device, hash));
         Some(hash)
     }

@@ -27,6 +27,7 @@ pub use disaggregation::{prefill_remotely_given, should_prefill_remotely, Disagg
 pub use kv_aware::KvAware;
 pub use least_loaded::{least_loaded, least_loaded_with, LeastLoaded};
 pub use load_order::LoadOrder;
+pub(crate) use load_order::Ranked;
 pub use overlap::{overlap_on_device, Tier, TieredOverlap};
 pub use power_of_two::PowerOfTwo;
 pub use pull::pull_holder;

@@ -56,6 +56,7 @@ use kvmesh_bench::report::{MeshStats, Point};
 use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
+use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
@@ -439,8 +440,9 @@ struct Mesh<'a> {
     live: Vec<Option<Live>>,
     outcomes: Vec<Option<RequestOutcome>>,
     routed: Vec<u64>,
-    /// One per (prefill node, decode node) that has carried KV.
-    links: BTreeMap<(usize, usize), Link>,
+    /// One per (prefill node, decode node) that has carried KV, by [`link_key`]: up to
+    /// one per pair of 300 x 700 nodes, looked up for every remote prefill.
+    links: U64Map<u64, Link>,
     link_factors: LinkFactors,
     prefill: Option<PrefillPool>,
     vocab_size: usize,
@@ -634,7 +636,7 @@ fn run(
         queue,
         live: (0..requests.len()).map(|_| None).collect(),
         outcomes: vec![None; requests.len()],
-        links: BTreeMap::new(),
+        links: U64Map::default(),
         link_factors: LinkFactors::default(),
         prefill: config.prefill.clone(),
         vocab_size: config.node.vocab_size,
@@ -944,7 +946,7 @@ impl Mesh<'_> {
         let model = self.link_factors.model(pool.link.model(), p, live.node);
         let link = self
             .links
-            .entry((p, live.node))
+            .entry(link_key(p, live.node))
             .or_insert_with(|| Link::new(model));
         link.set_model(model);
         let transfer = link.enqueue(now, bytes);
@@ -1214,4 +1216,9 @@ impl Mesh<'_> {
             events: 0,
         }
     }
+}
+
+/// The key of the link from prefill node `p` to decode node `d`.
+fn link_key(p: usize, d: usize) -> u64 {
+    (p as u64) << 32 | d as u64
 }

@@ -3,11 +3,10 @@
 //! node's load (its report, a request tracked or let go) moves it in the order at once, so a
 //! request is routed without looking at every node.
 
-use crate::policy::LoadOrder;
+use crate::policy::{LoadOrder, Ranked};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::{LoadReport, NodeId};
 use kvmesh_kvstore::NodeEntry;
-use std::collections::BTreeSet;
 
 /// Behind the router's one lock: the in-flight guards update it as they drop.
 #[derive(Debug, Default)]
@@ -34,15 +33,13 @@ pub(super) struct Role {
     pub(super) by_load: LoadOrder,
     /// `(waiting + in flight, position)`, the least first: what the disaggregation rule
     /// calls a prefill node's queue.
-    by_queue: BTreeSet<(usize, usize)>,
+    by_queue: Ranked,
 }
 
 impl Role {
     pub(super) fn new(nodes: Vec<NodeEntry>, in_flight: &U64Map<NodeId, usize>) -> Role {
         let by_load = LoadOrder::new(&nodes, |n| load(n, in_flight));
-        let by_queue = (nodes.iter().enumerate())
-            .map(|(i, n)| (queue(n, in_flight), i))
-            .collect();
+        let by_queue = Ranked::new(nodes.iter().map(|n| queue(n, in_flight)));
         Role {
             nodes,
             by_load,
@@ -52,7 +49,7 @@ impl Role {
 
     /// The shortest queue among the nodes; `None` when there are none.
     pub(super) fn least_queue(&self) -> Option<usize> {
-        self.by_queue.first().map(|&(q, _)| q)
+        self.by_queue.least()
     }
 
     /// Node `i`'s entry changes by `change`, its in-flight count being `in_flight`'s.
@@ -78,9 +75,7 @@ impl Role {
         let n = &self.nodes[i];
         self.by_load.reload(i, load_was, load(n, in_flight));
         let queue_now = queue(n, in_flight);
-        if queue_now != queue_was && self.by_queue.remove(&(queue_was, i)) {
-            self.by_queue.insert((queue_now, i));
-        }
+        self.by_queue.rerank(i, queue_was, queue_now);
     }
 }
 
