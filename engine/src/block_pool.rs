@@ -424,6 +424,13 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
+    /// [`Self::drain_events`] into `out` (cleared first), whose buffer the pool keeps for
+    /// the next events: a caller draining often allocates nothing once the buffers have grown.
+    pub fn drain_events_into(&mut self, out: &mut Vec<TieredKvEvent>) {
+        out.clear();
+        std::mem::swap(out, &mut self.events);
+    }
+
     /// Every hash currently cached (in any tier), in no particular order: a snapshot for a
     /// prefix index.
     pub fn cached_hashes(&self) -> impl Iterator<Item = SequenceHash> + '_ {
@@ -592,6 +599,14 @@ mod tests {
         let mut snapshot: Vec<_> = pool.cached_hashes().collect();
         snapshot.sort();
         assert_eq!(snapshot, vec![h(1), h(2)]);
+        // Drained into a buffer: its old contents go, and the next drain starts empty.
+        pool.free(&b).unwrap();
+        pool.allocate(1).unwrap();
+        let mut out = vec![TieredKvEvent::stored(Tier::Host, h(9))];
+        pool.drain_events_into(&mut out);
+        assert_eq!(out, vec![TieredKvEvent::removed(Tier::Device, h(2))]);
+        pool.drain_events_into(&mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

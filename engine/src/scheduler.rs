@@ -785,6 +785,11 @@ impl Scheduler {
         self.pool.drain_events()
     }
 
+    /// See [`BlockPool::drain_events_into`].
+    pub fn drain_kv_events_into(&mut self, out: &mut Vec<TieredKvEvent>) {
+        self.pool.drain_events_into(out);
+    }
+
     pub fn config(&self) -> &SchedulerConfig {
         &self.config
     }

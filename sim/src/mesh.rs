@@ -57,6 +57,7 @@ use kvmesh_bench::slo::{RequestOutcome, SloSpec};
 use kvmesh_bench::trace::ScaledRequest;
 use kvmesh_bench::workload::{Prompt, WorkItem};
 use kvmesh_common::fast_hash::U64Map;
+use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, NodeId, NodeInfo, NodeRole, PromptHashes, TokenId};
 use kvmesh_engine::mock_runner::MockRunner;
 use kvmesh_kvstore::{InMemoryPrefixIndex, NodeEntry};
@@ -443,6 +444,8 @@ struct Mesh<'a> {
     /// One per (prefill node, decode node) that has carried KV, by [`link_key`]: up to
     /// one per pair of 300 x 700 nodes, looked up for every remote prefill.
     links: U64Map<u64, Link>,
+    /// A buffer the nodes' KV events pass through to the index (nodes swap theirs for it).
+    kv_events: Vec<TieredKvEvent>,
     link_factors: LinkFactors,
     prefill: Option<PrefillPool>,
     vocab_size: usize,
@@ -637,6 +640,7 @@ fn run(
         live: (0..requests.len()).map(|_| None).collect(),
         outcomes: vec![None; requests.len()],
         links: U64Map::default(),
+        kv_events: Vec::new(),
         link_factors: LinkFactors::default(),
         prefill: config.prefill.clone(),
         vocab_size: config.node.vocab_size,
@@ -820,11 +824,13 @@ impl Mesh<'_> {
 
     /// What a real node announces: its KV events to the index, its load to discovery.
     fn publish(&mut self, n: usize) {
-        let events = self.nodes[n].drain_kv_events();
+        let mut events = std::mem::take(&mut self.kv_events);
+        self.nodes[n].drain_kv_events_into(&mut events);
         // A node out of routing (draining) is out of the index too.
         if !events.is_empty() && self.life[n] == Life::Serving {
             self.index.apply(NodeId(n as u64), &events);
         }
+        self.kv_events = events;
         if self.report_interval.is_none() {
             self.report_load(n);
         }

@@ -658,8 +658,10 @@ impl SimNode {
         self.scheduler.set_record_kv_events(on);
     }
 
-    pub fn drain_kv_events(&mut self) -> Vec<TieredKvEvent> {
-        self.scheduler.drain_kv_events()
+    /// The prefix-cache events since the last call, into `out` (see
+    /// [`Scheduler::drain_kv_events_into`]).
+    pub fn drain_kv_events_into(&mut self, out: &mut Vec<TieredKvEvent>) {
+        self.scheduler.drain_kv_events_into(out);
     }
 
     /// Total modelled step time so far.

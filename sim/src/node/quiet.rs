@@ -99,7 +99,10 @@ impl SimNode {
     pub fn catch_up(&mut self, steps: usize) -> RunTokens {
         let run = self.run.take().expect("a run of quiet steps is in flight");
         assert!(steps < run.ends.len(), "catch_up past the run's last step");
-        let tokens = self.apply(&run, steps);
+        let tokens = RunTokens {
+            seqs: self.apply(&run, steps),
+            ends: run.ends[..steps].to_vec(),
+        };
         let start = steps.checked_sub(1).map_or(run.started, |s| run.ends[s]);
         let output = self.scheduler.schedule();
         let ends_at = self.begin(output, start);
@@ -110,11 +113,16 @@ impl SimNode {
     /// Ends the run in flight, its last step having ended; returns its tokens.
     pub fn finish_run(&mut self) -> Result<RunTokens, NodeError> {
         let run = self.run.take().ok_or(NodeError::NoStepInFlight)?;
-        Ok(self.apply(&run, run.ends.len()))
+        let seqs = self.apply(&run, run.ends.len());
+        Ok(RunTokens {
+            seqs,
+            ends: run.ends,
+        })
     }
 
-    /// The first `steps` steps of `run`, as their ends would have absorbed them.
-    fn apply(&mut self, run: &DecodeRun, steps: usize) -> RunTokens {
+    /// The first `steps` steps of `run`, as their ends would have absorbed them; returns
+    /// the sequences that got their tokens.
+    fn apply(&mut self, run: &DecodeRun, steps: usize) -> Vec<SeqId> {
         let vocab = self.vocab_size;
         self.scheduler.advance_decode(steps, |_, t| {
             let last = t.output.last().or(t.prompt.last()).copied();
@@ -145,10 +153,7 @@ impl SimNode {
             self.busy += run.ends[steps - 1] - run.started;
         }
         self.steps += steps as u64;
-        RunTokens {
-            seqs,
-            ends: run.ends[..steps].to_vec(),
-        }
+        seqs
     }
 }
 
