@@ -402,8 +402,10 @@ def check_prometheus():
     assert len(exprs) > 30, f"found only {len(exprs)} expressions"
     missing = []
     for what, expr in exprs:
+        # Up to 90 s: a subquery stepped every 30 s (the alerts' `deriv(...[10m:30s])`) has
+        # its two points only once the series has spanned two 30 s boundaries.
         try:
-            wait_for(f"{what}: {expr}", lambda e=expr: prom(e), 30, every=1)
+            wait_for(f"{what}: {expr}", lambda e=expr: prom(e), 90, every=1)
         except AssertionError:
             missing.append(f"{what}: {expr}")
     names_used = sorted(set(re.findall(r"\bkvmesh_[a-z0-9_]+", " ".join(e for _, e in exprs))))

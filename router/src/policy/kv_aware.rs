@@ -154,10 +154,16 @@ impl RoutingPolicy for KvAware {
             })
             .collect();
         let none_held = self.uncached_share(request, TieredOverlap::default());
+        // The held positions a bit each: the walk below passes many nodes (all the least
+        // loaded may tie), and asking the overlap of each read the node's entry and hashed.
+        let mut is_held = vec![0u64; request.nodes.len().div_ceil(64)];
+        for &(i, _, _) in &held {
+            is_held[i / 64] |= 1 << (i % 64);
+        }
         let unheld = || {
             by_load
                 .iter()
-                .filter(|&(_, i)| !request.overlap.contains_key(&request.nodes[i].info.node_id))
+                .filter(|&(_, i)| is_held[i / 64] & 1 << (i % 64) == 0)
                 .map(|(load, i)| (i, load, self.cost(none_held, load)))
         };
         // Costs are never negative nor NaN here, so the minimum is the same in any order.
