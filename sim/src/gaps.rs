@@ -62,14 +62,19 @@ impl GapHistogram {
         self.sum_squares = self.sum_squares.saturating_add(square);
     }
 
-    /// The gaps between consecutive `times`.
-    pub fn record_between(&mut self, times: &[Duration]) {
+    /// The gaps between consecutive `times`; returns the longest (`None` for fewer than two
+    /// times), which a caller keeping only that need not compute again.
+    pub fn record_between(&mut self, times: &[Duration]) -> Option<Duration> {
         // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
         // subtraction a gap, for every token of the run.
         let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
+        let mut longest = None;
         for w in times.windows(2) {
-            self.record_nanos(nanos(&w[1]) - nanos(&w[0]));
+            let gap = nanos(&w[1]) - nanos(&w[0]);
+            self.record_nanos(gap);
+            longest = longest.max(Some(gap));
         }
+        longest.map(Duration::from_nanos)
     }
 
     pub fn count(&self) -> u64 {
@@ -256,7 +261,11 @@ mod tests {
         let one = of(&[NS(3)]);
         assert_eq!(one.summary().unwrap().p99_9, 3e-9);
         let mut between = GapHistogram::default();
-        between.record_between(&[NS(10), NS(15), NS(35)]);
+        assert_eq!(
+            between.record_between(&[NS(10), NS(15), NS(35)]),
+            Some(NS(20))
+        );
+        assert_eq!(between.record_between(&[NS(40)]), None);
         let s = between.summary().unwrap();
         let p50 = kvmesh_bench::stats::percentile(&[5e-9, 20e-9], 50.0).unwrap();
         assert_eq!((s.count, s.min, s.max, s.p50), (2, 5e-9, 20e-9, p50));

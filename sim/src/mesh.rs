@@ -1124,11 +1124,10 @@ impl Mesh<'_> {
     /// A completed request's gaps between `tokens`, pooled into the run's histogram: every
     /// one for its outcome, or only its longest ([`MeshConfig::every_gap`]).
     fn gaps_of(&mut self, tokens: &[Duration]) -> Vec<Duration> {
-        self.itl.record_between(tokens);
-        let gaps = tokens.windows(2).map(|w| w[1] - w[0]);
+        let longest = self.itl.record_between(tokens);
         match self.every_gap {
-            true => gaps.collect(),
-            false => gaps.max().into_iter().collect(),
+            true => tokens.windows(2).map(|w| w[1] - w[0]).collect(),
+            false => longest.into_iter().collect(),
         }
     }
 
