@@ -276,21 +276,7 @@ pub fn check(ordinal: usize, failures: &mut Vec<String>) -> Result<Value> {
     let rows = q.len() / q_row;
     let mut want = vec![0.0; q.len()];
     cpu::paged_attention(&shape, &cpu_seqs, &q, &kc, &vc, &mut want);
-    let (qd, pd, rd, fd) = (
-        dev.upload(&q)?,
-        dev.upload(&row_pos)?,
-        dev.upload(&row_table)?,
-        dev.upload(&flat)?,
-    );
-    let inputs = AttentionInputs {
-        g: &g,
-        q: &qd,
-        row_pos: &pd,
-        row_table: &rd,
-        tables: &fd,
-        k: &kd,
-        v: &vd,
-    };
+    let inputs = AttentionInputs::upload(&dev, &g, &q, [&row_pos, &row_table, &flat], (&kd, &vd))?;
     // The first `rows` rows' attention, row by row or (`tiles`) a tile at a time.
     let attend = |tiles: Option<(&CudaView<'_, i32>, usize)>,
                   rows: usize,
@@ -425,15 +411,34 @@ fn seconds_per_launch(
 /// One attention launch's inputs on the device (see [`CudaDevice::attention`]).
 struct AttentionInputs<'a> {
     g: &'a KvGeometry,
-    q: &'a CudaSlice<f32>,
-    row_pos: &'a CudaSlice<i32>,
-    row_table: &'a CudaSlice<i32>,
-    tables: &'a CudaSlice<i32>,
+    q: CudaSlice<f32>,
+    row_pos: CudaSlice<i32>,
+    row_table: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
     k: &'a CudaSlice<u16>,
     v: &'a CudaSlice<u16>,
 }
 
-impl AttentionInputs<'_> {
+impl<'a> AttentionInputs<'a> {
+    /// Uploads the queries and `[row_pos, row_table, tables]`, over the caches `(k, v)`.
+    fn upload(
+        dev: &CudaDevice,
+        g: &'a KvGeometry,
+        q: &[f32],
+        [row_pos, row_table, tables]: [&[i32]; 3],
+        (k, v): (&'a CudaSlice<u16>, &'a CudaSlice<u16>),
+    ) -> Result<Self> {
+        Ok(AttentionInputs {
+            g,
+            q: dev.upload(q)?,
+            row_pos: dev.upload(row_pos)?,
+            row_table: dev.upload(row_table)?,
+            tables: dev.upload(tables)?,
+            k,
+            v,
+        })
+    }
+
     /// The attention of the first `rows` query rows into `out`, row by row or (`tiles`) a
     /// tile at a time.
     fn run(
@@ -545,23 +550,19 @@ fn prefill_layer_speed(dev: &CudaDevice, rng: &mut Rng) -> Result<Value> {
     layer += t;
 
     // Attention over the chunk's own 2,048 positions.
-    let qd = dev.upload(&rng.vec(ROWS * q_row))?;
     let kv_elems = g.block_elems() * g.num_blocks;
     let (kd, vd) = (dev.zeros::<u16>(kv_elems)?, dev.zeros::<u16>(kv_elems)?);
-    let pd = dev.upload(&(0..ROWS as i32).collect::<Vec<_>>())?;
-    let rd = dev.upload(&vec![0i32; ROWS])?;
-    let fd = dev.upload(&(0..g.num_blocks as i32).collect::<Vec<_>>())?;
+    let row_pos: Vec<i32> = (0..ROWS as i32).collect();
+    let table: Vec<i32> = (0..g.num_blocks as i32).collect();
+    let inputs = AttentionInputs::upload(
+        dev,
+        &g,
+        &rng.vec(ROWS * q_row),
+        [&row_pos, &vec![0; ROWS], &table],
+        (&kd, &vd),
+    )?;
     let tiles = attention_tiles([ROWS]);
     let td = dev.upload(&tiles)?;
-    let inputs = AttentionInputs {
-        g: &g,
-        q: &qd,
-        row_pos: &pd,
-        row_table: &rd,
-        tables: &fd,
-        k: &kd,
-        v: &vd,
-    };
     let scores = (ROWS * (ROWS + 1) / 2 * g.n_heads) as f64;
     let flop = 4.0 * scores * g.head_dim as f64;
     for (key, tiled) in [
