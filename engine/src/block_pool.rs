@@ -355,16 +355,14 @@ impl BlockPool {
             Some(_) => return Err(BlockPoolError::AlreadyCached { block }),
             None => {}
         }
-        if self.cached.contains(hash) {
+        if !self.cached.insert_new(hash, block.0) {
             return Ok(false);
         }
+        meta.hash = Some(hash);
         // Recomputed while a lower tier holds a copy (it was not promoted): keep one copy.
         if let Some(tier) = self.forget_lower(hash) {
             self.moves.push(TierMove::Drop { hash, tier });
         }
-        let meta = &mut self.blocks[block.0 as usize];
-        meta.hash = Some(hash);
-        self.cached.insert_new(hash, block.0);
         self.record(TieredKvEvent::stored(Tier::Device, hash));
         Ok(true)
     }

@@ -70,10 +70,6 @@ impl HashSlots {
         (s.block != EMPTY).then_some(s.block)
     }
 
-    pub(super) fn contains(&self, hash: SequenceHash) -> bool {
-        self.get(hash).is_some()
-    }
-
     /// Maps `hash` to `block` unless `hash` is mapped already; returns whether it was added.
     pub(super) fn insert_new(&mut self, hash: SequenceHash, block: u32) -> bool {
         debug_assert_ne!(block, EMPTY);
