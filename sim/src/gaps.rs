@@ -22,11 +22,48 @@ const SUB: u64 = 1 << SUB_BITS;
 pub struct GapHistogram {
     /// Per bin: gaps and their sum, in nanoseconds.
     bins: Vec<(u64, u64)>,
+    totals: Totals,
+}
+
+/// The exact statistics of some gaps, in nanoseconds.
+#[derive(Clone, Copy, Debug)]
+struct Totals {
     count: u64,
     sum: u128,
     sum_squares: u128,
     min: u64,
     max: u64,
+}
+
+impl Default for Totals {
+    fn default() -> Self {
+        Totals {
+            count: 0,
+            sum: 0,
+            sum_squares: 0,
+            min: u64::MAX,
+            max: 0,
+        }
+    }
+}
+
+impl Totals {
+    fn add(&mut self, nanos: u64) {
+        self.count += 1;
+        self.sum += u128::from(nanos);
+        let square = u128::from(nanos) * u128::from(nanos);
+        self.sum_squares = self.sum_squares.saturating_add(square);
+        self.min = self.min.min(nanos);
+        self.max = self.max.max(nanos);
+    }
+
+    fn merge(&mut self, other: Totals) {
+        self.count += other.count;
+        self.sum += other.sum;
+        self.sum_squares = self.sum_squares.saturating_add(other.sum_squares);
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+    }
 }
 
 fn bin_of(nanos: u64) -> usize {
@@ -41,10 +78,12 @@ fn bin_of(nanos: u64) -> usize {
 
 impl GapHistogram {
     pub fn record(&mut self, gap: Duration) {
-        self.record_nanos(u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX));
+        let nanos = u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX);
+        self.bin(nanos);
+        self.totals.add(nanos);
     }
 
-    fn record_nanos(&mut self, nanos: u64) {
+    fn bin(&mut self, nanos: u64) {
         let bin = bin_of(nanos);
         if bin >= self.bins.len() {
             self.bins.resize(bin + 1, (0, 0));
@@ -52,53 +91,52 @@ impl GapHistogram {
         let b = &mut self.bins[bin];
         b.0 += 1;
         b.1 = b.1.saturating_add(nanos);
-        if self.count == 0 || nanos < self.min {
-            self.min = nanos;
-        }
-        self.max = self.max.max(nanos);
-        self.count += 1;
-        self.sum += u128::from(nanos);
-        let square = u128::from(nanos) * u128::from(nanos);
-        self.sum_squares = self.sum_squares.saturating_add(square);
     }
 
     /// The gaps between consecutive `times`; returns the longest (`None` for fewer than two
     /// times), which a caller keeping only that need not compute again.
     pub fn record_between(&mut self, times: &[Duration]) -> Option<Duration> {
         // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
-        // subtraction a gap, for every token of the run.
+        // subtraction a gap, for every token of the run, and the totals kept in registers
+        // until the last.
         let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
-        let mut longest = None;
-        for w in times.windows(2) {
-            let gap = nanos(&w[1]) - nanos(&w[0]);
-            self.record_nanos(gap);
-            longest = longest.max(Some(gap));
+        let (first, rest) = times.split_first()?;
+        let mut last = nanos(first);
+        let mut gaps = Totals::default();
+        for t in rest {
+            let now = nanos(t);
+            let gap = now - last;
+            last = now;
+            self.bin(gap);
+            gaps.add(gap);
         }
-        longest.map(Duration::from_nanos)
+        self.totals.merge(gaps);
+        (gaps.count > 0).then(|| Duration::from_nanos(gaps.max))
     }
 
     pub fn count(&self) -> u64 {
-        self.count
+        self.totals.count
     }
 
     /// As bench's [`Summary`] of the gaps in seconds; `None` for none.
     pub fn summary(&self) -> Option<Summary> {
         let ranks = self.ranks()?;
-        let n = self.count as f64;
-        let mean_ns = self.sum as f64 / n;
+        let t = &self.totals;
+        let n = t.count as f64;
+        let mean_ns = t.sum as f64 / n;
         // n * sum of squares - sum^2, exact while it fits, is n^2 times the variance.
-        let var_ns = u128::from(self.count)
-            .checked_mul(self.sum_squares)
-            .and_then(|a| self.sum.checked_mul(self.sum).map(|b| a.saturating_sub(b)))
+        let var_ns = u128::from(t.count)
+            .checked_mul(t.sum_squares)
+            .and_then(|a| t.sum.checked_mul(t.sum).map(|b| a.saturating_sub(b)))
             .map(|d| d as f64 / (n * n))
-            .unwrap_or_else(|| (self.sum_squares as f64 / n - mean_ns * mean_ns).max(0.0));
+            .unwrap_or_else(|| (t.sum_squares as f64 / n - mean_ns * mean_ns).max(0.0));
         let p = |q| ranks.percentile(q);
         Some(Summary {
-            count: self.count as usize,
+            count: t.count as usize,
             mean: mean_ns / 1e9,
             std: var_ns.sqrt() / 1e9,
-            min: secs(self.min),
-            max: secs(self.max),
+            min: secs(t.min),
+            max: secs(t.max),
             p50: p(50.0),
             p90: p(90.0),
             p95: p(95.0),
@@ -114,13 +152,13 @@ impl GapHistogram {
             .map(|i| ranks.percentile(100.0 * i as f64 / (QUANTILES - 1) as f64))
             .collect();
         Some(Cdf {
-            count: self.count as usize,
+            count: self.totals.count as usize,
             quantiles,
         })
     }
 
     fn ranks(&self) -> Option<Ranks> {
-        if self.count == 0 {
+        if self.totals.count == 0 {
             return None;
         }
         let mut ends = Vec::new();
@@ -134,8 +172,8 @@ impl GapHistogram {
         Some(Ranks {
             ends,
             reads,
-            min: secs(self.min),
-            max: secs(self.max),
+            min: secs(self.totals.min),
+            max: secs(self.totals.max),
         })
     }
 }
@@ -252,6 +290,29 @@ mod tests {
             assert_ne!(a, 0.0);
         }
         assert_eq!((ours.min, ours.max), (bench.min, bench.max));
+    }
+
+    #[test]
+    fn gaps_between_times_read_as_each_gap_recorded_alone() {
+        // Repeated gaps, zero gaps and changes, over several requests.
+        let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+        let (mut between, mut alone) = (GapHistogram::default(), GapHistogram::default());
+        for len in [0, 1, 2, 3, 50, 400] {
+            let mut times = vec![NS(1_000)];
+            for _ in 1..len {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let gap = [0, 5_000_000, 5_000_000, 5_000_001, 70_000_000][rng as usize % 5];
+                times.push(*times.last().unwrap() + NS(gap));
+            }
+            let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+            gaps.iter().for_each(|&g| alone.record(g));
+            assert_eq!(between.record_between(&times), gaps.iter().max().copied());
+        }
+        assert_eq!(between.summary(), alone.summary());
+        assert_eq!(between.cdf(), alone.cdf());
+        assert_eq!(between.bins, alone.bins);
     }
 
     #[test]

@@ -704,7 +704,8 @@ impl Mesh<'_> {
                     node: decode,
                     prefill,
                     transfer_blocks: 0,
-                    tokens: Vec::new(),
+                    // Room for every token it may get, so delivering never moves them.
+                    tokens: Vec::with_capacity(self.requests[i].max_tokens),
                     tracked,
                     tried: vec![decode],
                     placement: 0,

@@ -325,13 +325,11 @@ impl TimingProfile {
             ..StepShape::default()
         };
         let (c, x) = (self.coefficients(), first.terms());
-        let products = |r: std::ops::Range<usize>| {
-            let c = c[r.clone()].iter();
-            c.zip(&x[r]).map(|(c, x)| c * x)
-        };
-        // `micros` sums left to right: the terms before the context's, it, those after.
-        let before: f64 = products(0..CONTEXT).sum();
-        let after: Vec<f64> = products(CONTEXT + 1..NUM_TERMS).collect();
+        // `micros` sums left to right: the terms before the context's, it, those after (an
+        // array, so that the sum below unrolls).
+        let before: f64 = (0..CONTEXT).map(|k| c[k] * x[k]).sum();
+        let after: [f64; NUM_TERMS - CONTEXT - 1] =
+            std::array::from_fn(|k| c[CONTEXT + 1 + k] * x[CONTEXT + 1 + k]);
         (0u64..).map(move |step| {
             if batch == 0 {
                 return Duration::ZERO;
@@ -359,6 +357,14 @@ impl TimingProfile {
 /// the library call `round` is on this target: a step is timed per simulated step, hundreds
 /// of millions of times an hour.
 fn round_to_u64(x: f64) -> u64 {
+    // Below 2^52 (a step's nanoseconds always are) through i64, whose conversions are one
+    // instruction each where u64's take several; the fraction is exact there.
+    const SIGNED_EXACT: f64 = 4_503_599_627_370_496.0;
+    if (0.0..SIGNED_EXACT).contains(&x) {
+        let whole = x as i64;
+        let fraction = x - whole as f64;
+        return whole as u64 + u64::from(fraction >= 0.5);
+    }
     // Truncated and saturated; the fraction is exact: below 2^53 it is `x`'s fractional
     // bits, above it `x` is whole (0, or past u64's range a positive number that saturates).
     let whole = x as u64;
@@ -422,6 +428,9 @@ mod tests {
             f64::INFINITY,
             f64::NEG_INFINITY,
             4503599627370495.5,
+            4503599627370496.0,
+            4503599627370496.5,
+            4503599627370497.0,
             9007199254740993.0,
             18446744073709551615.0,
             18446744073709549568.0,

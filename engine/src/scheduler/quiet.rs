@@ -72,9 +72,10 @@ impl Scheduler {
                 let token = sample(id, tokens);
                 seq.num_computed += 1;
                 seq.output.push(token);
-                if caching {
-                    seq.extend_hashes(&self.config.hasher);
-                }
+            }
+            // Once for all its new tokens: the draws do not read the hashes.
+            if caching {
+                seq.extend_hashes(&self.config.hasher);
             }
         }
         self.next_step_id += steps as u64;

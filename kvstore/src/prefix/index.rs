@@ -303,7 +303,13 @@ impl InMemoryPrefixIndex {
     }
 
     fn bump(&self) {
-        self.generation.send_modify(|g| *g += 1);
+        // With no one subscribed (the simulator's index) there is no one to wake, and waking
+        // no one still took the notifier's locks, once an event batch.
+        let notify = self.generation.receiver_count() > 0;
+        self.generation.send_if_modified(|g| {
+            *g += 1;
+            notify
+        });
     }
 }
 
