@@ -125,11 +125,13 @@ impl MockRunner {
     /// The token the fake model favours after `last` at position `pos`. Public so simulations
     /// and tests can predict greedy outputs. `vocab_size` must be positive.
     pub fn favoured_token(last: TokenId, pos: usize, vocab_size: usize) -> TokenId {
-        let key = u64::from(last).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ pos as u64;
-        // The high word of the 128-bit product maps the hash onto the vocabulary: a few
-        // cycles where a division takes tens, in a chain through every token a simulated
-        // node decodes (each token follows from the last).
-        ((u128::from(splitmix64(key)) * vocab_size as u128) >> 64) as TokenId
+        // Each token follows from the last, so a simulated node's tokens are one chain of
+        // these: one 128-bit multiply mixes (wyhash's), and the high word of another maps the
+        // mix onto the vocabulary, where a division took tens of cycles.
+        let product = u128::from(u64::from(last) ^ 0x2d35_8dcc_aa6c_78a5)
+            * u128::from(pos as u64 ^ 0x8bb8_4b93_962e_acc9);
+        let mixed = (product as u64) ^ (product >> 64) as u64;
+        ((u128::from(mixed) * vocab_size as u128) >> 64) as TokenId
     }
 
     pub fn cost_model(&self) -> &CostModel {
@@ -184,14 +186,6 @@ impl MockRunner {
         }
         Ok(())
     }
-}
-
-/// A fast, well-mixing 64-bit hash step (SplitMix64's finaliser).
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
 }
 
 impl ModelRunner for MockRunner {
