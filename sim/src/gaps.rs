@@ -66,6 +66,40 @@ impl Totals {
     }
 }
 
+/// A bin being filled: its values `lo..hi` and the gaps it got so far.
+#[derive(Default)]
+struct OpenBin {
+    bin: usize,
+    lo: u64,
+    hi: u64,
+    count: u64,
+    sum: u64,
+}
+
+impl OpenBin {
+    fn of(nanos: u64) -> Self {
+        let (lo, width) = match nanos < SUB {
+            true => (nanos, 1),
+            false => {
+                let shift = 63 - nanos.leading_zeros() - SUB_BITS;
+                (nanos >> shift << shift, 1 << shift)
+            }
+        };
+        OpenBin {
+            bin: bin_of(nanos),
+            lo,
+            // Saturated for the last bin, whose largest value is then binned alone.
+            hi: lo.saturating_add(width),
+            count: 0,
+            sum: 0,
+        }
+    }
+
+    fn holds(&self, nanos: u64) -> bool {
+        (self.lo..self.hi).contains(&nanos)
+    }
+}
+
 fn bin_of(nanos: u64) -> usize {
     if nanos < SUB {
         return nanos as usize;
@@ -79,37 +113,45 @@ fn bin_of(nanos: u64) -> usize {
 impl GapHistogram {
     pub fn record(&mut self, gap: Duration) {
         let nanos = u64::try_from(gap.as_nanos()).unwrap_or(u64::MAX);
-        self.bin(nanos);
+        self.add_to_bin(bin_of(nanos), 1, nanos);
         self.totals.add(nanos);
     }
 
-    fn bin(&mut self, nanos: u64) {
-        let bin = bin_of(nanos);
+    /// `count` gaps summing to `sum` into bin `bin`.
+    fn add_to_bin(&mut self, bin: usize, count: u64, sum: u64) {
         if bin >= self.bins.len() {
             self.bins.resize(bin + 1, (0, 0));
         }
         let b = &mut self.bins[bin];
-        b.0 += 1;
-        b.1 = b.1.saturating_add(nanos);
+        b.0 += count;
+        b.1 = b.1.saturating_add(sum);
     }
 
     /// The gaps between consecutive `times`; returns the longest (`None` for fewer than two
     /// times), which a caller keeping only that need not compute again.
     pub fn record_between(&mut self, times: &[Duration]) -> Option<Duration> {
         // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
-        // subtraction a gap, for every token of the run, and the totals kept in registers
-        // until the last.
+        // subtraction a gap, for every token of the run. The totals stay in registers until
+        // the last gap, and so does the bin of the gaps before (a run of decode steps puts
+        // many in a row into one).
         let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
         let (first, rest) = times.split_first()?;
         let mut last = nanos(first);
         let mut gaps = Totals::default();
+        let mut open = OpenBin::default();
         for t in rest {
             let now = nanos(t);
             let gap = now - last;
             last = now;
-            self.bin(gap);
             gaps.add(gap);
+            if !open.holds(gap) {
+                self.add_to_bin(open.bin, open.count, open.sum);
+                open = OpenBin::of(gap);
+            }
+            open.count += 1;
+            open.sum = open.sum.saturating_add(gap);
         }
+        self.add_to_bin(open.bin, open.count, open.sum);
         self.totals.merge(gaps);
         (gaps.count > 0).then(|| Duration::from_nanos(gaps.max))
     }
@@ -303,7 +345,22 @@ mod tests {
                 rng ^= rng << 13;
                 rng ^= rng >> 7;
                 rng ^= rng << 17;
-                let gap = [0, 5_000_000, 5_000_000, 5_000_001, 70_000_000][rng as usize % 5];
+                // Around the exact bins' end, within one bin, across bins and powers of two.
+                let gap = [
+                    0,
+                    SUB - 1,
+                    SUB,
+                    SUB + 1,
+                    2 * SUB - 1,
+                    2 * SUB,
+                    5_000_000,
+                    5_000_000,
+                    5_000_001,
+                    5_000_300,
+                    5_000_400,
+                    70_000_000,
+                ];
+                let gap = gap[rng as usize % gap.len()];
                 times.push(*times.last().unwrap() + NS(gap));
             }
             let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();

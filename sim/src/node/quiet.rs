@@ -67,17 +67,18 @@ impl SimNode {
             batch: self.scheduler.num_running() as u64,
             context,
         };
-        let mut end = now;
+        // Summed in nanoseconds, exactly as durations would sum.
+        let mut end = u64::try_from(now.as_nanos()).expect("virtual time within u64 ns");
         for time in self
             .timing
-            .decode_step_times(run.batch, run.context)
+            .decode_step_nanos(run.batch, run.context)
             .take(steps)
         {
             end += time;
-            run.ends.push(end);
+            run.ends.push(Duration::from_nanos(end));
         }
         self.run = Some(run);
-        Some(end)
+        Some(Duration::from_nanos(end))
     }
 
     /// Plan runs of quiet decode steps at once (see the module docs).
