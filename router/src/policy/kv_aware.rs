@@ -129,7 +129,8 @@ impl RoutingPolicy for KvAware {
             by_load.len() == request.nodes.len()
                 && by_load
                     .iter()
-                    .all(|(load, i)| request.load(&request.nodes[i]) == load),
+                    .all(|(load, i)| request.load(&request.nodes[i]) == load
+                        && by_load.load(i) == load),
             "the load order is stale"
         );
         if !self.valid {
@@ -145,7 +146,7 @@ impl RoutingPolicy for KvAware {
             .iter()
             .filter_map(|(&node, &overlap)| {
                 let i = by_load.position(node)?;
-                let load = request.load(&request.nodes[i]);
+                let load = by_load.load(i);
                 Some((
                     i,
                     load,

@@ -17,18 +17,23 @@ pub struct LoadOrder {
     by_load: Ranked,
     /// Each node's position, by id.
     positions: U64Map<NodeId, usize>,
+    /// Each position's load: read here, a policy need not count it from the node's entry
+    /// and the in-flight map again.
+    loads: Vec<usize>,
 }
 
 impl LoadOrder {
     /// `nodes` (in their order) with each one's `load`.
     pub fn new(nodes: &[NodeEntry], load: impl Fn(&NodeEntry) -> usize) -> Self {
+        let loads: Vec<usize> = nodes.iter().map(load).collect();
         LoadOrder {
-            by_load: Ranked::new(nodes.iter().map(load)),
+            by_load: Ranked::new(loads.iter().copied()),
             positions: nodes
                 .iter()
                 .enumerate()
                 .map(|(i, n)| (n.info.node_id, i))
                 .collect(),
+            loads,
         }
     }
 
@@ -37,9 +42,15 @@ impl LoadOrder {
         Self::new(request.nodes, |n| request.load(n))
     }
 
-    /// The node at `position` went from load `from` to `to`.
-    pub fn reload(&mut self, position: usize, from: usize, to: usize) {
+    /// The node at `position` now has load `to`.
+    pub fn reload(&mut self, position: usize, to: usize) {
+        let from = std::mem::replace(&mut self.loads[position], to);
         self.by_load.rerank(position, from, to);
+    }
+
+    /// The load of the node at `position`.
+    pub fn load(&self, position: usize) -> usize {
+        self.loads[position]
     }
 
     /// Where `node` is among the nodes; `None` if it is not one.
@@ -177,8 +188,9 @@ mod tests {
             [(0, 3), (1, 1), (3, 0), (3, 2)]
         );
         let mut moved = order.clone();
-        moved.reload(1, 1, 4);
+        moved.reload(1, 4);
         assert_eq!(moved.iter().last(), Some((4, 1)));
+        assert_eq!((moved.load(1), moved.load(3)), (4, 0));
         assert_eq!(moved.len(), 4);
         assert_eq!(moved.position(NodeId(2)), Some(1));
         assert_eq!(moved.position(NodeId(9)), None);

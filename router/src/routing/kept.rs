@@ -60,20 +60,14 @@ impl Role {
         change: impl FnOnce(&mut NodeEntry),
     ) {
         let n = &mut self.nodes[i];
-        let (load_was, queue_was) = (load(n, in_flight), queue(n, in_flight));
+        let queue_was = queue(n, in_flight);
         change(n);
-        self.moved(i, load_was, queue_was, in_flight);
+        self.moved(i, queue_was, in_flight);
     }
 
-    fn moved(
-        &mut self,
-        i: usize,
-        load_was: usize,
-        queue_was: usize,
-        in_flight: &U64Map<NodeId, usize>,
-    ) {
+    fn moved(&mut self, i: usize, queue_was: usize, in_flight: &U64Map<NodeId, usize>) {
         let n = &self.nodes[i];
-        self.by_load.reload(i, load_was, load(n, in_flight));
+        self.by_load.reload(i, load(n, in_flight));
         let queue_now = queue(n, in_flight);
         self.by_queue.rerank(i, queue_was, queue_now);
     }
@@ -94,8 +88,7 @@ impl Loads {
         for role in [&mut kept.decode, &mut kept.prefill] {
             if let Some(i) = role.by_load.position(node) {
                 let reported = role.nodes[i].load;
-                let load_was = reported.running + reported.waiting + was;
-                role.moved(i, load_was, reported.waiting + was, &self.in_flight);
+                role.moved(i, reported.waiting + was, &self.in_flight);
             }
         }
     }
