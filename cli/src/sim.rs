@@ -568,7 +568,6 @@ fn max_goodput(
 }
 
 pub fn run(args: &SimArgs) -> Result<()> {
-    crate::allocator::keep_freed_pages();
     let m = &args.measure;
     let hardware = args.hardware()?;
     let config = args.mesh_config(&hardware)?;
