@@ -35,7 +35,8 @@ API = f"http://127.0.0.1:{API_PORT}"
 PROM = f"http://127.0.0.1:{PROM_PORT}"
 ENV = dict(os.environ, KVMESH_PORT=str(API_PORT), KVMESH_PROMETHEUS_PORT=str(PROM_PORT),
            KVMESH_ETCD_PORT=str(ETCD_PORT))
-LONG = 400  # tokens of the streams that must outlive a scale-down or a kill
+LONG = 800  # tokens of the streams that must outlive a scale-down or a kill (400 left a
+# scale-down too little: a stream could end while compose was still stopping its node)
 
 
 def log(msg):

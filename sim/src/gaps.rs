@@ -119,6 +119,9 @@ impl GapHistogram {
 
     /// `count` gaps summing to `sum` into bin `bin`.
     fn add_to_bin(&mut self, bin: usize, count: u64, sum: u64) {
+        if count == 0 {
+            return;
+        }
         if bin >= self.bins.len() {
             self.bins.resize(bin + 1, (0, 0));
         }
