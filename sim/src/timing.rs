@@ -311,19 +311,9 @@ impl TimingProfile {
 
     /// The times of steps that decode `batch` sequences and nothing else, the first at
     /// `context` tokens of context and each later one `batch` tokens more (a run of quiet
-    /// decode steps): each exactly [`Self::step_time`] of its shape, summed in the same
-    /// order, with the terms the steps share summed once.
-    pub fn decode_step_times(
-        &self,
-        batch: u64,
-        context: u64,
-    ) -> impl Iterator<Item = Duration> + '_ {
-        self.decode_step_nanos(batch, context)
-            .map(Duration::from_nanos)
-    }
-
-    /// [`Self::decode_step_times`] in whole nanoseconds, which a run of quiet steps sums
-    /// cheaper than durations.
+    /// decode steps), in whole nanoseconds (which a run sums cheaper than durations): each
+    /// exactly [`Self::step_time`] of its shape, summed in the same order, with the terms
+    /// the steps share summed once.
     pub fn decode_step_nanos(&self, batch: u64, context: u64) -> impl Iterator<Item = u64> + '_ {
         const CONTEXT: usize = 4;
         let first = StepShape {
@@ -389,7 +379,7 @@ mod tests {
     use kvmesh_engine::runner::SeqChunk;
 
     #[test]
-    fn decode_step_times_are_each_steps_own_time() {
+    fn decode_step_nanos_are_each_steps_own_time() {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
         let mut profiles: Vec<TimingProfile> = ["h200-llama8b", "h200-llama8b-fp8"]
@@ -404,8 +394,11 @@ mod tests {
             for _ in 0..50 {
                 let batch = rng.gen_range(0..300u64);
                 let context = rng.gen_range(0..3_000_000u64);
-                let times: Vec<Duration> =
-                    profile.decode_step_times(batch, context).take(40).collect();
+                let times: Vec<Duration> = profile
+                    .decode_step_nanos(batch, context)
+                    .take(40)
+                    .map(Duration::from_nanos)
+                    .collect();
                 for (step, time) in times.into_iter().enumerate() {
                     let shape = StepShape {
                         decode_seqs: batch,
