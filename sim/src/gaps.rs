@@ -78,15 +78,9 @@ struct OpenBin {
 
 impl OpenBin {
     fn of(nanos: u64) -> Self {
-        let (lo, width) = match nanos < SUB {
-            true => (nanos, 1),
-            false => {
-                let shift = 63 - nanos.leading_zeros() - SUB_BITS;
-                (nanos >> shift << shift, 1 << shift)
-            }
-        };
+        let (bin, lo, width) = bin_span(nanos);
         OpenBin {
-            bin: bin_of(nanos),
+            bin,
             lo,
             // Saturated for the last bin, whose largest value is then binned alone.
             hi: lo.saturating_add(width),
@@ -101,13 +95,19 @@ impl OpenBin {
 }
 
 fn bin_of(nanos: u64) -> usize {
+    bin_span(nanos).0
+}
+
+/// The bin of `nanos`, its lowest value and its width.
+fn bin_span(nanos: u64) -> (usize, u64, u64) {
     if nanos < SUB {
-        return nanos as usize;
+        return (nanos as usize, nanos, 1);
     }
     let top = 63 - nanos.leading_zeros();
     let shift = top - SUB_BITS;
     let sub = (nanos >> shift) - SUB;
-    (SUB + u64::from(shift) * SUB + sub) as usize
+    let bin = (SUB + u64::from(shift) * SUB + sub) as usize;
+    (bin, nanos >> shift << shift, 1 << shift)
 }
 
 impl GapHistogram {
