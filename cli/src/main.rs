@@ -1,6 +1,7 @@
 //! `kvmesh`: the one binary. Each subcommand lives in its own module.
 
 mod admission_args;
+mod allocator;
 mod bench_engine;
 mod bench_scripted;
 mod bench_serve;
@@ -24,11 +25,6 @@ mod tune;
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Subcommand};
-
-/// mimalloc keeps freed megabyte buffers (KV chunks, activations) for reuse instead of
-/// returning them to the kernel and faulting them in again, as glibc's thread arenas do.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[derive(clap::Parser)]
 #[command(

@@ -568,6 +568,7 @@ fn max_goodput(
 }
 
 pub fn run(args: &SimArgs) -> Result<()> {
+    crate::allocator::keep_freed_pages();
     let m = &args.measure;
     let hardware = args.hardware()?;
     let config = args.mesh_config(&hardware)?;
