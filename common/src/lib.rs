@@ -8,6 +8,7 @@ pub mod ids;
 pub mod kv_tier;
 pub mod metrics;
 pub mod net;
+pub mod prefetch;
 pub mod protocol;
 pub mod sampling;
 pub mod shutdown;

@@ -22,7 +22,7 @@ mod free_list;
 mod hash_slots;
 mod tier_index;
 
-use free_list::{FreeList, Links};
+use free_list::FreeList;
 use hash_slots::HashSlots;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
@@ -73,8 +73,8 @@ struct BlockMeta {
     ref_count: u32,
     /// Set while the block is registered in the prefix cache.
     hash: Option<SequenceHash>,
-    /// Position in one of the free lists while `ref_count == 0`.
-    links: Links,
+    /// Changes whenever the block joins or leaves a free list (see [`FreeList`]).
+    stamp: u32,
 }
 
 /// All KV blocks of one node. See the module docs.
@@ -106,7 +106,7 @@ impl BlockPool {
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         assert!(block_size > 0, "block_size must be positive");
         assert!(
-            num_blocks < free_list::NIL as usize,
+            num_blocks < u32::MAX as usize,
             "num_blocks must fit a u32 block id"
         );
         let mut blocks = vec![BlockMeta::default(); num_blocks];
@@ -287,21 +287,27 @@ impl BlockPool {
         if n > self.num_free() {
             return None;
         }
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            let id = match self.free_uncached.pop_front(&mut self.blocks) {
-                Some(id) => id,
-                None => {
-                    let id = self
-                        .free_cached
-                        .pop_front(&mut self.blocks)
-                        .expect("num_free counted this block");
-                    self.evict(id);
-                    id
-                }
-            };
-            self.blocks[id as usize].ref_count = 1;
+        let mut out: Vec<BlockId> = Vec::with_capacity(n);
+        let uncached = std::iter::from_fn(|| self.free_uncached.pop_front(&mut self.blocks));
+        out.extend(uncached.take(n).map(BlockId));
+        // Then cached blocks, least recently freed first: all taken off their list before any
+        // is evicted, so that their hashes' slots load together rather than one by one.
+        let first_evicted = out.len();
+        while out.len() < n {
+            let id = self
+                .free_cached
+                .pop_front(&mut self.blocks)
+                .expect("num_free counted this block");
+            if let Some(hash) = self.blocks[id as usize].hash {
+                self.cached.prefetch(hash);
+            }
             out.push(BlockId(id));
+        }
+        for &BlockId(id) in &out[first_evicted..] {
+            self.evict(id);
+        }
+        for &BlockId(id) in &out {
+            self.blocks[id as usize].ref_count = 1;
         }
         Some(out)
     }
@@ -309,10 +315,19 @@ impl BlockPool {
     /// The blocks caching the longest prefix of `hashes`. Takes no references: call `take` on
     /// the result before allocating anything, or an allocation may evict them.
     pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<BlockId> {
+        self.prefetch(hashes);
         hashes
             .iter()
             .map_while(|&h| self.cached.get(h).map(BlockId))
             .collect()
+    }
+
+    /// Starts loading the prefix cache's entries for `hashes` (a hint: changes nothing), so
+    /// that probing or registering them one after another does not wait for each in turn.
+    pub fn prefetch(&self, hashes: &[SequenceHash]) {
+        for &hash in hashes {
+            self.cached.prefetch(hash);
+        }
     }
 
     /// Adds one reference to each block (a prefix hit or a shared block), reviving free ones.

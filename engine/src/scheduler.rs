@@ -971,6 +971,9 @@ impl Scheduler {
 /// Registers the sequence's computed full blocks in the prefix cache.
 fn cache_computed_blocks(pool: &mut BlockPool, seq: &mut Sequence, block_size: usize) {
     let full = seq.num_computed / block_size;
+    if let Some(hashes) = seq.hashes.get(seq.num_cached_blocks..full) {
+        pool.prefetch(hashes);
+    }
     for i in seq.num_cached_blocks..full {
         pool.cache_full_block(seq.blocks[i], seq.hashes[i])
             .expect("a running sequence holds its blocks, each hashed once");

@@ -1,43 +1,25 @@
-//! An intrusive doubly-linked list of free blocks: O(1) push to the back, pop from the front
+//! A list of free blocks in the order they were freed: push to the back, pop from the front,
 //! and removal from the middle (a prefix hit revives a block wherever it sits in LRU order).
-//! The links live in the blocks' own metadata, so the list allocates nothing.
+//!
+//! It is a queue of `(block, stamp)` entries rather than a chain through the blocks: a block's
+//! stamp changes whenever it joins or leaves a list, so removal only changes the stamp and
+//! leaves an entry that no longer matches, which popping skips. Popping many blocks then
+//! reads the queue in order and each block independently, where a chain waits for each
+//! block's link before it can load the next block (on a pool gone cold, one cache miss after
+//! another), and a removal touches no neighbours.
 
 use super::BlockMeta;
+use std::collections::VecDeque;
 
-/// "No block": the end of a list.
-pub(super) const NIL: u32 = u32::MAX;
+/// Entries beyond those of listed blocks that a list keeps before it drops them.
+const STALE_SLACK: usize = 64;
 
-/// A block's neighbours in the free list it is on (meaningless while it is in use).
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Links {
-    prev: u32,
-    next: u32,
-}
-
-impl Default for Links {
-    fn default() -> Self {
-        Links {
-            prev: NIL,
-            next: NIL,
-        }
-    }
-}
-
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct FreeList {
-    head: u32,
-    tail: u32,
+    /// Blocks and their stamps when they joined, oldest first; an entry whose stamp is not
+    /// its block's any more is stale.
+    queue: VecDeque<(u32, u32)>,
     len: usize,
-}
-
-impl Default for FreeList {
-    fn default() -> Self {
-        FreeList {
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        }
-    }
 }
 
 impl FreeList {
@@ -46,39 +28,75 @@ impl FreeList {
     }
 
     pub(super) fn push_back(&mut self, blocks: &mut [BlockMeta], id: u32) {
-        blocks[id as usize].links = Links {
-            prev: self.tail,
-            next: NIL,
-        };
-        match self.tail {
-            NIL => self.head = id,
-            tail => blocks[tail as usize].links.next = id,
-        }
-        self.tail = id;
+        let stamp = &mut blocks[id as usize].stamp;
+        *stamp = stamp.wrapping_add(1);
+        self.queue.push_back((id, *stamp));
         self.len += 1;
     }
 
     pub(super) fn pop_front(&mut self, blocks: &mut [BlockMeta]) -> Option<u32> {
-        let id = self.head;
-        if id == NIL {
-            return None;
+        while let Some((id, stamp)) = self.queue.pop_front() {
+            let meta = &mut blocks[id as usize];
+            if meta.stamp == stamp {
+                meta.stamp = stamp.wrapping_add(1);
+                self.len -= 1;
+                return Some(id);
+            }
         }
-        self.remove(blocks, id);
-        Some(id)
+        None
     }
 
     /// Unlinks `id`, which must be on this list.
     pub(super) fn remove(&mut self, blocks: &mut [BlockMeta], id: u32) {
-        let Links { prev, next } = blocks[id as usize].links;
-        match prev {
-            NIL => self.head = next,
-            p => blocks[p as usize].links.next = next,
-        }
-        match next {
-            NIL => self.tail = prev,
-            n => blocks[n as usize].links.prev = prev,
-        }
-        blocks[id as usize].links = Links::default();
+        let stamp = &mut blocks[id as usize].stamp;
+        *stamp = stamp.wrapping_add(1);
         self.len -= 1;
+        // Drop the stale entries once they outnumber the live ones: each drop removes at
+        // least as many entries as removals made stale since the last, so it costs O(1) a
+        // removal, and the queue stays within twice the list.
+        if self.queue.len() > 2 * self.len + STALE_SLACK {
+            self.queue
+                .retain(|&(id, stamp)| blocks[id as usize].stamp == stamp);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Pushes, pops and removals of random blocks keep the order of a plain list.
+        #[test]
+        fn keeps_the_order_of_a_list(ops in prop::collection::vec((0u8..3, 0u32..12), 0..600)) {
+            let mut blocks = vec![BlockMeta::default(); 12];
+            let mut list = FreeList::default();
+            let mut model: Vec<u32> = Vec::new();
+            for (op, id) in ops {
+                match op {
+                    0 if !model.contains(&id) => {
+                        list.push_back(&mut blocks, id);
+                        model.push(id);
+                    }
+                    1 => {
+                        let expected = (!model.is_empty()).then(|| model.remove(0));
+                        prop_assert_eq!(list.pop_front(&mut blocks), expected);
+                    }
+                    2 if model.contains(&id) => {
+                        list.remove(&mut blocks, id);
+                        model.retain(|&b| b != id);
+                    }
+                    _ => {}
+                }
+                prop_assert_eq!(list.len(), model.len());
+                prop_assert!(list.queue.len() <= 2 * model.len() + STALE_SLACK + 1);
+            }
+            let mut rest = Vec::new();
+            while let Some(id) = list.pop_front(&mut blocks) {
+                rest.push(id);
+            }
+            prop_assert_eq!(rest, model);
+        }
     }
 }

@@ -65,6 +65,11 @@ impl HashSlots {
         }
     }
 
+    /// Starts loading `hash`'s home slot, where its probe (nearly always) ends.
+    pub(super) fn prefetch(&self, hash: SequenceHash) {
+        kvmesh_common::prefetch::prefetch(&self.slots[self.home(hash.0)]);
+    }
+
     pub(super) fn get(&self, hash: SequenceHash) -> Option<u32> {
         let s = self.slots[self.find(hash.0)];
         (s.block != EMPTY).then_some(s.block)

@@ -66,6 +66,7 @@ impl Scheduler {
             blocks,
             pinned,
         } = import;
+        self.pool.prefetch(&hashes[..arrived.min(hashes.len())]);
         for (&block, &hash) in blocks.iter().zip(&hashes).take(arrived) {
             // `Ok(false)`: another block caches this hash by now; this copy just goes free.
             self.pool
