@@ -40,6 +40,7 @@ impl FreeList {
             if meta.stamp == stamp {
                 meta.stamp = stamp.wrapping_add(1);
                 self.len -= 1;
+                self.drop_stale_if_many(blocks);
                 return Some(id);
             }
         }
@@ -51,9 +52,13 @@ impl FreeList {
         let stamp = &mut blocks[id as usize].stamp;
         *stamp = stamp.wrapping_add(1);
         self.len -= 1;
-        // Drop the stale entries once they outnumber the live ones: each drop removes at
-        // least as many entries as removals made stale since the last, so it costs O(1) a
-        // removal, and the queue stays within twice the list.
+        self.drop_stale_if_many(blocks);
+    }
+
+    /// Drops the stale entries once they outnumber the live ones (and the slack): the
+    /// queue then stays within twice the list, and as each drop costs about twice the
+    /// stale entries it drops, each made stale by one removal, it costs O(1) a removal.
+    fn drop_stale_if_many(&mut self, blocks: &[BlockMeta]) {
         if self.queue.len() > 2 * self.len + STALE_SLACK {
             self.queue
                 .retain(|&(id, stamp)| blocks[id as usize].stamp == stamp);
@@ -69,8 +74,8 @@ mod tests {
     proptest! {
         /// Pushes, pops and removals of random blocks keep the order of a plain list.
         #[test]
-        fn keeps_the_order_of_a_list(ops in prop::collection::vec((0u8..3, 0u32..12), 0..600)) {
-            let mut blocks = vec![BlockMeta::default(); 12];
+        fn keeps_the_order_of_a_list(ops in prop::collection::vec((0u8..3, 0u32..48), 0..1500)) {
+            let mut blocks = vec![BlockMeta::default(); 48];
             let mut list = FreeList::default();
             let mut model: Vec<u32> = Vec::new();
             for (op, id) in ops {
@@ -90,7 +95,7 @@ mod tests {
                     _ => {}
                 }
                 prop_assert_eq!(list.len(), model.len());
-                prop_assert!(list.queue.len() <= 2 * model.len() + STALE_SLACK + 1);
+                prop_assert!(list.queue.len() <= 2 * model.len() + STALE_SLACK);
             }
             let mut rest = Vec::new();
             while let Some(id) = list.pop_front(&mut blocks) {
@@ -98,5 +103,24 @@ mod tests {
             }
             prop_assert_eq!(rest, model);
         }
+    }
+
+    #[test]
+    fn stale_entries_stay_bounded_as_the_list_empties() {
+        let n = 4 * STALE_SLACK as u32;
+        let mut blocks = vec![BlockMeta::default(); n as usize];
+        let mut list = FreeList::default();
+        for id in 0..n {
+            list.push_back(&mut blocks, id);
+        }
+        // Stale entries at the back, then the live ones in front of them popped.
+        for id in n / 2..n {
+            list.remove(&mut blocks, id);
+        }
+        for id in 0..n / 2 {
+            assert_eq!(list.pop_front(&mut blocks), Some(id));
+            assert!(list.queue.len() <= 2 * list.len() + STALE_SLACK);
+        }
+        assert_eq!(list.pop_front(&mut blocks), None);
     }
 }
