@@ -582,6 +582,8 @@ fn run(
         nodes.push(node);
         entries.push(entry(i, role, node_config));
     }
+    // At most every block of every node, once the pools have filled.
+    index.reserve(nodes.iter().map(|n| n.pool().num_blocks()).sum());
     let mut queue = EventQueue::new();
     // A fault at an instant comes before everything else due then.
     for (k, f) in config.faults.iter().enumerate() {

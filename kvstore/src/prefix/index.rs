@@ -268,6 +268,15 @@ impl InMemoryPrefixIndex {
         self.replace_node(node, []);
     }
 
+    /// Makes room for `blocks` distinct blocks. A writer that knows how many blocks its nodes
+    /// hold (the simulator) reserves them up front: filling the index doubles it otherwise,
+    /// rehashing every block and faulting in each size on the way.
+    pub fn reserve(&self, blocks: usize) {
+        let mut state = self.state.write().expect("prefix index lock");
+        let more = blocks.saturating_sub(state.holders.len());
+        state.holders.reserve(more);
+    }
+
     /// Nodes holding at least one block, in id order.
     pub fn nodes(&self) -> Vec<NodeId> {
         let state = self.state.read().expect("prefix index lock");
