@@ -16,7 +16,7 @@ const PURGE_DELAY: c_int = 15;
 /// stays near its peak memory until it ends (the simulator): a returned page is faulted in
 /// and zeroed again when it is next used, and on a host that backs a huge page only after
 /// compacting memory for it, that fault is slow. Over the 1,000-node hour the event loop
-/// ran 3-6% faster in each of five alternated pairs, for 100 MB more at the peak (1.78 GB).
+/// ran 3-6% faster in each of five alternated pairs, for 100 MB more at the peak.
 /// Servers keep the default, which gives memory back when idle.
 pub fn keep_freed_pages() {
     // SAFETY: sets one of mimalloc's options, which it reads at its next purge.

@@ -315,7 +315,6 @@ impl BlockPool {
     /// The blocks caching the longest prefix of `hashes`. Takes no references: call `take` on
     /// the result before allocating anything, or an allocation may evict them.
     pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<BlockId> {
-        self.prefetch(hashes);
         hashes
             .iter()
             .map_while(|&h| self.cached.get(h).map(BlockId))
