@@ -556,13 +556,14 @@ impl InMemoryPrefixIndex {
     /// The lookup behind both overlaps: `finish` turns a node's counts into its answer.
     fn walk<T>(&self, hashes: &[SequenceHash], finish: impl Fn(&Counts) -> T) -> U64Map<NodeId, T> {
         let state = self.state.read().expect("prefix index lock");
-        let mut result = U64Map::default();
         let Some((first, rest)) = hashes.split_first() else {
-            return result;
+            return U64Map::default();
         };
         let Some(holders) = state.holders.get(first).map(Holders::as_slice) else {
-            return result;
+            return U64Map::default();
         };
+        // Every holder of the first block has an answer: room for them all, once.
+        let mut result = U64Map::with_capacity_and_hasher(holders.len(), Default::default());
         // Slots of the nodes that hold every block so far, in slot order like every holders
         // vector, with their leading blocks counted by fastest tier.
         let mut matching: Vec<(u32, Counts)> = holders

@@ -140,58 +140,96 @@ impl RoutingPolicy for KvAware {
         let (min_load, _) = by_load.iter().next()?;
         let max_load = min_load as f64 * c.imbalance_ratio + c.imbalance_slack as f64;
         let eligible = |load: usize| load as f64 <= max_load;
-        // (position, load, cost) of the candidates the index names.
+        // (position, load, cost) of the candidates the index names. Most of them hold the
+        // same blocks (a shared system prompt), so a share is worked out once in a row.
+        let mut last: Option<(TieredOverlap, f64)> = None;
         let held: Vec<(usize, usize, f64)> = request
             .overlap
             .iter()
             .filter_map(|(&node, &overlap)| {
                 let i = by_load.position(node)?;
                 let load = by_load.load(i);
-                Some((
-                    i,
-                    load,
-                    self.cost(self.uncached_share(request, overlap), load),
-                ))
+                let share = match last {
+                    Some((o, share)) if o == overlap => share,
+                    _ => {
+                        last.insert((overlap, self.uncached_share(request, overlap)))
+                            .1
+                    }
+                };
+                Some((i, load, self.cost(share, load)))
             })
             .collect();
         let none_held = self.uncached_share(request, TieredOverlap::default());
-        // The held positions a bit each: the walk below passes many nodes (all the least
-        // loaded may tie), and asking the overlap of each read the node's entry and hashed.
-        let mut is_held = vec![0u64; request.nodes.len().div_ceil(64)];
+        // The held positions a bit each: the nodes the index does not name are taken a load
+        // level at a time (all the least loaded may tie), never one by one.
+        let words = by_load.len().div_ceil(64);
+        let mut is_held = vec![0u64; words];
         for &(i, _, _) in &held {
             is_held[i / 64] |= 1 << (i % 64);
         }
-        let unheld = || {
-            by_load
-                .iter()
-                .filter(|&(_, i)| is_held[i / 64] & 1 << (i % 64) == 0)
-                .map(|(load, i)| (i, load, self.cost(none_held, load)))
-        };
+        let has_unheld = |level: &[u64]| without(level, &is_held).any(|w| w != 0);
+        let first_unheld = by_load
+            .levels()
+            .find(|&(_, level)| has_unheld(level))
+            .map(|(load, _)| (usize::MAX, load, self.cost(none_held, load)));
         // Costs are never negative nor NaN here, so the minimum is the same in any order.
         let best = held
             .iter()
             .copied()
-            .chain(unheld().next())
+            .chain(first_unheld)
             .filter(|&(_, load, _)| eligible(load))
             .map(|(_, _, cost)| cost)
             .fold(f64::INFINITY, f64::min);
         let tolerance = 1e-9 * best.abs().max(1.0);
-        let is_best =
-            |&(_, load, cost): &(usize, usize, f64)| eligible(load) && cost <= best + tolerance;
-        let mut ties: Vec<usize> = held.iter().filter(|h| is_best(h)).map(|h| h.0).collect();
-        // Eligibility and cost only grow along the order: the tied ones come first.
-        ties.extend(unheld().take_while(is_best).map(|(i, _, _)| i));
-        if ties.is_empty() {
+        let is_best = |load: usize, cost: f64| eligible(load) && cost <= best + tolerance;
+        // The tied positions a bit each, so that they count and order without a sort.
+        let mut ties = vec![0u64; words];
+        for &(i, load, cost) in &held {
+            if is_best(load, cost) {
+                ties[i / 64] |= 1 << (i % 64);
+            }
+        }
+        // Eligibility and cost only grow along the order: the tied levels come first.
+        for (load, level) in by_load.levels().filter(|&(_, level)| has_unheld(level)) {
+            if !is_best(load, self.cost(none_held, load)) {
+                break;
+            }
+            for (tie, bits) in ties.iter_mut().zip(without(level, &is_held)) {
+                *tie |= bits;
+            }
+        }
+        let count: usize = ties.iter().map(|w| w.count_ones() as usize).sum();
+        if count == 0 {
             return self.select(request);
         }
-        ties.sort_unstable();
-        let pick = if ties.len() == 1 {
+        let pick = if count == 1 {
             0
         } else {
-            lock(&self.rng).gen_range(0..ties.len())
+            lock(&self.rng).gen_range(0..count)
         };
-        Some(request.nodes[ties[pick]].info.node_id)
+        Some(request.nodes[nth_set_bit(&ties, pick)?].info.node_id)
     }
+}
+
+/// The positions of `level` not in `held`, both a bit each, a word at a time.
+fn without<'a>(level: &'a [u64], held: &'a [u64]) -> impl Iterator<Item = u64> + 'a {
+    level.iter().zip(held).map(|(&nodes, &held)| nodes & !held)
+}
+
+/// The position of the `n`th (from 0) set bit of `words`, counting from bit 0 of the first.
+fn nth_set_bit(words: &[u64], mut n: usize) -> Option<usize> {
+    for (w, &word) in words.iter().enumerate() {
+        let ones = word.count_ones() as usize;
+        if n < ones {
+            let mut rest = word;
+            for _ in 0..n {
+                rest &= rest - 1;
+            }
+            return Some(w * 64 + rest.trailing_zeros() as usize);
+        }
+        n -= ones;
+    }
+    None
 }
 
 #[cfg(test)]

@@ -63,6 +63,15 @@ impl LoadOrder {
         self.by_load.iter()
     }
 
+    /// Each load some node has, the least first, with its nodes' positions a bit each (bit
+    /// `i % 64` of word `i / 64`; trailing words of no position may be absent).
+    pub fn levels(&self) -> impl Iterator<Item = (usize, &[u64])> + '_ {
+        self.by_load
+            .levels
+            .iter()
+            .map(|(&load, words)| (load, &words[..]))
+    }
+
     pub fn len(&self) -> usize {
         self.by_load.len
     }
