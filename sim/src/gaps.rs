@@ -67,7 +67,7 @@ impl Totals {
 }
 
 /// A bin being filled: its values `lo..hi` and the gaps it got so far.
-#[derive(Default)]
+#[derive(Clone, Copy, Debug, Default)]
 struct OpenBin {
     bin: usize,
     lo: u64,
@@ -91,6 +91,115 @@ impl OpenBin {
 
     fn holds(&self, nanos: u64) -> bool {
         (self.lo..self.hi).contains(&nanos)
+    }
+}
+
+/// When a live request's tokens reached its client, kept as the report reads them: how many,
+/// the first and the last, and the gaps between them folded as they come into runs of one
+/// bin each, for [`GapHistogram::pool`] to pool if the request completes. A request gets
+/// hundreds of tokens, mostly a run of decode steps at a time, and a run's gaps mostly
+/// fall into one bin: folding them as they arrive neither copies nor keeps a time a token.
+/// Where every gap is wanted, every time is kept too ([`TokenTimes::every`]).
+#[derive(Clone, Debug, Default)]
+pub struct TokenTimes {
+    count: usize,
+    first: Duration,
+    /// The last, in nanoseconds.
+    last: u64,
+    gaps: Totals,
+    /// Filled bins, in the order the gaps filled them; then the one being filled.
+    runs: Vec<Filled>,
+    open: OpenBin,
+    every: Option<Vec<Duration>>,
+}
+
+/// A run of a request's gaps in one bin: the bin, how many and their sum.
+#[derive(Clone, Copy, Debug)]
+struct Filled {
+    bin: u32,
+    count: u32,
+    sum: u64,
+}
+
+impl TokenTimes {
+    /// No token yet; `every`: keep every time as well.
+    pub fn new(every: bool) -> Self {
+        TokenTimes {
+            every: every.then(Vec::new),
+            ..TokenTimes::default()
+        }
+    }
+
+    /// A token reached the client at `at` (no earlier than the last).
+    pub fn push(&mut self, at: Duration) {
+        self.extend(&[at]);
+    }
+
+    /// Tokens reached the client at `times` (in order, none before the last).
+    pub fn extend(&mut self, times: &[Duration]) {
+        let Some((&first, _)) = times.split_first() else {
+            return;
+        };
+        if let Some(every) = &mut self.every {
+            every.extend_from_slice(times);
+        }
+        // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
+        // subtraction a gap. The totals and the bin being filled stay in registers until
+        // the last time (a run of decode steps puts many gaps in a row into one bin).
+        let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
+        let rest = match self.count {
+            0 => {
+                self.first = first;
+                self.last = nanos(&first);
+                &times[1..]
+            }
+            _ => times,
+        };
+        self.count += times.len();
+        let (mut last, mut gaps, mut open) = (self.last, self.gaps, self.open);
+        for t in rest {
+            let now = nanos(t);
+            let gap = now - last;
+            last = now;
+            gaps.add(gap);
+            if !open.holds(gap) {
+                if open.count > 0 {
+                    self.runs.push(Filled {
+                        bin: u32::try_from(open.bin).expect("bins fit u32"),
+                        count: u32::try_from(open.count).expect("a request's gaps fit u32"),
+                        sum: open.sum,
+                    });
+                }
+                open = OpenBin::of(gap);
+            }
+            open.count += 1;
+            open.sum = open.sum.saturating_add(gap);
+        }
+        (self.last, self.gaps, self.open) = (last, gaps, open);
+    }
+
+    /// How many tokens reached the client.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// When the first token reached the client.
+    pub fn first(&self) -> Option<Duration> {
+        (self.count > 0).then_some(self.first)
+    }
+
+    /// When the last token reached the client.
+    pub fn last(&self) -> Option<Duration> {
+        (self.count > 0).then(|| Duration::from_nanos(self.last))
+    }
+
+    /// Every time, where they are kept ([`TokenTimes::new`]).
+    pub fn every(&self) -> Option<&[Duration]> {
+        self.every.as_deref()
     }
 }
 
@@ -130,33 +239,16 @@ impl GapHistogram {
         b.1 = b.1.saturating_add(sum);
     }
 
-    /// The gaps between consecutive `times`; returns the longest (`None` for fewer than two
-    /// times), which a caller keeping only that need not compute again.
-    pub fn record_between(&mut self, times: &[Duration]) -> Option<Duration> {
-        // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
-        // subtraction a gap, for every token of the run. The totals stay in registers until
-        // the last gap, and so does the bin of the gaps before (a run of decode steps puts
-        // many in a row into one).
-        let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
-        let (first, rest) = times.split_first()?;
-        let mut last = nanos(first);
-        let mut gaps = Totals::default();
-        let mut open = OpenBin::default();
-        for t in rest {
-            let now = nanos(t);
-            let gap = now - last;
-            last = now;
-            gaps.add(gap);
-            if !open.holds(gap) {
-                self.add_to_bin(open.bin, open.count, open.sum);
-                open = OpenBin::of(gap);
-            }
-            open.count += 1;
-            open.sum = open.sum.saturating_add(gap);
+    /// Pools the gaps of a completed request's `times`; returns the longest (`None` for
+    /// fewer than two tokens).
+    pub fn pool(&mut self, times: &TokenTimes) -> Option<Duration> {
+        for run in &times.runs {
+            self.add_to_bin(run.bin as usize, u64::from(run.count), run.sum);
         }
+        let open = &times.open;
         self.add_to_bin(open.bin, open.count, open.sum);
-        self.totals.merge(gaps);
-        (gaps.count > 0).then(|| Duration::from_nanos(gaps.max))
+        self.totals.merge(times.gaps);
+        (times.gaps.count > 0).then(|| Duration::from_nanos(times.gaps.max))
     }
 
     pub fn count(&self) -> u64 {
@@ -271,6 +363,13 @@ mod tests {
         h
     }
 
+    /// `times` as a request's, delivered in `chunks` of at most that many.
+    fn times_of(times: &[Duration], chunk: usize) -> TokenTimes {
+        let mut t = TokenTimes::new(false);
+        times.chunks(chunk.max(1)).for_each(|c| t.extend(c));
+        t
+    }
+
     fn secs_of(gaps: &[Duration]) -> Vec<f64> {
         gaps.iter().map(Duration::as_secs_f64).collect()
     }
@@ -338,11 +437,11 @@ mod tests {
     }
 
     #[test]
-    fn gaps_between_times_read_as_each_gap_recorded_alone() {
-        // Repeated gaps, zero gaps and changes, over several requests.
+    fn pooled_times_read_as_each_gap_recorded_alone() {
+        // Repeated gaps, zero gaps and changes, over several requests delivered in chunks.
         let mut rng = 0x2545_f491_4f6c_dd1d_u64;
-        let (mut between, mut alone) = (GapHistogram::default(), GapHistogram::default());
-        for len in [0, 1, 2, 3, 50, 400] {
+        let (mut pooled, mut alone) = (GapHistogram::default(), GapHistogram::default());
+        for (len, chunk) in [(0, 1), (1, 1), (2, 1), (3, 2), (50, 7), (400, 1), (400, 64)] {
             let mut times = vec![NS(1_000)];
             for _ in 1..len {
                 rng ^= rng << 13;
@@ -368,11 +467,26 @@ mod tests {
             }
             let gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
             gaps.iter().for_each(|&g| alone.record(g));
-            assert_eq!(between.record_between(&times), gaps.iter().max().copied());
+            let t = times_of(&times, chunk);
+            assert_eq!(pooled.pool(&t), gaps.iter().max().copied());
+            assert_eq!(
+                (t.len(), t.first(), t.last()),
+                (times.len(), times.first().copied(), times.last().copied())
+            );
         }
-        assert_eq!(between.summary(), alone.summary());
-        assert_eq!(between.cdf(), alone.cdf());
-        assert_eq!(between.bins, alone.bins);
+        assert_eq!(pooled.summary(), alone.summary());
+        assert_eq!(pooled.cdf(), alone.cdf());
+        assert_eq!(pooled.bins, alone.bins);
+    }
+
+    #[test]
+    fn every_time_is_kept_only_when_asked() {
+        let times = [NS(10), NS(15), NS(35)];
+        let mut every = TokenTimes::new(true);
+        every.extend(&times[..1]);
+        every.extend(&times[1..]);
+        assert_eq!(every.every(), Some(&times[..]));
+        assert_eq!(times_of(&times, 2).every(), None);
     }
 
     #[test]
@@ -381,13 +495,14 @@ mod tests {
         assert_eq!((h.summary(), h.cdf(), h.count()), (None, None, 0));
         let one = of(&[NS(3)]);
         assert_eq!(one.summary().unwrap().p99_9, 3e-9);
-        let mut between = GapHistogram::default();
+        let mut pooled = GapHistogram::default();
         assert_eq!(
-            between.record_between(&[NS(10), NS(15), NS(35)]),
+            pooled.pool(&times_of(&[NS(10), NS(15), NS(35)], 3)),
             Some(NS(20))
         );
-        assert_eq!(between.record_between(&[NS(40)]), None);
-        let s = between.summary().unwrap();
+        assert_eq!(pooled.pool(&times_of(&[NS(40)], 1)), None);
+        assert_eq!(pooled.pool(&TokenTimes::new(false)), None);
+        let s = pooled.summary().unwrap();
         let p50 = kvmesh_bench::stats::percentile(&[5e-9, 20e-9], 50.0).unwrap();
         assert_eq!((s.count, s.min, s.max, s.p50), (2, 5e-9, 20e-9, p50));
     }

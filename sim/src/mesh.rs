@@ -47,7 +47,7 @@ use crate::autoscale::{self, AutoscaleReport, ChangeError, NodeChange};
 use crate::cpu::{CpuError, Hosts, SharedCpu};
 use crate::events::EventQueue;
 use crate::fault::{self, Fault, FaultError, FaultKind, LinkFactors};
-use crate::gaps::GapHistogram;
+use crate::gaps::{GapHistogram, TokenTimes};
 use crate::link::{Link, LinkClass};
 use crate::node::{Finished, NodeConfig, NodeError, SimNode, Started};
 use crate::stats::{mesh_stats, NodeTotals};
@@ -307,8 +307,8 @@ struct Live {
     prefill: Option<usize>,
     /// KV blocks the transfer fills on the decode node.
     transfer_blocks: usize,
-    /// When each token reached the client, across migrations.
-    tokens: Vec<Duration>,
+    /// When its tokens reached the client, across migrations.
+    tokens: TokenTimes,
     tracked: Tracked,
     /// Decode nodes it was sent to, in order (a migration tries none of them again).
     tried: Vec<usize>,
@@ -706,8 +706,7 @@ impl Mesh<'_> {
                     node: decode,
                     prefill,
                     transfer_blocks: 0,
-                    // Room for every token it may get, so delivering never moves them.
-                    tokens: Vec::with_capacity(self.requests[i].max_tokens),
+                    tokens: TokenTimes::new(self.every_gap),
                     tracked,
                     tried: vec![decode],
                     placement: 0,
@@ -928,7 +927,7 @@ impl Mesh<'_> {
                 let i = *seq as usize;
                 if let Some(live) = self.live[i].as_mut() {
                     if let Some(s) = self.scaler.as_mut() {
-                        s.token(&live.tokens, self.sent[i], now);
+                        s.token(live.tokens.last(), self.sent[i], now);
                     }
                     live.tokens.push(now);
                 }
@@ -979,7 +978,7 @@ impl Mesh<'_> {
         let p = live.prefill.take().expect("checked above");
         live.tracked.prefilled();
         if let Some(s) = self.scaler.as_mut() {
-            s.token(&live.tokens, self.sent[i], now);
+            s.token(live.tokens.last(), self.sent[i], now);
         }
         live.tokens.push(now);
         let d = live.node;
@@ -1100,7 +1099,10 @@ impl Mesh<'_> {
         // Dropping `live` ends the router's in-flight count, as the stream's end does.
         let live = self.live[i].take().expect("a finished request was live");
         let sent = self.sent[i];
-        let first = live.tokens[0];
+        let first = live
+            .tokens
+            .first()
+            .expect("a completed request got a token");
         let prompt_tokens = self.requests[i].prompt.len();
         if let Some(s) = self.scaler.as_mut() {
             let cached = f.cached_tokens.min(prompt_tokens) as u64;
@@ -1126,11 +1128,11 @@ impl Mesh<'_> {
 
     /// A completed request's gaps between `tokens`, pooled into the run's histogram: every
     /// one for its outcome, or only its longest ([`MeshConfig::every_gap`]).
-    fn gaps_of(&mut self, tokens: &[Duration]) -> Vec<Duration> {
-        let longest = self.itl.record_between(tokens);
-        match self.every_gap {
-            true => tokens.windows(2).map(|w| w[1] - w[0]).collect(),
-            false => longest.into_iter().collect(),
+    fn gaps_of(&mut self, tokens: &TokenTimes) -> Vec<Duration> {
+        let longest = self.itl.pool(tokens);
+        match tokens.every() {
+            Some(times) => times.windows(2).map(|w| w[1] - w[0]).collect(),
+            None => longest.into_iter().collect(),
         }
     }
 

@@ -50,10 +50,10 @@ impl Mesh<'_> {
                 continue;
             };
             match self.scaler.as_mut() {
-                None => live.tokens.extend_from_slice(&tokens.ends),
+                None => live.tokens.extend(&tokens.ends),
                 Some(s) => {
                     for &t in &tokens.ends {
-                        s.token(&live.tokens, self.sent[i], t);
+                        s.token(live.tokens.last(), self.sent[i], t);
                         live.tokens.push(t);
                     }
                 }

@@ -42,12 +42,12 @@ impl Scaler {
         self.planner.config().interval()
     }
 
-    /// A token reached its client at `now`: the first (`tokens` is empty) is a TTFT, the
+    /// A token reached its client at `now`: the first (no `last` before it) is a TTFT, the
     /// others a gap, as the router's histograms record them.
-    pub fn token(&mut self, tokens: &[Duration], sent: Duration, now: Duration) {
-        match tokens.last() {
+    pub fn token(&mut self, last: Option<Duration>, sent: Duration, now: Duration) {
+        match last {
             None => self.window.ttft.record(now - sent),
-            Some(&last) => self.window.itl.record(now - last),
+            Some(last) => self.window.itl.record(now - last),
         }
     }
 }
