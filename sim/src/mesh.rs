@@ -438,7 +438,8 @@ struct Mesh<'a> {
     hasher: BlockHasher,
     index: Arc<InMemoryPrefixIndex>,
     queue: EventQueue<Event>,
-    live: Vec<Option<Live>>,
+    /// A slot a request, boxed: a few thousand are live at once, among a million slots.
+    live: Vec<Option<Box<Live>>>,
     outcomes: Vec<Option<RequestOutcome>>,
     routed: Vec<u64>,
     /// One per (prefill node, decode node) that has carried KV, by [`link_key`]: up to
@@ -700,7 +701,7 @@ impl Mesh<'_> {
                 prefill,
                 tracked,
             } => {
-                self.live[i] = Some(Live {
+                self.live[i] = Some(Box::new(Live {
                     prompt,
                     hashed,
                     node: decode,
@@ -710,7 +711,7 @@ impl Mesh<'_> {
                     tracked,
                     tried: vec![decode],
                     placement: 0,
-                });
+                }));
                 self.kick(decode, now);
             }
             // The router has no decode node to send it to: 503.
