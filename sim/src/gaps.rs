@@ -125,6 +125,8 @@ impl TokenTimes {
     /// No token yet; `every`: keep every time as well.
     pub fn new(every: bool) -> Self {
         TokenTimes {
+            // Room for a request's usual runs (tens), so that they are not copied as they grow.
+            runs: Vec::with_capacity(64),
             every: every.then(Vec::new),
             ..TokenTimes::default()
         }

@@ -143,22 +143,20 @@ impl RoutingPolicy for KvAware {
         // (position, load, cost) of the candidates the index names. Most of them hold the
         // same blocks (a shared system prompt), so a share is worked out once in a row.
         let mut last: Option<(TieredOverlap, f64)> = None;
-        let held: Vec<(usize, usize, f64)> = request
-            .overlap
-            .iter()
-            .filter_map(|(&node, &overlap)| {
-                let i = by_load.position(node)?;
-                let load = by_load.load(i);
-                let share = match last {
-                    Some((o, share)) if o == overlap => share,
-                    _ => {
-                        last.insert((overlap, self.uncached_share(request, overlap)))
-                            .1
-                    }
-                };
-                Some((i, load, self.cost(share, load)))
-            })
-            .collect();
+        // Sized for them all: grown a push at a time, it was copied over and over.
+        let mut held: Vec<(usize, usize, f64)> = Vec::with_capacity(request.overlap.len());
+        held.extend(request.overlap.iter().filter_map(|(&node, &overlap)| {
+            let i = by_load.position(node)?;
+            let load = by_load.load(i);
+            let share = match last {
+                Some((o, share)) if o == overlap => share,
+                _ => {
+                    last.insert((overlap, self.uncached_share(request, overlap)))
+                        .1
+                }
+            };
+            Some((i, load, self.cost(share, load)))
+        }));
         let none_held = self.uncached_share(request, TieredOverlap::default());
         // The held positions a bit each: the nodes the index does not name are taken a load
         // level at a time (all the least loaded may tie), never one by one.
