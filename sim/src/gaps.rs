@@ -134,33 +134,32 @@ impl TokenTimes {
 
     /// A token reached the client at `at` (no earlier than the last).
     pub fn push(&mut self, at: Duration) {
-        self.extend(&[at]);
+        // Virtual times are far below u64's 584 years of nanoseconds.
+        self.extend_nanos(&[at.as_secs() * 1_000_000_000 + u64::from(at.subsec_nanos())]);
     }
 
-    /// Tokens reached the client at `times` (in order, none before the last).
-    pub fn extend(&mut self, times: &[Duration]) {
-        let Some((&first, _)) = times.split_first() else {
+    /// Tokens reached the client at `nanos` (in whole nanoseconds, in order, none before
+    /// the last).
+    pub fn extend_nanos(&mut self, nanos: &[u64]) {
+        let Some((&first, _)) = nanos.split_first() else {
             return;
         };
         if let Some(every) = &mut self.every {
-            every.extend_from_slice(times);
+            every.extend(nanos.iter().map(|&t| Duration::from_nanos(t)));
         }
-        // In whole nanoseconds (a run's times are far below u64's 584 years of them): one
-        // subtraction a gap. The totals and the bin being filled stay in registers until
-        // the last time (a run of decode steps puts many gaps in a row into one bin).
-        let nanos = |t: &Duration| t.as_secs() * 1_000_000_000 + u64::from(t.subsec_nanos());
+        // One subtraction a gap. The totals and the bin being filled stay in registers
+        // until the last time (a run of decode steps puts many gaps in a row into one bin).
         let rest = match self.count {
             0 => {
-                self.first = first;
-                self.last = nanos(&first);
-                &times[1..]
+                self.first = Duration::from_nanos(first);
+                self.last = first;
+                &nanos[1..]
             }
-            _ => times,
+            _ => nanos,
         };
-        self.count += times.len();
+        self.count += nanos.len();
         let (mut last, mut gaps, mut open) = (self.last, self.gaps, self.open);
-        for t in rest {
-            let now = nanos(t);
+        for &now in rest {
             let gap = now - last;
             last = now;
             gaps.add(gap);
@@ -368,7 +367,8 @@ mod tests {
     /// `times` as a request's, delivered in `chunks` of at most that many.
     fn times_of(times: &[Duration], chunk: usize) -> TokenTimes {
         let mut t = TokenTimes::new(false);
-        times.chunks(chunk.max(1)).for_each(|c| t.extend(c));
+        let nanos: Vec<u64> = times.iter().map(|d| d.as_nanos() as u64).collect();
+        nanos.chunks(chunk.max(1)).for_each(|c| t.extend_nanos(c));
         t
     }
 
@@ -485,8 +485,8 @@ mod tests {
     fn every_time_is_kept_only_when_asked() {
         let times = [NS(10), NS(15), NS(35)];
         let mut every = TokenTimes::new(true);
-        every.extend(&times[..1]);
-        every.extend(&times[1..]);
+        every.push(times[0]);
+        every.extend_nanos(&[15, 35]);
         assert_eq!(every.every(), Some(&times[..]));
         assert_eq!(times_of(&times, 2).every(), None);
     }

@@ -885,7 +885,7 @@ impl Mesh<'_> {
         let event = Event::StepDone(n, self.step_event[n]);
         match self.nodes[n].run() {
             Some((_, ends)) => {
-                let as_of = ends[ends.len() - 2];
+                let as_of = Duration::from_nanos(ends[ends.len() - 2]);
                 self.run_seq[n] = self.queue.next_seq();
                 self.queue.push_as_of(end, as_of, event);
             }

@@ -529,7 +529,7 @@ impl SimNode {
 
     /// When the step in flight ends, if one is.
     pub fn step_ends_at(&self) -> Option<Duration> {
-        let run = self.run.as_ref().and_then(|r| r.ends.last().copied());
+        let run = self.run.as_ref().map(|r| r.end(r.end_nanos.len() - 1));
         self.in_flight.as_ref().map(|f| f.ends_at).or(run)
     }
 

@@ -6,6 +6,7 @@
 use super::{Event, Mesh};
 use crate::events::EventKey;
 use crate::node::RunTokens;
+use std::time::Duration;
 
 impl Mesh<'_> {
     /// Brings node `n` to now before anything touches it: the quiet steps of its run that
@@ -17,9 +18,10 @@ impl Mesh<'_> {
         };
         let now = self.queue.current();
         let seq = self.run_seq[n];
+        let end = |i: usize| Duration::from_nanos(ends[i]);
         let key = |i: usize| EventKey {
-            at: ends[i],
-            pushed: i.checked_sub(1).map_or(started, |p| ends[p]),
+            at: end(i),
+            pushed: i.checked_sub(1).map_or(started, end),
             seq,
         };
         let applied = (0..ends.len()).take_while(|&i| key(i) < now).count();
@@ -50,9 +52,10 @@ impl Mesh<'_> {
                 continue;
             };
             match self.scaler.as_mut() {
-                None => live.tokens.extend(&tokens.ends),
+                None => live.tokens.extend_nanos(&tokens.end_nanos),
                 Some(s) => {
-                    for &t in &tokens.ends {
+                    for &t in &tokens.end_nanos {
+                        let t = Duration::from_nanos(t);
                         s.token(live.tokens.last(), self.sent[i], t);
                         live.tokens.push(t);
                     }

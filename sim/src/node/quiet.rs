@@ -15,14 +15,21 @@ use std::time::Duration;
 #[derive(Debug)]
 pub(super) struct DecodeRun {
     started: Duration,
-    /// When each step ends.
-    pub(super) ends: Vec<Duration>,
+    /// When each step ends, in whole nanoseconds: a run writes one a token and its client
+    /// reads them back, hundreds of millions an hour, so they take half a `Duration`'s room
+    /// and no conversion.
+    pub(super) end_nanos: Vec<u64>,
     batch: u64,
     /// The context of the first step's decodes; each later step's is `batch` more.
     context: u64,
 }
 
 impl DecodeRun {
+    /// When step `step` ends.
+    pub(super) fn end(&self, step: usize) -> Duration {
+        Duration::from_nanos(self.end_nanos[step])
+    }
+
     fn shape(&self, step: usize) -> StepShape {
         StepShape {
             decode_seqs: self.batch,
@@ -35,11 +42,12 @@ impl DecodeRun {
 /// The fewest quiet steps worth planning at once (one is an ordinary step).
 const MIN_RUN: usize = 2;
 
-/// The tokens of quiet steps applied at once: each of `seqs` got one at each of `ends`.
+/// The tokens of quiet steps applied at once: each of `seqs` got one at each of `end_nanos`
+/// (in whole nanoseconds).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunTokens {
     pub seqs: Vec<SeqId>,
-    pub ends: Vec<Duration>,
+    pub end_nanos: Vec<u64>,
 }
 
 impl SimNode {
@@ -63,7 +71,7 @@ impl SimNode {
         }
         let mut run = DecodeRun {
             started: now,
-            ends: Vec::with_capacity(steps),
+            end_nanos: Vec::with_capacity(steps),
             batch: self.scheduler.num_running() as u64,
             context,
         };
@@ -75,7 +83,7 @@ impl SimNode {
             .take(steps)
         {
             end += time;
-            run.ends.push(Duration::from_nanos(end));
+            run.end_nanos.push(end);
         }
         self.run = Some(run);
         Some(Duration::from_nanos(end))
@@ -86,9 +94,10 @@ impl SimNode {
         self.coalesce = on;
     }
 
-    /// The run of quiet steps in flight: when it started and when each of its steps ends.
-    pub fn run(&self) -> Option<(Duration, &[Duration])> {
-        self.run.as_ref().map(|r| (r.started, &r.ends[..]))
+    /// The run of quiet steps in flight: when it started and when each of its steps ends
+    /// (in whole nanoseconds).
+    pub fn run(&self) -> Option<(Duration, &[u64])> {
+        self.run.as_ref().map(|r| (r.started, &r.end_nanos[..]))
     }
 
     /// Applies the first `steps` steps of the run in flight (fewer than it has) and puts the
@@ -99,25 +108,28 @@ impl SimNode {
     /// Without a run in flight, or if `steps` would apply all of it ([`Self::finish_run`]).
     pub fn catch_up(&mut self, steps: usize) -> RunTokens {
         let run = self.run.take().expect("a run of quiet steps is in flight");
-        assert!(steps < run.ends.len(), "catch_up past the run's last step");
+        assert!(
+            steps < run.end_nanos.len(),
+            "catch_up past the run's last step"
+        );
         let tokens = RunTokens {
             seqs: self.apply(&run, steps),
-            ends: run.ends[..steps].to_vec(),
+            end_nanos: run.end_nanos[..steps].to_vec(),
         };
-        let start = steps.checked_sub(1).map_or(run.started, |s| run.ends[s]);
+        let start = steps.checked_sub(1).map_or(run.started, |s| run.end(s));
         let output = self.scheduler.schedule();
         let ends_at = self.begin(output, start);
-        debug_assert_eq!(ends_at, run.ends[steps], "the step as the run timed it");
+        debug_assert_eq!(ends_at, run.end(steps), "the step as the run timed it");
         tokens
     }
 
     /// Ends the run in flight, its last step having ended; returns its tokens.
     pub fn finish_run(&mut self) -> Result<RunTokens, NodeError> {
         let run = self.run.take().ok_or(NodeError::NoStepInFlight)?;
-        let seqs = self.apply(&run, run.ends.len());
+        let seqs = self.apply(&run, run.end_nanos.len());
         Ok(RunTokens {
             seqs,
-            ends: run.ends,
+            end_nanos: run.end_nanos,
         })
     }
 
@@ -145,13 +157,13 @@ impl SimNode {
         }
         if self.keep_steps > 0 {
             let mut start = run.started;
-            for (i, &end) in run.ends[..steps].iter().enumerate() {
+            for (i, end) in (0..steps).map(|i| (i, run.end(i))) {
                 self.record_step(run.shape(i), end - start);
                 start = end;
             }
         }
         if steps > 0 {
-            self.busy += run.ends[steps - 1] - run.started;
+            self.busy += run.end(steps - 1) - run.started;
         }
         self.steps += steps as u64;
         seqs
@@ -179,7 +191,8 @@ mod tests {
         while let Some(Started::Step(end)) = node.start_step(now) {
             let mut deliver = |t: RunTokens| {
                 for seq in t.seqs {
-                    times.entry(seq).or_default().extend(&t.ends);
+                    let ends = t.end_nanos.iter().map(|&n| Duration::from_nanos(n));
+                    times.entry(seq).or_default().extend(ends);
                 }
             };
             if node.run().is_some() {
