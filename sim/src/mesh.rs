@@ -844,8 +844,12 @@ impl Mesh<'_> {
         let Some(e) = self.candidates.entry_mut(n) else {
             return;
         };
-        e.load = self.nodes[n].load();
-        self.routing.report(NodeId(n as u64), e.load);
+        let load = self.nodes[n].load();
+        // The router has every report the sim's entry has: the same one again changes nothing.
+        if e.load != load {
+            e.load = load;
+            self.routing.report(NodeId(n as u64), load);
+        }
     }
 
     /// The candidates changed: the router keeps them anew.
