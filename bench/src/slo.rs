@@ -75,6 +75,12 @@ impl RequestOutcome {
         }
     }
 
+    /// The longest gap between its tokens (what the ITL objective judges); `None` without
+    /// gaps.
+    pub fn longest_gap(&self) -> Option<Duration> {
+        self.gaps.iter().max().copied()
+    }
+
     /// `(e2e - ttft) / (output_tokens - 1)` in seconds (vLLM's TPOT); `None` with fewer
     /// than two output tokens or without the times.
     pub fn tpot_s(&self) -> Option<f64> {
@@ -87,7 +93,7 @@ impl RequestOutcome {
     pub fn statistic_s(&self, objective: Objective) -> Option<f64> {
         match objective {
             Objective::Ttft => self.ttft.map(|t| t.as_secs_f64()),
-            Objective::Itl => self.gaps.iter().max().map(Duration::as_secs_f64),
+            Objective::Itl => self.longest_gap().map(|g| g.as_secs_f64()),
             Objective::Tpot => self.tpot_s(),
             Objective::E2e => self.e2e.map(|t| t.as_secs_f64()),
         }

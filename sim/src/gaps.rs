@@ -134,8 +134,7 @@ impl TokenTimes {
 
     /// A token reached the client at `at` (no earlier than the last).
     pub fn push(&mut self, at: Duration) {
-        // Virtual times are far below u64's 584 years of nanoseconds.
-        self.extend_nanos(&[at.as_secs() * 1_000_000_000 + u64::from(at.subsec_nanos())]);
+        self.extend_nanos(&[u64::try_from(at.as_nanos()).expect("virtual time within u64 ns")]);
     }
 
     /// Tokens reached the client at `nanos` (in whole nanoseconds, in order, none before

@@ -41,8 +41,7 @@ pub fn row(label: &str, o: &RequestOutcome) -> String {
         let _ = write!(line, "{:.3}", s * 1e3);
     }
     line.push(',');
-    // The longest gap, as the ITL objective reads it.
-    ms(&mut line, o.gaps.iter().max().copied());
+    ms(&mut line, o.longest_gap());
     let opt = |v: Option<u64>| v.map_or_else(String::new, |v| v.to_string());
     let _ = write!(
         line,

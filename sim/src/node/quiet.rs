@@ -157,7 +157,8 @@ impl SimNode {
         }
         if self.keep_steps > 0 {
             let mut start = run.started;
-            for (i, end) in (0..steps).map(|i| (i, run.end(i))) {
+            for i in 0..steps {
+                let end = run.end(i);
                 self.record_step(run.shape(i), end - start);
                 start = end;
             }
