@@ -36,6 +36,14 @@ impl VirtualClock {
     }
 }
 
+/// A virtual time in whole nanoseconds, as runs of quiet steps and token times keep it.
+///
+/// # Panics
+/// Past u64's 584 years of nanoseconds: no simulation runs that long.
+pub fn nanos(at: Duration) -> u64 {
+    u64::try_from(at.as_nanos()).expect("virtual time within u64 ns")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

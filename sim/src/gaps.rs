@@ -134,7 +134,7 @@ impl TokenTimes {
 
     /// A token reached the client at `at` (no earlier than the last).
     pub fn push(&mut self, at: Duration) {
-        self.extend_nanos(&[u64::try_from(at.as_nanos()).expect("virtual time within u64 ns")]);
+        self.extend_nanos(&[crate::clock::nanos(at)]);
     }
 
     /// Tokens reached the client at `nanos` (in whole nanoseconds, in order, none before

@@ -76,7 +76,7 @@ impl SimNode {
             context,
         };
         // Summed in nanoseconds, exactly as durations would sum.
-        let mut end = u64::try_from(now.as_nanos()).expect("virtual time within u64 ns");
+        let mut end = crate::clock::nanos(now);
         for time in self
             .timing
             .decode_step_nanos(run.batch, run.context)
