@@ -17,7 +17,7 @@ use kvmesh_common::{BlockId, SamplingParams};
 use kvmesh_engine::engine_config::EngineConfig;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::model::LlamaModel;
-use kvmesh_engine::runner::{ChunkTokens, ModelRunner, SeqChunk, StepInput};
+use kvmesh_engine::runner::{BlockTable, ChunkTokens, ModelRunner, SeqChunk, StepInput};
 use kvmesh_engine::sampler::argmax;
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
@@ -292,12 +292,13 @@ fn median_time(repeats: usize, mut f: impl FnMut() -> Result<Duration>) -> Resul
 }
 
 /// Ordinary-text token ids, away from the special tokens at the start of the vocabulary.
-fn random_tokens(n: usize, seed: u64) -> Vec<u32> {
+pub(crate) fn random_tokens(n: usize, seed: u64) -> Vec<u32> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     (0..n).map(|_| rng.gen_range(1000..40_000)).collect()
 }
 
-fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
+/// Blocks `range`, in order.
+pub(crate) fn blocks(range: std::ops::Range<u32>) -> BlockTable {
     range.map(BlockId).collect()
 }
 

@@ -124,7 +124,7 @@ fn write_requests_csv(path: &std::path::Path, reports: &[(String, ReplayReport)]
     let mut text = csv::header("policy") + "\n";
     for (policy, report) in reports {
         for outcome in &report.per_request {
-            text.push_str(&csv::row(policy, outcome));
+            csv::push_row(&mut text, policy, outcome, outcome.gaps.len());
             text.push('\n');
         }
     }

@@ -9,15 +9,14 @@
 //! up, then `--repeats` times; the median is kept. [`TimingProfile::fit`] fits the
 //! coefficients (non-negative least squares on relative error).
 
+use crate::bench_engine::{blocks, random_tokens};
 use crate::model_args::ModelArgs;
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvmesh_common::BlockId;
 use kvmesh_engine::llama_runner::LlamaRunner;
 use kvmesh_engine::model::LlamaModel;
 use kvmesh_engine::runner::{KvSource, ModelRunner, SeqChunk, StepInput};
 use kvmesh_sim::timing::{Fit, StepShape, TimingProfile};
-use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -351,16 +350,6 @@ impl Bench {
         times.sort();
         Ok((StepShape::of(&step), times))
     }
-}
-
-/// Ordinary-text token ids, away from the special tokens at the start of the vocabulary.
-fn random_tokens(n: usize, seed: u64) -> Vec<u32> {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n).map(|_| rng.gen_range(1000..40_000)).collect()
-}
-
-fn blocks(range: std::ops::Range<u32>) -> Vec<BlockId> {
-    range.map(BlockId).collect()
 }
 
 #[cfg(test)]

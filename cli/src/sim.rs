@@ -3,7 +3,6 @@
 //! `kvmesh-sim` crate); the workload, load shapes, SLO, sweep and max-goodput search are `kvmesh
 //! bench serve`'s, and so are the report, CSV and plots. Parsing and wiring only.
 
-use std::fmt::Write as _;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -516,14 +515,11 @@ fn requests_csv(measured: &[Measured], outcomes: &[Vec<RequestOutcome>]) -> Stri
     for (m, outcomes) in measured.iter().zip(outcomes) {
         for o in outcomes {
             let gaps = match o.class() {
-                Class::Ok => o.output_tokens.saturating_sub(1),
-                _ => o.gaps.len() as u64,
+                Class::Ok => o.output_tokens.saturating_sub(1) as usize,
+                _ => o.gaps.len(),
             };
-            let row = csv::row(&m.point.label, o);
-            // Its last four fields: gaps, prompt, cached and output tokens (plain numbers).
-            let mut fields = row.rsplitn(5, ',');
-            let [output, cached, prompt, _, head] = [(); 5].map(|_| fields.next().unwrap_or(""));
-            let _ = writeln!(out, "{head},{gaps},{prompt},{cached},{output}");
+            csv::push_row(&mut out, &m.point.label, o, gaps);
+            out.push('\n');
         }
     }
     out

@@ -23,7 +23,7 @@ fn shape(chunks: &[(usize, usize)]) -> StepShape {
                 seq_id: 0,
                 tokens: vec![1000; n].into(),
                 start_pos,
-                block_table: vec![],
+                block_table: Default::default(),
                 want_logits: true,
             })
             .collect(),

@@ -9,6 +9,10 @@ use std::sync::Arc;
 /// Identifies a sequence inside one engine (one per request choice).
 pub type SeqId = u64;
 
+/// A sequence's blocks in order, shared by the scheduler and the steps that read them: a step
+/// takes a reference, not a copy of the list.
+pub type BlockTable = Arc<[BlockId]>;
+
 /// The part of one sequence to compute in this step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SeqChunk {
@@ -18,7 +22,7 @@ pub struct SeqChunk {
     /// Number of this sequence's tokens whose KV is already in its blocks.
     pub start_pos: usize,
     /// The sequence's blocks, covering at least `start_pos + tokens.len()` positions.
-    pub block_table: Vec<BlockId>,
+    pub block_table: BlockTable,
     /// Whether to return logits for the last token of this chunk (it ends the known tokens).
     pub want_logits: bool,
 }

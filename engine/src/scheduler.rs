@@ -60,7 +60,7 @@ mod sequence;
 mod step_time;
 
 use crate::block_pool::{BlockPool, TierMove};
-use crate::runner::{SeqChunk, SeqId, StepInput};
+use crate::runner::{BlockTable, SeqChunk, SeqId, StepInput};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, PromptHashes, SequenceHash, TokenId};
@@ -235,6 +235,9 @@ pub struct Scheduler {
     /// prefill chunks (see `step_time`).
     step_time: StepTimeModel,
     max_step_time: Option<f64>,
+    /// `update_from_output`'s tokens, one entry a chunk, kept between steps so that a step
+    /// allocates nothing for them.
+    sampled_by_chunk: Vec<Option<TokenId>>,
 }
 
 impl Scheduler {
@@ -261,6 +264,7 @@ impl Scheduler {
             num_preemptions: 0,
             step_time: StepTimeModel::default(),
             max_step_time: None,
+            sampled_by_chunk: Vec::new(),
         }
     }
 
@@ -496,11 +500,12 @@ impl Scheduler {
             return Err(SchedulerError::StaleOutput);
         }
         self.in_flight = None;
-        let tokens = self.check_sampled(&output.scheduled, sampled)?;
+        let by_chunk = &mut self.sampled_by_chunk;
+        check_sampled(&self.seqs, &output.scheduled, sampled, by_chunk)?;
 
         let mut outcome = StepOutcome::default();
         let max_len = self.max_seq_len();
-        for r in &output.scheduled {
+        for (r, &token) in output.scheduled.iter().zip(&self.sampled_by_chunk) {
             let Some(seq) = self.seqs.get_mut(&r.seq_id) else {
                 continue;
             };
@@ -511,7 +516,7 @@ impl Scheduler {
             if self.config.enable_prefix_caching {
                 cache_computed_blocks(&mut self.pool, seq, self.config.block_size);
             }
-            if let Some(&token) = tokens.get(&r.seq_id) {
+            if let Some(token) = token {
                 seq.output.push(token);
                 if self.config.enable_prefix_caching {
                     seq.extend_hashes(&self.config.hasher);
@@ -635,7 +640,7 @@ impl Scheduler {
             self.pool
                 .free(&seq.blocks)
                 .expect("a sequence holds one reference on each of its blocks");
-            seq.blocks.clear();
+            seq.blocks = BlockTable::default();
             seq.num_computed = 0;
             seq.num_cached_blocks = 0;
             self.waiting.push_front(seq_id);
@@ -811,7 +816,8 @@ impl Scheduler {
             let missing = blocks_for(seq.num_computed + n, self.config.block_size)
                 .saturating_sub(seq.blocks.len());
             if let Some(blocks) = self.pool.allocate(missing) {
-                self.seqs.get_mut(&id).unwrap().blocks.extend(blocks);
+                let seq = self.seqs.get_mut(&id).unwrap();
+                seq.blocks = seq.blocks.iter().copied().chain(blocks).collect();
                 return true;
             }
             let victim = self.running.pop().expect("`id` is running");
@@ -829,7 +835,7 @@ impl Scheduler {
         self.pool
             .free(&seq.blocks)
             .expect("a sequence holds one reference on each of its blocks");
-        seq.blocks.clear();
+        seq.blocks = BlockTable::default();
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
         self.waiting.push_front(id);
@@ -867,8 +873,7 @@ impl Scheduler {
 
         let seq = self.seqs.get_mut(&id).unwrap();
         seq.num_cached_blocks = hits.len() + host;
-        seq.blocks = hits;
-        seq.blocks.extend(fresh);
+        seq.blocks = hits.into_iter().chain(fresh).collect();
         seq.num_computed = num_cached;
         let resumed = std::mem::replace(&mut seq.admitted_before, true);
         self.waiting.pop_front();
@@ -898,8 +903,7 @@ impl Scheduler {
         let seq = self.seqs.get_mut(&id).unwrap();
         let num_cached = (hits.len() + host) * bs;
         seq.num_cached_blocks = hits.len() + host;
-        seq.blocks = hits;
-        seq.blocks.extend(&fresh);
+        seq.blocks = hits.into_iter().chain(fresh.iter().copied()).collect();
         // The promoted blocks are filled here; the transfer fills the rest.
         fresh.drain(..host);
         seq.num_computed = num_cached;
@@ -938,34 +942,43 @@ impl Scheduler {
             want_logits,
         });
     }
+}
 
-    /// One token per live chunk that returned logits, none for other chunks.
-    fn check_sampled(
-        &self,
-        scheduled: &[Scheduled],
-        sampled: &[(SeqId, TokenId)],
-    ) -> Result<U64Map<SeqId, TokenId>, SchedulerError> {
-        let wants: U64Map<SeqId, &Scheduled> = scheduled.iter().map(|r| (r.seq_id, r)).collect();
-        let mut tokens = U64Map::with_capacity_and_hasher(sampled.len(), Default::default());
-        for &(id, token) in sampled {
-            if !wants.get(&id).is_some_and(|r| r.want_logits) {
-                return Err(SchedulerError::UnexpectedToken(id));
-            }
-            if tokens.insert(id, token).is_some() {
-                return Err(SchedulerError::DuplicateToken(id));
-            }
+/// Places each of `sampled`'s tokens against its chunk of `scheduled`, in `by_chunk` (one
+/// entry a chunk, `None` where it wants none), checking one token per live chunk that returns
+/// logits and none for other chunks. A runner lists the tokens in its chunks' order, so each
+/// chunk is searched for from the one after the last found: a step costs a pass, not a map.
+fn check_sampled(
+    seqs: &U64Map<SeqId, Sequence>,
+    scheduled: &[Scheduled],
+    sampled: &[(SeqId, TokenId)],
+    by_chunk: &mut Vec<Option<TokenId>>,
+) -> Result<(), SchedulerError> {
+    by_chunk.clear();
+    by_chunk.resize(scheduled.len(), None);
+    let n = scheduled.len();
+    let mut from = 0;
+    for &(id, token) in sampled {
+        let found = (0..n)
+            .map(|k| (from + k) % n)
+            .find(|&i| scheduled[i].seq_id == id);
+        let Some(i) = found.filter(|&i| scheduled[i].want_logits) else {
+            return Err(SchedulerError::UnexpectedToken(id));
+        };
+        if by_chunk[i].replace(token).is_some() {
+            return Err(SchedulerError::DuplicateToken(id));
         }
-        for r in scheduled {
-            let live = self
-                .seqs
-                .get(&r.seq_id)
-                .is_some_and(|s| s.generation == r.generation);
-            if live && r.want_logits && !tokens.contains_key(&r.seq_id) {
-                return Err(SchedulerError::MissingToken(r.seq_id));
-            }
-        }
-        Ok(tokens)
+        from = i + 1;
     }
+    for (r, token) in scheduled.iter().zip(by_chunk.iter()) {
+        let live = seqs
+            .get(&r.seq_id)
+            .is_some_and(|s| s.generation == r.generation);
+        if live && r.want_logits && token.is_none() {
+            return Err(SchedulerError::MissingToken(r.seq_id));
+        }
+    }
+    Ok(())
 }
 
 /// Registers the sequence's computed full blocks in the prefix cache.

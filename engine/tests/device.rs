@@ -44,7 +44,7 @@ fn cpu_is_the_default_and_runs() {
                 seq_id: 1,
                 tokens: vec![1, 2, 3].into(),
                 start_pos: 0,
-                block_table: vec![BlockId(0)],
+                block_table: [BlockId(0)].into(),
                 want_logits: true,
             }],
         })

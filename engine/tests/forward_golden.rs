@@ -12,7 +12,7 @@ mod common;
 use common::{golden, model};
 use kvmesh_common::BlockId;
 use kvmesh_engine::llama_runner::LlamaRunner;
-use kvmesh_engine::runner::{ChunkTokens, ModelRunner, SeqChunk, StepInput};
+use kvmesh_engine::runner::{BlockTable, ChunkTokens, ModelRunner, SeqChunk, StepInput};
 
 const BLOCK: usize = 16;
 
@@ -150,7 +150,7 @@ fn logits_at_each_position(tokens: &[u32], from: usize) -> Vec<Vec<f32>> {
     let (m, _) = model();
     let blocks = tokens.len().div_ceil(BLOCK);
     let mut runner = LlamaRunner::new(m.clone(), blocks, BLOCK);
-    let table: Vec<BlockId> = (0..blocks as u32).map(BlockId).collect();
+    let table: BlockTable = (0..blocks as u32).map(BlockId).collect();
     // The prefix up to `from` in one chunk, then one token per step (each step asks logits).
     let mut out = Vec::new();
     let mut start = 0;

@@ -63,7 +63,7 @@ fn local_run(
     let n_blocks = prompt.len().div_ceil(BS);
     let out = e
         .step_observed(&mut |layer, step, src: &dyn KvSource| {
-            table.clone_from(&step.chunks[0].block_table);
+            table = step.chunks[0].block_table.to_vec();
             for b in 0..n_blocks {
                 let mut bytes = Vec::new();
                 src.read_kv_blocks(layer, &table[b..b + 1], &mut bytes)

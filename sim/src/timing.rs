@@ -451,7 +451,7 @@ mod tests {
             seq_id: 0,
             tokens: vec![1; n].into(),
             start_pos,
-            block_table: vec![],
+            block_table: Default::default(),
             want_logits: true,
         }
     }

@@ -16,42 +16,42 @@ pub fn header(label: &str) -> String {
     format!("{},{COLUMNS}", field(label))
 }
 
-/// One line (no newline) for `outcome`, its first field `label`.
-pub fn row(label: &str, o: &RequestOutcome) -> String {
-    let mut line = field(label).into_owned();
-    let _ = write!(line, ",{},", o.item);
-    micros(&mut line, o.sent, Unit::Seconds);
-    line.push(',');
-    micros(&mut line, o.ended, Unit::Seconds);
-    line.push(',');
+/// Appends one line (no newline) for `o` to `out`: its first field `label`, its gaps field
+/// `gaps` (the outcome's own count, or one kept without the list: a simulated request keeps
+/// only its longest gap). Appending spares a file of a million lines a string a line.
+pub fn push_row(out: &mut String, label: &str, o: &RequestOutcome, gaps: usize) {
+    out.push_str(&field(label));
+    let _ = write!(out, ",{},", o.item);
+    micros(out, o.sent, Unit::Seconds);
+    out.push(',');
+    micros(out, o.ended, Unit::Seconds);
+    out.push(',');
     if let Some(status) = o.status {
-        let _ = write!(line, "{status}");
+        let _ = write!(out, "{status}");
     }
     // Error kinds are fixed words and `http_<status>`: nothing to quote.
-    let _ = write!(line, ",{},", o.error.as_deref().unwrap_or(""));
-    let ms = |line: &mut String, d: Option<Duration>| {
+    let _ = write!(out, ",{},", o.error.as_deref().unwrap_or(""));
+    let ms = |out: &mut String, d: Option<Duration>| {
         if let Some(d) = d {
-            micros(line, d, Unit::Millis);
+            micros(out, d, Unit::Millis);
         }
-        line.push(',');
+        out.push(',');
     };
-    ms(&mut line, o.ttft);
-    ms(&mut line, o.e2e);
+    ms(out, o.ttft);
+    ms(out, o.e2e);
     if let Some(s) = o.tpot_s() {
-        let _ = write!(line, "{:.3}", s * 1e3);
+        let _ = write!(out, "{:.3}", s * 1e3);
     }
-    line.push(',');
-    ms(&mut line, o.longest_gap());
-    let opt = |v: Option<u64>| v.map_or_else(String::new, |v| v.to_string());
-    let _ = write!(
-        line,
-        "{},{},{},{}",
-        o.gaps.len(),
-        opt(o.prompt_tokens),
-        opt(o.cached_tokens),
-        o.output_tokens,
-    );
-    line
+    out.push(',');
+    ms(out, o.longest_gap());
+    let _ = write!(out, "{gaps},");
+    for tokens in [o.prompt_tokens, o.cached_tokens] {
+        if let Some(n) = tokens {
+            let _ = write!(out, "{n}");
+        }
+        out.push(',');
+    }
+    let _ = write!(out, "{}", o.output_tokens);
 }
 
 /// Seconds or milliseconds, to the microsecond.
@@ -116,6 +116,12 @@ mod tests {
     }
 
     const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn row(label: &str, o: &RequestOutcome) -> String {
+        let mut line = String::new();
+        push_row(&mut line, label, o, o.gaps.len());
+        line
+    }
 
     #[test]
     fn rows_match_the_header() {

@@ -1,7 +1,6 @@
 //! Where `kvmesh bench serve` writes: report.json, requests.csv (one line per request, its
 //! point's label first) and the plots, all in one directory.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -60,7 +59,8 @@ fn requests_csv(measured: &[Measured]) -> String {
     out.push('\n');
     for m in measured {
         for outcome in &m.run.outcomes {
-            let _ = writeln!(out, "{}", csv::row(&m.point.label, outcome));
+            csv::push_row(&mut out, &m.point.label, outcome, outcome.gaps.len());
+            out.push('\n');
         }
     }
     out

@@ -66,7 +66,7 @@ impl DecodeInputs {
             inputs.positions[r] = pos as i32;
             inputs.slots[r] = (block.0 as usize * block_size + pos % block_size) as i32;
             let row = &mut inputs.tables[r * table_width..][..c.block_table.len()];
-            for (t, b) in row.iter_mut().zip(&c.block_table) {
+            for (t, b) in row.iter_mut().zip(c.block_table.iter()) {
                 *t = b.0 as i32;
             }
         }

@@ -3,7 +3,7 @@
 //! limit). A driver that only prices steps (a simulator) can run many of them in one call
 //! instead of one `schedule` and `update_from_output` round each, with the same result.
 
-use super::{Scheduler, SequenceTokens};
+use super::Scheduler;
 use crate::runner::SeqId;
 use kvmesh_common::TokenId;
 
@@ -43,15 +43,16 @@ impl Scheduler {
 
     /// Runs `steps` quiet steps at once, as `steps` rounds of `schedule` and
     /// `update_from_output` would: every running sequence gets `steps` tokens, each chosen by
-    /// `sample` from the sequence's tokens so far. Sequences are independent, so each draws
-    /// its tokens in turn.
+    /// `sample` from the sequence's last token and its length before it (a simulated model's
+    /// token follows from those alone). Sequences are independent, so each draws its tokens in
+    /// turn, the last kept at hand rather than read back.
     ///
     /// # Panics
     /// If fewer than `steps` steps are quiet ([`Scheduler::quiet_decode_steps`]).
     pub fn advance_decode(
         &mut self,
         steps: usize,
-        mut sample: impl FnMut(SeqId, SequenceTokens<'_>) -> TokenId,
+        mut sample: impl FnMut(SeqId, TokenId, usize) -> TokenId,
     ) {
         if steps == 0 {
             return;
@@ -63,16 +64,17 @@ impl Scheduler {
         let caching = self.config.enable_prefix_caching;
         for &id in &self.running {
             let seq = self.seqs.get_mut(&id).expect("running sequences exist");
-            seq.output.reserve(steps);
-            for _ in 0..steps {
-                let tokens = SequenceTokens {
-                    prompt: &seq.prompt,
-                    output: &seq.output,
-                };
-                let token = sample(id, tokens);
-                seq.num_computed += 1;
-                seq.output.push(token);
-            }
+            let mut last = *seq
+                .output
+                .last()
+                .or(seq.prompt.last())
+                .expect("prompts are never empty");
+            let start = seq.len();
+            seq.output.extend((start..start + steps).map(|len| {
+                last = sample(id, last, len);
+                last
+            }));
+            seq.num_computed += steps;
             // Once for all its new tokens: the draws do not read the hashes.
             if caching {
                 seq.extend_hashes(&self.config.hasher);
@@ -104,7 +106,11 @@ mod tests {
     /// A token that depends on the sequence so far, as a model's would.
     fn next(t: SequenceTokens<'_>) -> TokenId {
         let last = t.output.last().or(t.prompt.last()).copied().unwrap_or(0);
-        (last * 7 + (t.prompt.len() + t.output.len()) as TokenId) % 1000
+        next_after(last, t.prompt.len() + t.output.len())
+    }
+
+    fn next_after(last: TokenId, len: usize) -> TokenId {
+        (last * 7 + len as TokenId) % 1000
     }
 
     /// One step planned and absorbed, every sequence sampled with `next`.
@@ -169,7 +175,7 @@ mod tests {
             for _ in 0..quiet {
                 step(&mut stepped);
             }
-            advanced.advance_decode(quiet, |_, t| next(t));
+            advanced.advance_decode(quiet, |_, last, len| next_after(last, len));
             advanced_steps += quiet;
             assert!(
                 stepped.drain_kv_events().is_empty(),
@@ -195,6 +201,6 @@ mod tests {
     #[should_panic(expected = "past the quiet steps")]
     fn advancing_past_a_boundary_is_refused() {
         let mut s = decoding();
-        s.advance_decode(2, |_, t| next(t));
+        s.advance_decode(2, |_, last, len| next_after(last, len));
     }
 }

@@ -1,8 +1,8 @@
 //! One sequence's scheduling state: its tokens, how many of them have KV in its blocks, and
 //! the chained hashes of its full blocks (its prefix-cache identity).
 
-use crate::runner::ChunkTokens;
-use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
+use crate::runner::{BlockTable, ChunkTokens};
+use kvmesh_common::{BlockHasher, SequenceHash, TokenId};
 use std::sync::Arc;
 
 /// Marks a sequence whose prompt KV comes from another node.
@@ -21,7 +21,7 @@ pub(super) struct Sequence {
     pub(super) output: Vec<TokenId>,
     /// Leading tokens whose KV is in `blocks`.
     pub(super) num_computed: usize,
-    pub(super) blocks: Vec<BlockId>,
+    pub(super) blocks: BlockTable,
     /// Hashes of the full blocks of `tokens`, kept current when prefix caching is on.
     pub(super) hashes: Vec<SequenceHash>,
     /// Leading blocks already in the pool's prefix cache (hits or registered by us).
@@ -39,7 +39,7 @@ impl Sequence {
             prompt,
             output: Vec::new(),
             num_computed: 0,
-            blocks: Vec::new(),
+            blocks: BlockTable::default(),
             hashes: Vec::new(),
             num_cached_blocks: 0,
             admitted_before: false,

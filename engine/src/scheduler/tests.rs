@@ -90,12 +90,19 @@ fn sampled_tokens_must_match_the_chunks_that_returned_logits() {
         s.update_from_output(out, &[(1, 9), (2, 9), (1, 8)]),
         Err(SchedulerError::DuplicateToken(1))
     );
-    // Failed updates applied nothing: the same prefill is planned again.
+    let out = s.schedule();
+    assert_eq!(
+        s.update_from_output(out, &[(2, 9), (1, 9), (2, 8)]),
+        Err(SchedulerError::DuplicateToken(2))
+    );
+    // Failed updates applied nothing: the same prefill is planned again. Tokens may come in
+    // any order.
     let out = s.schedule();
     assert_eq!(out.step.num_tokens(), 10);
-    let outcome = s.update_from_output(out, &[(1, 9), (2, 9)]).unwrap();
+    let outcome = s.update_from_output(out, &[(2, 7), (1, 9)]).unwrap();
     assert!(outcome.context_full.is_empty());
     assert_eq!(s.sequence_tokens(1).unwrap().output, &[9]);
+    assert_eq!(s.sequence_tokens(2).unwrap().output, &[7]);
 }
 
 #[test]

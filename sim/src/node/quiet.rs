@@ -137,10 +137,8 @@ impl SimNode {
     /// the sequences that got their tokens.
     fn apply(&mut self, run: &DecodeRun, steps: usize) -> Vec<SeqId> {
         let vocab = self.vocab_size;
-        self.scheduler.advance_decode(steps, |_, t| {
-            let last = t.output.last().or(t.prompt.last()).copied();
-            let len = t.prompt.len() + t.output.len();
-            MockRunner::favoured_token(last.expect("prompts are never empty"), len, vocab)
+        self.scheduler.advance_decode(steps, |_, last, len| {
+            MockRunner::favoured_token(last, len, vocab)
         });
         let seqs = self.scheduler.running().to_vec();
         for id in &seqs {
