@@ -97,6 +97,17 @@ fn await_role(
     assert!(listed, "node {node} is not registered as {}", role.as_str());
 }
 
+/// Raises its flags when dropped: at the end of the scope, or as a panic leaves it.
+struct RaiseOnDrop<'a, const N: usize>([&'a AtomicBool; N]);
+
+impl<const N: usize> Drop for RaiseOnDrop<'_, N> {
+    fn drop(&mut self) {
+        for flag in self.0 {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// Polls `value` until it passes `check` (the nodes push nothing a test could await).
 fn await_value<T: std::fmt::Debug>(
     what: &str,
@@ -182,6 +193,9 @@ fn a_decode_node_switches_to_prefill_and_back_under_load_losing_nothing() {
     let outcomes: Mutex<Vec<(usize, Outcome)>> = Mutex::new(Vec::new());
     let mut switch_times = Vec::new();
     std::thread::scope(|s| {
+        // A failed check below ends the clients too, so the test fails instead of waiting on
+        // clients that send for ever.
+        let _stop = RaiseOnDrop([&stop, &long_sent]);
         for _ in 0..CLIENTS {
             s.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
