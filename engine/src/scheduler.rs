@@ -64,7 +64,7 @@ use crate::runner::{BlockTable, SeqChunk, SeqId, StepInput};
 use kvmesh_common::fast_hash::U64Map;
 use kvmesh_common::kv_tier::TieredKvEvent;
 use kvmesh_common::{BlockHasher, BlockId, PromptHashes, SequenceHash, TokenId};
-use sequence::{blocks_for, RemotePrefill, Sequence};
+use sequence::{blocks_for, joined, RemotePrefill, Sequence};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -500,8 +500,12 @@ impl Scheduler {
             return Err(SchedulerError::StaleOutput);
         }
         self.in_flight = None;
-        let by_chunk = &mut self.sampled_by_chunk;
-        check_sampled(&self.seqs, &output.scheduled, sampled, by_chunk)?;
+        check_sampled(
+            &self.seqs,
+            &output.scheduled,
+            sampled,
+            &mut self.sampled_by_chunk,
+        )?;
 
         let mut outcome = StepOutcome::default();
         let max_len = self.max_seq_len();
@@ -817,7 +821,7 @@ impl Scheduler {
                 .saturating_sub(seq.blocks.len());
             if let Some(blocks) = self.pool.allocate(missing) {
                 let seq = self.seqs.get_mut(&id).unwrap();
-                seq.blocks = seq.blocks.iter().copied().chain(blocks).collect();
+                seq.blocks = joined(&seq.blocks, &blocks);
                 return true;
             }
             let victim = self.running.pop().expect("`id` is running");
@@ -873,7 +877,7 @@ impl Scheduler {
 
         let seq = self.seqs.get_mut(&id).unwrap();
         seq.num_cached_blocks = hits.len() + host;
-        seq.blocks = hits.into_iter().chain(fresh).collect();
+        seq.blocks = joined(&hits, &fresh);
         seq.num_computed = num_cached;
         let resumed = std::mem::replace(&mut seq.admitted_before, true);
         self.waiting.pop_front();
@@ -903,7 +907,7 @@ impl Scheduler {
         let seq = self.seqs.get_mut(&id).unwrap();
         let num_cached = (hits.len() + host) * bs;
         seq.num_cached_blocks = hits.len() + host;
-        seq.blocks = hits.into_iter().chain(fresh.iter().copied()).collect();
+        seq.blocks = joined(&hits, &fresh);
         // The promoted blocks are filled here; the transfer fills the rest.
         fresh.drain(..host);
         seq.num_computed = num_cached;

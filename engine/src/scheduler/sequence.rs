@@ -2,7 +2,7 @@
 //! the chained hashes of its full blocks (its prefix-cache identity).
 
 use crate::runner::{BlockTable, ChunkTokens};
-use kvmesh_common::{BlockHasher, SequenceHash, TokenId};
+use kvmesh_common::{BlockHasher, BlockId, SequenceHash, TokenId};
 use std::sync::Arc;
 
 /// Marks a sequence whose prompt KV comes from another node.
@@ -94,6 +94,11 @@ impl Sequence {
                 .push(hasher.chain(self.hashes.last().copied(), block));
         }
     }
+}
+
+/// `head`'s blocks then `tail`'s, as one table (a table is shared, so it grows by a new one).
+pub(super) fn joined(head: &[BlockId], tail: &[BlockId]) -> BlockTable {
+    head.iter().chain(tail).copied().collect()
 }
 
 /// Blocks needed to hold `num_tokens` tokens.
