@@ -4,6 +4,7 @@
 pub mod block_hash;
 pub mod fast_hash;
 pub mod grpc;
+pub mod hash_slots;
 pub mod ids;
 pub mod kv_tier;
 pub mod metrics;

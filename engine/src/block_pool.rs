@@ -19,11 +19,10 @@
 //! not accumulate events nobody drains.
 
 mod free_list;
-mod hash_slots;
 mod tier_index;
 
 use free_list::FreeList;
-use hash_slots::HashSlots;
+use kvmesh_common::hash_slots::HashSlots;
 use kvmesh_common::kv_tier::{Tier, TieredKvEvent};
 use kvmesh_common::{BlockId, SequenceHash};
 use tier_index::TierIndex;
@@ -88,7 +87,7 @@ pub struct BlockPool {
     free_cached: FreeList,
     /// Probed for every block of every admission and written for every block computed and
     /// evicted (a block has at most one hash, so it never outgrows the pool).
-    cached: HashSlots,
+    cached: HashSlots<u32>,
     host: TierIndex,
     disk: TierIndex,
     /// Blocks promoted from each tier since start, by `Tier as usize`.
@@ -191,7 +190,7 @@ impl BlockPool {
 
     /// Where this pool holds `hash`'s KV, if anywhere.
     pub fn locate(&self, hash: SequenceHash) -> Option<Held> {
-        match self.cached.get(hash) {
+        match self.cached.get(hash).copied() {
             Some(block) => Some(Held::Device(BlockId(block))),
             None => self.lower_tier_of(hash).map(Held::Lower),
         }
@@ -317,7 +316,7 @@ impl BlockPool {
     pub fn lookup_prefix(&self, hashes: &[SequenceHash]) -> Vec<BlockId> {
         hashes
             .iter()
-            .map_while(|&h| self.cached.get(h).map(BlockId))
+            .map_while(|&h| self.cached.get(h).map(|&b| BlockId(b)))
             .collect()
     }
 

@@ -21,6 +21,7 @@
 
 use super::{PrefixIndex, TierSet, TieredKvEvent, TieredOverlap};
 use kvmesh_common::fast_hash::U64Map;
+use kvmesh_common::hash_slots::{self, HashSlots, SlotValue};
 use kvmesh_common::{NodeId, SequenceHash};
 use std::collections::hash_map::Entry;
 use std::sync::RwLock;
@@ -84,6 +85,15 @@ enum Holders {
 impl Holder {
     /// No holder: a slot beyond any a node is given ([`State::claim`]).
     const NONE: Holder = Holder(u32::MAX);
+}
+
+/// A block nobody holds: an empty slot of the table.
+impl SlotValue for Holders {
+    const VACANT: Holders = Holders::Few([Holder::NONE; Holders::FEW]);
+
+    fn is_vacant(&self) -> bool {
+        matches!(self, Holders::Few(few) if few[0] == Holder::NONE)
+    }
 }
 
 impl Holders {
@@ -158,8 +168,9 @@ impl Holders {
 
 #[derive(Debug, Default)]
 struct State {
-    /// Block -> holders sorted by slot.
-    holders: SeqMap<Holders>,
+    /// Block -> holders sorted by slot. Probed at random over millions of blocks: a table
+    /// whose probe costs one cache miss, and that an event batch prefetches.
+    holders: HashSlots<Holders>,
     /// Whether each node's blocks are kept in a map of its own (see the module docs).
     node_maps: bool,
     /// Node -> its slot, while it holds at least one block.
@@ -273,8 +284,7 @@ impl InMemoryPrefixIndex {
     /// rehashing every block and faulting in each size on the way.
     pub fn reserve(&self, blocks: usize) {
         let mut state = self.state.write().expect("prefix index lock");
-        let more = blocks.saturating_sub(state.holders.len());
-        state.holders.reserve(more);
+        state.holders.reserve(blocks);
     }
 
     /// Nodes holding at least one block, in id order.
@@ -304,7 +314,7 @@ impl InMemoryPrefixIndex {
         let mut entries: Vec<_> = state
             .holders
             .iter()
-            .map(|(&h, holders)| (h, holders.tiers_of(slot)))
+            .map(|(h, holders)| (h, holders.tiers_of(slot)))
             .filter(|(_, t)| !t.is_empty())
             .collect();
         entries.sort_unstable_by_key(|&(h, _)| h);
@@ -374,14 +384,11 @@ impl State {
         self.update_holders(slot, hash, old.unwrap_or_default(), tiers)
     }
 
-    /// Looks every block up once, before a batch's updates: the lookups do not depend on each
-    /// other, so in an index larger than the caches their misses overlap, and the updates
-    /// that follow find their entries cached.
-    fn touch(&self, hashes: impl ExactSizeIterator<Item = SequenceHash>) {
-        if hashes.len() > 1 {
-            for hash in hashes {
-                std::hint::black_box(self.holders.get(&hash));
-            }
+    /// Starts loading every block's entry before a batch's updates: in an index larger than
+    /// the caches their misses overlap, and the updates that follow find their entries cached.
+    fn touch(&self, hashes: impl Iterator<Item = SequenceHash>) {
+        for hash in hashes {
+            self.holders.prefetch(hash);
         }
     }
 
@@ -423,7 +430,7 @@ impl State {
         tiers: impl FnOnce(TierSet) -> TierSet,
     ) -> bool {
         match self.holders.entry(hash) {
-            Entry::Occupied(mut e) => {
+            hash_slots::Entry::Occupied(mut e) => {
                 let old = e.get().tiers_of(slot);
                 let new = tiers(old);
                 if new == old {
@@ -442,7 +449,7 @@ impl State {
                 self.counted(slot, -1);
                 true
             }
-            Entry::Vacant(e) => {
+            hash_slots::Entry::Vacant(e) => {
                 let new = tiers(TierSet::default());
                 if new.is_empty() {
                     return false;
@@ -489,7 +496,7 @@ impl State {
     fn replace_scanning(&mut self, slot: u32, new: &SeqMap<TierSet>) -> bool {
         let mut dropped = 0;
         self.holders.retain(|hash, holders| {
-            if !new.contains_key(hash) && holders.take(slot).0 {
+            if !new.contains_key(&hash) && holders.take(slot).0 {
                 dropped += 1;
             }
             !holders.as_slice().is_empty()
@@ -525,11 +532,11 @@ impl State {
     fn hold(&mut self, slot: u32, hash: SequenceHash, tiers: TierSet) {
         let holder = Holder::new(slot, tiers);
         match self.holders.entry(hash) {
-            Entry::Vacant(e) => {
+            hash_slots::Entry::Vacant(e) => {
                 e.insert(Holders::one(holder));
                 self.counted(slot, 1);
             }
-            Entry::Occupied(mut e) => {
+            hash_slots::Entry::Occupied(mut e) => {
                 if e.get_mut().put(holder) {
                     self.counted(slot, 1);
                 }
@@ -539,7 +546,7 @@ impl State {
 
     /// Removes a holder of the block (the holders side only).
     fn unhold(&mut self, slot: u32, hash: SequenceHash) {
-        let Entry::Occupied(mut e) = self.holders.entry(hash) else {
+        let hash_slots::Entry::Occupied(mut e) = self.holders.entry(hash) else {
             return;
         };
         let (removed, none_left) = e.get_mut().take(slot);
@@ -559,7 +566,13 @@ impl InMemoryPrefixIndex {
         let Some((first, rest)) = hashes.split_first() else {
             return U64Map::default();
         };
-        let Some(holders) = state.holders.get(first).map(Holders::as_slice) else {
+        // The walk probes one block after another: loaded a few blocks ahead, their misses
+        // overlap (a walk that stops early has loaded a few slots for nothing).
+        const AHEAD: usize = 8;
+        for &hash in rest.iter().take(AHEAD) {
+            state.holders.prefetch(hash);
+        }
+        let Some(holders) = state.holders.get(*first).map(Holders::as_slice) else {
             return U64Map::default();
         };
         // Every holder of the first block has an answer: room for them all, once.
@@ -575,7 +588,10 @@ impl InMemoryPrefixIndex {
             })
             .collect();
         let node = |slot: u32| state.nodes[slot as usize].node;
-        for hash in rest {
+        for (i, &hash) in rest.iter().enumerate() {
+            if let Some(&ahead) = rest.get(i + AHEAD) {
+                state.holders.prefetch(ahead);
+            }
             let Some(holders) = state.holders.get(hash).map(Holders::as_slice) else {
                 break;
             };
