@@ -21,3 +21,13 @@ tests/e2e/run.sh
 # The Compose cluster under real Docker, Prometheus, the dashboards' and alerts' queries,
 # the Dockerfile's image, the Kubernetes manifests.
 deploy/test.sh --no-build
+# The profile-guided build trains and builds, and its simulator reports are the plain build's
+# bytes (its code is laid out anew, never computing anything else).
+pgo=$(scripts/build-pgo.sh)
+sim_args=(sim --prefill-nodes 30 --decode-nodes 70 --workload mooncake,scale=1 --load trace
+  --copies 10 --block-size 16 --fault die:5@60s --seed 7 --plots none --duration 120s)
+target/release/kvmesh "${sim_args[@]}" --out target/pgo/check/plain >/dev/null
+"$pgo" "${sim_args[@]}" --out target/pgo/check/pgo >/dev/null
+for f in report.json requests.csv; do
+  cmp target/pgo/check/plain/$f target/pgo/check/pgo/$f
+done
