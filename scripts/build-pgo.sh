@@ -4,7 +4,8 @@
 # and block pools on 1,000 nodes, and a node dying on 100) and the CPU engine (prefill and
 # batched decode on the real model); the release build then lays out and inlines its code by
 # those counts. The simulator's event loop runs about 7% faster than a plain release build's;
-# its reports are the same bytes (`kvmesh sim`, docs/sim.md). Takes two release builds.
+# its reports are the same bytes (`kvmesh sim`, docs/sim.md). Its CPU engine prefills about
+# 10% slower than the plain build's: serve with that one. Takes two release builds.
 #
 # Prints the binary's path: target/pgo/build/<host>/release/kvmesh. Needs llvm-profdata: rustup's
 # llvm-tools component (matching rustc's LLVM), added if missing, or else Debian's.
