@@ -287,6 +287,12 @@ impl BlockPool {
             return None;
         }
         let mut out: Vec<BlockId> = Vec::with_capacity(n);
+        let from_uncached = n.min(self.free_uncached.len());
+        // The blocks about to be popped, loading together rather than one by one.
+        self.free_uncached
+            .prefetch_front(&self.blocks, from_uncached);
+        self.free_cached
+            .prefetch_front(&self.blocks, n - from_uncached);
         let uncached = std::iter::from_fn(|| self.free_uncached.pop_front(&mut self.blocks));
         out.extend(uncached.take(n).map(BlockId));
         // Then cached blocks, least recently freed first: all taken off their list before any
