@@ -19,11 +19,7 @@ if [ ! -x "$profdata" ] && ! rustup component add llvm-tools >&2; then
   # LLVM, whose llvm-profdata reads the raw profiles of rustc 1.95's LLVM 22 runtime (their
   # format is versioned; merging fails loudly where it cannot read one).
   echo "build-pgo: no llvm-tools component; using Debian's llvm-19" >&2
-  if ! command -v llvm-profdata-19 >/dev/null; then
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends llvm-19 >/dev/null
-  fi
+  scripts/setup.sh llvm-19 >&2
   profdata=llvm-profdata-19
 fi
 pgo="$PWD/target/pgo"

@@ -3,7 +3,11 @@
 # Idempotent; runs apt-get only when something is missing.
 set -euo pipefail
 
+# Packages named on the command line, where missing (build-pgo.sh's LLVM fallback).
 need=()
+for pkg in "$@"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+done
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 # protoc's well-known types (google/protobuf/*.proto), which etcd-client's protos import.
 dpkg -s libprotobuf-dev >/dev/null 2>&1 || need+=(libprotobuf-dev)

@@ -127,7 +127,6 @@ impl<V: SlotValue> HashSlots<V> {
 
     /// Maps `hash` to `value` unless `hash` is mapped already; returns whether it was added.
     pub fn insert_new(&mut self, hash: SequenceHash, value: V) -> bool {
-        debug_assert!(!value.is_vacant(), "a stored value is never the vacant one");
         match self.entry(hash) {
             Entry::Vacant(e) => {
                 e.insert(value);

@@ -294,7 +294,7 @@ impl BlockPool {
         self.free_cached
             .prefetch_front(&self.blocks, n - from_uncached);
         let uncached = std::iter::from_fn(|| self.free_uncached.pop_front(&mut self.blocks));
-        out.extend(uncached.take(n).map(BlockId));
+        out.extend(uncached.take(from_uncached).map(BlockId));
         // Then cached blocks, least recently freed first: all taken off their list before any
         // is evicted, so that their hashes' slots load together rather than one by one.
         let first_evicted = out.len();
