@@ -36,7 +36,8 @@ PROM = f"http://127.0.0.1:{PROM_PORT}"
 ENV = dict(os.environ, KVMESH_PORT=str(API_PORT), KVMESH_PROMETHEUS_PORT=str(PROM_PORT),
            KVMESH_ETCD_PORT=str(ETCD_PORT))
 LONG = 800  # tokens of the streams that must outlive a scale-down or a kill (400 left a
-# scale-down too little: a stream could end while compose was still stopping its node)
+# scale-down too little: a stream could end while compose was still stopping its node); they
+# ignore the end-of-sequence token, so that where greedy decoding stops cannot shorten them
 
 
 def log(msg):
@@ -157,7 +158,8 @@ def post(path, body, timeout=120):
 
 
 def complete(prompt, max_tokens):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": max_tokens >= LONG}
     with post("/v1/completions", body) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
@@ -174,7 +176,7 @@ class Stream(threading.Thread):
 
     def run(self):
         body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True}
+                "stream": True, "ignore_eos": self.max_tokens >= LONG}
         try:
             with post("/v1/completions", body, timeout=300) as r:
                 for raw in r:
