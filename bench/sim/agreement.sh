@@ -36,6 +36,7 @@ while (($#)); do
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
+((ROUNDS >= 1)) || { echo "--rounds must be at least 1" >&2; exit 2; }
 [[ -x "$KVMESH" ]] || (cd "$ROOT" && cargo build --release -p kvmesh)
 mkdir -p "$OUT"
 log() { echo "[$(date +%T)] $*" >&2; }
