@@ -157,10 +157,14 @@ def post(path, body, timeout=120):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
+def completion(prompt, max_tokens, **more):
+    """A greedy completion request's body; a LONG one ignores end-of-sequence."""
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": max_tokens >= LONG, **more}
+
+
 def complete(prompt, max_tokens):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": max_tokens >= LONG}
-    with post("/v1/completions", body) as r:
+    with post("/v1/completions", completion(prompt, max_tokens)) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
 
@@ -175,8 +179,7 @@ class Stream(threading.Thread):
         self.start()
 
     def run(self):
-        body = {"prompt": self.prompt, "max_tokens": self.max_tokens, "temperature": 0,
-                "stream": True, "ignore_eos": self.max_tokens >= LONG}
+        body = completion(self.prompt, self.max_tokens, stream=True)
         try:
             with post("/v1/completions", body, timeout=300) as r:
                 for raw in r:

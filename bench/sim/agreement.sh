@@ -8,9 +8,10 @@
 # machine one real replay's TTFT p50 moves by about 15% from run to run, so one round alone
 # says as much about the machine as about the simulator.
 #
-# Usage: bench/sim/agreement.sh [--rounds N] [--requests N] [--rate R] [--conversations N]
-#                               [--host-cores C] [--out DIR] [--kvmesh BIN]
+# Usage: bench/sim/agreement.sh [--rounds N] [--quick] [--requests N] [--rate R]
+#                               [--conversations N] [--host-cores C] [--out DIR] [--kvmesh BIN]
 #   --rounds N         rounds of profile, real replay and simulation (default 3)
+#   --quick            a small profile grid (seconds instead of about 30 s; the test suite's)
 #   --requests N       the slice's length (default 60)
 #   --rate R           requests per second the trace is paced at, its bursts kept (default 1)
 #   --conversations N  N whole multi-turn conversations instead of the trace's first requests
@@ -20,6 +21,7 @@ ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 KVMESH="$ROOT/target/release/kvmesh"
 OUT="$ROOT/target/sim-agreement"
 ROUNDS=3
+PROFILE_ARGS=(--threads 1)
 REQUESTS=60
 RATE=1
 CONVERSATIONS=""
@@ -27,6 +29,7 @@ CORES="$(nproc)"
 while (($#)); do
   case "$1" in
     --rounds) ROUNDS="$2"; shift 2 ;;
+    --quick) PROFILE_ARGS+=(--quick); shift ;;
     --requests) REQUESTS="$2"; shift 2 ;;
     --rate) RATE="$2"; shift 2 ;;
     --conversations) CONVERSATIONS="$2"; shift 2 ;;
@@ -52,7 +55,7 @@ for ((round = 1; round <= ROUNDS; round++)); do
   dir="$OUT/round$round"
   mkdir -p "$dir"
   log "round $round of $ROUNDS: profiling this machine's engine on one thread"
-  "$KVMESH" profile --threads 1 --out "$dir/cpu.json" >"$dir/profile.txt"
+  "$KVMESH" profile "${PROFILE_ARGS[@]}" --out "$dir/cpu.json" >"$dir/profile.txt"
   log "round $round: replaying $REQUESTS requests on a real 2+2 mesh at $RATE req/s"
   "$KVMESH" bench trace --policies kv_aware "${TRACE_ARGS[@]}" --rate "$RATE" --node-threads 1 \
     --json --requests-csv "$dir/real.csv" >"$dir/real.json"

@@ -1,4 +1,4 @@
-//! The simulator against the real mesh, the short version of `bench/sim/agreement.sh`: 60
+//! The simulator against the real mesh: one round of `bench/sim/agreement.sh --quick`, 60
 //! requests of the Mooncake trace replayed on a real 2-prefill/2-decode mesh on this machine
 //! (etcd, a router and four node processes of one compute thread each) and simulated with a
 //! profile `kvmesh profile --quick` measures just before, the four nodes sharing this
@@ -15,7 +15,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const REQUESTS: &str = "60";
+const REQUESTS: u32 = 60;
 
 fn scratch() -> PathBuf {
     let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sim_agreement");
@@ -24,25 +24,9 @@ fn scratch() -> PathBuf {
     dir
 }
 
-/// Runs `kvmesh args`, panicking with its output unless it succeeds; returns its stdout.
-fn kvmesh(args: &[&str]) -> String {
-    let output = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-        .args(args)
-        .env("KVMESH_LOG", "warn")
-        .env_remove("KVMESH_THREADS")
-        .output()
-        .expect("kvmesh runs");
-    assert!(
-        output.status.success(),
-        "kvmesh {args:?}\n{}\n{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8(output.stdout).unwrap()
-}
-
-fn json(text: &str) -> Value {
-    serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
 
 fn number(value: &Value, pointer: &str) -> f64 {
@@ -55,52 +39,36 @@ fn number(value: &Value, pointer: &str) -> f64 {
 #[test]
 fn the_simulator_agrees_with_the_real_mesh_on_a_slice_of_the_trace() {
     let dir = scratch();
-    let profile = dir.join("cpu.json").display().to_string();
-    let out = dir.join("sim").display().to_string();
-    let cores = std::thread::available_parallelism().unwrap().to_string();
-
-    kvmesh(&["profile", "--threads", "1", "--quick", "--out", &profile]);
-    let real = json(&kvmesh(&[
-        "bench",
-        "trace",
-        "--policies",
-        "kv_aware",
-        "--limit",
-        REQUESTS,
-        "--rate",
-        "1",
-        "--node-threads",
-        "1",
-        "--json",
-    ]));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/sim/agreement.sh");
+    let output = Command::new(script)
+        .args([
+            "--rounds",
+            "1",
+            "--quick",
+            "--requests",
+            &REQUESTS.to_string(),
+        ])
+        .arg("--out")
+        .arg(&dir)
+        .arg("--kvmesh")
+        .arg(env!("CARGO_BIN_EXE_kvmesh"))
+        .env("KVMESH_LOG", "warn")
+        .env_remove("KVMESH_THREADS")
+        .output()
+        .expect("the agreement script runs");
+    assert!(
+        output.status.success(),
+        "bench/sim/agreement.sh\n{}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let round = dir.join("round1");
+    let real = read_json(&round.join("real.json"));
     let real = &real["kv_aware"];
-    let sim = json(&kvmesh(&[
-        "sim",
-        "--profile",
-        &profile,
-        "--prefill-nodes",
-        "2",
-        "--decode-nodes",
-        "2",
-        "--host-cores",
-        &cores,
-        "--link",
-        "same_host",
-        "--workload",
-        "mooncake,scale=32",
-        "--load",
-        "trace:rate=1",
-        "--requests",
-        REQUESTS,
-        "--plots",
-        "none",
-        "--out",
-        &out,
-        "--json",
-    ]));
+    let sim = read_json(&round.join("sim.json"));
     let sim = &sim["points"][0]["slo"];
 
-    let requests: f64 = REQUESTS.parse().unwrap();
+    let requests = f64::from(REQUESTS);
     assert_eq!(number(real, "/completed"), requests, "{real}");
     assert_eq!(number(sim, "/ok"), requests, "{sim}");
     // The same prompts reach the same caches: the trace's shared prefixes hit in both.
