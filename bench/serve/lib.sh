@@ -5,6 +5,10 @@
 SERVER_PID=""
 BENCH_PID=""
 
+# The scripts' own variables stay readable here but leave the environment of the servers
+# they start (kvmesh warns about KVMESH_* variables it does not read).
+export -n KVMESH_BIN KVMESH_BENCH KVMESH_SERVE_ARGS KVMESH_LLAMACPP_DIR
+
 # Stops the measurement in flight, then the server (TERM, then KILL after 5 s).
 stop_server() {
   if [[ -n "$BENCH_PID" ]] && kill -0 "$BENCH_PID" 2>/dev/null; then

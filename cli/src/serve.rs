@@ -38,7 +38,7 @@ pub struct ServeArgs {
     /// Decode workers (at least 1).
     #[arg(long, env = env_vars::DECODE_WORKERS)]
     pub decode_workers: Option<usize>,
-    /// Compute threads shared by all workers (default: all cores).
+    /// Compute threads of each worker (default: all cores).
     #[arg(long, env = env_vars::THREADS)]
     pub threads: Option<usize>,
     /// Where every worker's engine computes: `cpu` (default), `cuda` or `cuda:N` (a build

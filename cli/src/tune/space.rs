@@ -189,14 +189,19 @@ pub struct SearchSpace {
 
 impl SearchSpace {
     /// The default space for a budget of `nodes` engine nodes (the router apart): the
-    /// in-process `serve` on one node, without and with a prefill worker, and every mesh
-    /// split of the nodes. The other lists bracket each default (256-token steps, the CPU
-    /// engine's; a 256-token local-prefill threshold; KV-aware routing; admission off).
+    /// in-process `serve` on one node (one worker; two that each prefill their own prompts;
+    /// a prefill and a decode worker), and every mesh split of the nodes. The other lists
+    /// bracket each default (256-token steps, the CPU engine's; a 256-token local-prefill
+    /// threshold; KV-aware routing; admission off).
     pub fn for_nodes(nodes: usize) -> SearchSpace {
         let mut topologies = vec![
             Topology::Serve {
                 prefill_workers: 0,
                 decode_workers: 1,
+            },
+            Topology::Serve {
+                prefill_workers: 0,
+                decode_workers: 2,
             },
             Topology::Serve {
                 prefill_workers: 1,
@@ -296,7 +301,7 @@ mod tests {
         assert_eq!(splits, ["mesh 1:3", "mesh 2:2", "mesh 3:1"]);
         assert!(Topology::mesh_splits(1).is_empty());
         let space = SearchSpace::for_nodes(4);
-        assert_eq!(space.topologies.len(), 5);
+        assert_eq!(space.topologies.len(), 6);
         assert_eq!(space.topologies[0].to_string(), "serve 0p+1d");
     }
 
@@ -343,6 +348,14 @@ mod tests {
             }),
             6
         );
+        // Two workers prefilling locally: 3 steps × 2 policies × 2 targets (threshold moot).
+        assert_eq!(
+            count(Topology::Serve {
+                prefill_workers: 0,
+                decode_workers: 2
+            }),
+            12
+        );
         // One of each: 3 steps × 3 thresholds × 2 targets (policy moot).
         assert_eq!(
             count(Topology::Serve {
@@ -355,7 +368,7 @@ mod tests {
         for split in Topology::mesh_splits(4) {
             assert_eq!(count(split), 3 * 3 * 2 * 2, "{split}");
         }
-        assert_eq!(all.len(), 6 + 18 + 3 * 36);
+        assert_eq!(all.len(), 6 + 12 + 18 + 3 * 36);
         for (i, c) in all.iter().enumerate() {
             assert!(!all[..i].contains(c), "{c} twice");
         }
